@@ -1,0 +1,539 @@
+// Where a batch enters (CpuMoments::update), is validated (validate_batch),
+// multiplied (update_typed) and merged into the float64 state (merge_block).
+#include "moments.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include <cblas.h>
+
+#ifdef RICHNESS_SCIPY_OPENBLAS
+#define RB(name) scipy_cblas_##name
+#define RB_SET_THREADS scipy_openblas_set_num_threads
+#define RB_GET_THREADS scipy_openblas_get_num_threads
+#define RB_CONFIG scipy_openblas_get_config
+#define RB_CORE scipy_openblas_get_corename
+#else
+#define RB(name) cblas_##name
+#define RB_SET_THREADS openblas_set_num_threads
+#define RB_GET_THREADS openblas_get_num_threads
+#define RB_CONFIG openblas_get_config
+#define RB_CORE openblas_get_corename
+#endif
+
+namespace richness {
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::f32: return "float32";
+    case DType::f64: return "float64";
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
+  }
+  return "unknown";
+}
+
+const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::fp64: return "fp64";
+    case Precision::fp32: return "fp32";
+    case Precision::tf32: return "tf32";
+    case Precision::bf16: return "bf16";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// ---- element access -------------------------------------------------------
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do { ++e; mant <<= 1; } while ((mant & 0x400u) == 0);
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Calls fn(row_pointer_as_typed, ...) with the element converted to double.
+template <typename Fn>
+void for_each_row(const Matrix& m, Fn&& fn) {
+  // fn(i, get) where get(j) -> double
+  switch (m.dtype) {
+    case DType::f32: {
+      const float* base = static_cast<const float*>(m.ptr);
+      for (int64_t i = 0; i < m.rows; ++i) {
+        const float* r = base + i * m.ld;
+        fn(i, [r](int64_t j) { return (double)r[j]; });
+      }
+      break;
+    }
+    case DType::f64: {
+      const double* base = static_cast<const double*>(m.ptr);
+      for (int64_t i = 0; i < m.rows; ++i) {
+        const double* r = base + i * m.ld;
+        fn(i, [r](int64_t j) { return r[j]; });
+      }
+      break;
+    }
+    case DType::f16: {
+      const uint16_t* base = static_cast<const uint16_t*>(m.ptr);
+      for (int64_t i = 0; i < m.rows; ++i) {
+        const uint16_t* r = base + i * m.ld;
+        fn(i, [r](int64_t j) { return (double)half_to_float(r[j]); });
+      }
+      break;
+    }
+    case DType::bf16: {
+      const uint16_t* base = static_cast<const uint16_t*>(m.ptr);
+      for (int64_t i = 0; i < m.rows; ++i) {
+        const uint16_t* r = base + i * m.ld;
+        fn(i, [r](int64_t j) { return (double)bf16_to_float(r[j]); });
+      }
+      break;
+    }
+    default:
+      throw type_error("internal: not a float matrix");
+  }
+}
+
+inline int64_t label_at(const Matrix& y, int64_t i) {
+  if (y.dtype == DType::i32) return static_cast<const int32_t*>(y.ptr)[i * y.ld];
+  return static_cast<const int64_t*>(y.ptr)[i * y.ld];
+}
+
+bool is_float(DType d) {
+  return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16;
+}
+
+// Column means in float64 (SPEC: the batch mean is never formed in a narrower
+// type). Also the finiteness check: a finite sum of finite values is finite,
+// so only a non-finite sum needs the element-wise count.
+void column_means(const Matrix& m, std::vector<double>& out) {
+  out.assign(m.cols, 0.0);
+  double* s = out.data();
+  for_each_row(m, [&](int64_t, auto get) {
+    for (int64_t j = 0; j < m.cols; ++j) s[j] += get(j);
+  });
+  const double inv = 1.0 / (double)m.rows;
+  for (int64_t j = 0; j < m.cols; ++j) s[j] *= inv;
+}
+
+int64_t count_nonfinite(const Matrix& m) {
+  int64_t bad = 0;
+  for_each_row(m, [&](int64_t, auto get) {
+    for (int64_t j = 0; j < m.cols; ++j) bad += !std::isfinite(get(j));
+  });
+  return bad;
+}
+
+void check_float_matrix(const Matrix& m, const char* name, int64_t rows, int64_t width,
+                        const char* width_source) {
+  if (!is_float(m.dtype)) {
+    std::ostringstream os;
+    os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_name(m.dtype);
+    throw type_error(os.str());
+  }
+  if (m.cols < 1) {
+    std::ostringstream os;
+    os << name << " must have at least one column, got shape (" << m.rows << ", " << m.cols << ")";
+    throw std::invalid_argument(os.str());
+  }
+  if (m.rows != rows) {
+    std::ostringstream os;
+    os << name << " has " << m.rows << " rows but features have " << rows;
+    throw std::invalid_argument(os.str());
+  }
+  if (width >= 0 && m.cols != width) {
+    std::ostringstream os;
+    os << name << " have " << m.cols << " columns but " << width_source << " " << width;
+    throw std::invalid_argument(os.str());
+  }
+  if (m.ld < m.cols) {
+    std::ostringstream os;
+    os << name << ": row stride " << m.ld << " is smaller than the width " << m.cols;
+    throw std::invalid_argument(os.str());
+  }
+  if (m.rows > 0 && m.ptr == nullptr) throw std::invalid_argument(std::string(name) + ": null pointer");
+  // Finiteness: one float64 pass over the values.
+  std::vector<double> sums;
+  if (m.rows > 0) {
+    column_means(m, sums);
+    bool finite = true;
+    for (double v : sums) finite = finite && std::isfinite(v);
+    if (!finite) {
+      const int64_t bad = count_nonfinite(m);
+      std::ostringstream os;
+      if (bad > 0)
+        os << name << " contain " << bad << " non-finite value" << (bad == 1 ? "" : "s")
+           << " (NaN or Inf); the batch was not added";
+      else
+        os << name << " overflow float64 when summed; rescale them; the batch was not added";
+      throw std::invalid_argument(os.str());
+    }
+  }
+}
+
+// ---- products -------------------------------------------------------------
+
+// C (n x n, lower, row-major) = A^T A for row-major A (k x n).
+inline void syrk(int64_t n, int64_t k, const float* a, float* c) {
+  RB(ssyrk)(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)k, 1.0f, a, (int)n, 0.0f, c, (int)n);
+}
+inline void syrk(int64_t n, int64_t k, const double* a, double* c) {
+  RB(dsyrk)(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)k, 1.0, a, (int)n, 0.0, c, (int)n);
+}
+// C (m x n) = A^T B for row-major A (k x m), B (k x n).
+inline void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c) {
+  RB(sgemm)(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0f, a, (int)m, b,
+            (int)n, 0.0f, c, (int)n);
+}
+inline void gemm_tn(int64_t m, int64_t n, int64_t k, const double* a, const double* b, double* c) {
+  RB(dgemm)(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0, a, (int)m, b,
+            (int)n, 0.0, c, (int)n);
+}
+
+// Centered copy in the product type: the subtraction happens in float64,
+// before the narrowing (SPEC: mean 1e4, spread 1e-2 survives in float32).
+template <typename T>
+void center(const Matrix& m, const std::vector<double>& mu, std::vector<T>& out) {
+  out.resize((size_t)(m.rows * m.cols));
+  T* o = out.data();
+  const double* u = mu.data();
+  const int64_t w = m.cols;
+  for_each_row(m, [&](int64_t i, auto get) {
+    T* r = o + i * w;
+    for (int64_t j = 0; j < w; ++j) r[j] = (T)(get(j) - u[j]);
+  });
+}
+
+// One block of co-moments (a batch, or another state) to merge.
+template <typename T>
+struct Block {
+  int64_t n = 0;
+  const double* mean = nullptr;
+  const T* M = nullptr;
+  const double* out_mean = nullptr;
+  const T* B = nullptr;
+  const T* A = nullptr;
+  const double* tgt_mean = nullptr;
+  const T* Bt = nullptr;
+  const T* At = nullptr;
+};
+
+// Chan et al.: with d = mean_b - mean_a and f = na nb / n,
+//   M = Ma + Mb + f d d^T,  B = Ba + Bb + f d_phi d_out^T,  mean += d nb / n.
+// Only lower triangles of the symmetric blocks are read and written.
+template <typename T>
+void merge_block(State& s, const Block<T>& b) {
+  const double na = (double)s.n, nb = (double)b.n, n = na + nb;
+  const double f = na * nb / n, w = nb / n;
+  const int64_t p = s.p;
+  std::vector<double> d(p);
+  for (int64_t j = 0; j < p; ++j) d[j] = b.mean[j] - s.mean[j];
+  for (int64_t i = 0; i < p; ++i) {
+    double* mi = s.M.data() + i * p;
+    const T* bi = b.M + i * p;
+    const double fdi = f * d[i];
+    for (int64_t j = 0; j <= i; ++j) mi[j] += (double)bi[j] + fdi * d[j];
+  }
+  auto cross = [&](int64_t c, std::vector<double>& mean, const double* bmean, std::vector<double>& Bs,
+                   const T* Bb, std::vector<double>& As, const T* Ab) {
+    std::vector<double> e(c);
+    for (int64_t j = 0; j < c; ++j) e[j] = bmean[j] - mean[j];
+    for (int64_t i = 0; i < p; ++i) {
+      double* bi = Bs.data() + i * c;
+      const T* bbi = Bb + i * c;
+      const double fdi = f * d[i];
+      for (int64_t j = 0; j < c; ++j) bi[j] += (double)bbi[j] + fdi * e[j];
+    }
+    for (int64_t i = 0; i < c; ++i) {
+      double* ai = As.data() + i * c;
+      const T* abi = Ab + i * c;
+      const double fei = f * e[i];
+      for (int64_t j = 0; j <= i; ++j) ai[j] += (double)abi[j] + fei * e[j];
+    }
+    for (int64_t j = 0; j < c; ++j) mean[j] += e[j] * w;
+  };
+  if (s.c >= 0) cross(s.c, s.out_mean, b.out_mean, s.B, b.B, s.A, b.A);
+  if (s.t >= 0) cross(s.t, s.tgt_mean, b.tgt_mean, s.Bt, b.Bt, s.At, b.At);
+  for (int64_t j = 0; j < p; ++j) s.mean[j] += d[j] * w;
+  s.n += b.n;
+}
+
+// Sizes the state for its first samples (p, c, t, k fixed from then on).
+void shape_state(State& s, int64_t p, int64_t c, int64_t t, int64_t k) {
+  s.p = p;
+  s.c = c;
+  s.t = t;
+  s.k = k;
+  s.mean.assign(p, 0.0);
+  s.M.assign((size_t)(p * p), 0.0);
+  s.out_mean.assign(c > 0 ? c : 0, 0.0);
+  s.B.assign(c > 0 ? (size_t)(p * c) : 0, 0.0);
+  s.A.assign(c > 0 ? (size_t)(c * c) : 0, 0.0);
+  s.tgt_mean.assign(t > 0 ? t : 0, 0.0);
+  s.Bt.assign(t > 0 ? (size_t)(p * t) : 0, 0.0);
+  s.At.assign(t > 0 ? (size_t)(t * t) : 0, 0.0);
+  s.class_counts.assign(k > 0 ? k : 0, 0);
+  s.class_sums.assign(k > 0 ? (size_t)(k * p) : 0, 0.0);
+}
+
+// Grows the class arrays to k classes (labels streamed without num_classes).
+void grow_classes(State& s, int64_t k) {
+  if (k <= s.k) return;
+  s.class_counts.resize(k, 0);
+  s.class_sums.resize((size_t)(k * s.p), 0.0);
+  s.k = k;
+}
+
+int64_t max_label(const Matrix& y) {
+  int64_t mx = -1;
+  for (int64_t i = 0; i < y.rows; ++i) mx = std::max(mx, label_at(y, i));
+  return mx;
+}
+
+}  // namespace
+
+// ---- State ----------------------------------------------------------------
+
+void State::reset() {
+  const int64_t nc = num_classes;
+  *this = State();
+  num_classes = nc;
+}
+
+void State::check_consistent() const {
+  auto need = [](bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string("inconsistent state: ") + what);
+  };
+  need(n >= 0, "n is negative");
+  if (n == 0 && p < 0) return;
+  need(p >= 1, "feature width must be positive");
+  need((int64_t)mean.size() == p && (int64_t)M.size() == p * p, "mean/M do not match the feature width");
+  const int64_t cc = c < 0 ? 0 : c, tt = t < 0 ? 0 : t, kk = k < 0 ? 0 : k;
+  need(c == -1 || c >= 1, "output width");
+  need(t == -1 || t >= 1, "target width");
+  need(k == -1 || k >= 0, "class count");
+  need((int64_t)out_mean.size() == cc && (int64_t)B.size() == p * cc && (int64_t)A.size() == cc * cc,
+       "output moments do not match the output width");
+  need((int64_t)tgt_mean.size() == tt && (int64_t)Bt.size() == p * tt && (int64_t)At.size() == tt * tt,
+       "target moments do not match the target width");
+  need((int64_t)class_counts.size() == kk && (int64_t)class_sums.size() == kk * p,
+       "class sums do not match the class count");
+  need(num_classes < 0 || k <= num_classes, "more classes than num_classes");
+  int64_t total = 0;
+  for (int64_t v : class_counts) {
+    need(v >= 0, "negative class count");
+    total += v;
+  }
+  need(k < 0 || total == n, "class counts do not add up to n");
+}
+
+void State::merge(const State& o) {
+  if (o.p < 0 || o.n == 0) return;
+  if (p >= 0 && n > 0) {
+    auto differ = [](const char* what, int64_t a, int64_t b) {
+      std::ostringstream os;
+      os << "cannot merge: " << what << " differ (" << a << " here, " << b << " in the other)";
+      throw std::invalid_argument(os.str());
+    };
+    if (o.p != p) differ("feature widths", p, o.p);
+    if ((o.c < 0) != (c < 0)) throw std::invalid_argument("cannot merge: only one side streamed outputs");
+    if ((o.t < 0) != (t < 0)) throw std::invalid_argument("cannot merge: only one side streamed targets");
+    if ((o.k < 0) != (k < 0)) throw std::invalid_argument("cannot merge: only one side streamed labels");
+    if (c >= 0 && o.c != c) differ("output widths", c, o.c);
+    if (t >= 0 && o.t != t) differ("target widths", t, o.t);
+    if (k >= 0 && num_classes >= 0 && o.k > num_classes) differ("class counts", num_classes, o.k);
+  } else {
+    if (num_classes >= 0 && o.k > num_classes) {
+      std::ostringstream os;
+      os << "cannot merge: the other state has " << o.k << " classes, more than num_classes=" << num_classes;
+      throw std::invalid_argument(os.str());
+    }
+    shape_state(*this, o.p, o.c, o.t, o.k < 0 ? -1 : std::max<int64_t>(o.k, num_classes));
+  }
+  if (o.k >= 0) grow_classes(*this, o.k);
+  Block<double> b;
+  b.n = o.n;
+  b.mean = o.mean.data();
+  b.M = o.M.data();
+  b.out_mean = o.out_mean.data();
+  b.B = o.B.data();
+  b.A = o.A.data();
+  b.tgt_mean = o.tgt_mean.data();
+  b.Bt = o.Bt.data();
+  b.At = o.At.data();
+  merge_block(*this, b);
+  for (int64_t i = 0; i < o.k; ++i) class_counts[i] += o.class_counts[i];
+  for (size_t i = 0; i < o.class_sums.size(); ++i) class_sums[i] += o.class_sums[i];
+  precision = std::max(precision, o.precision);
+}
+
+// ---- validation -----------------------------------------------------------
+
+void validate_batch(const State& s, const Batch& b) {
+  const Matrix& x = b.features;
+  if (!is_float(x.dtype)) {
+    std::ostringstream os;
+    os << "features must be float32, float64, float16 or bfloat16, got " << dtype_name(x.dtype);
+    throw type_error(os.str());
+  }
+  if (x.rows < 0) throw std::invalid_argument("features: negative row count");
+  const bool started = s.p >= 0;
+  if (started) {
+    auto stream = [](bool had, bool has, const char* name) {
+      if (had && !has)
+        throw std::invalid_argument(std::string("this Moments streamed ") + name + " before; pass " + name +
+                                    "= on every update");
+      if (!had && has)
+        throw std::invalid_argument(std::string("this Moments was started without ") + name +
+                                    "; a stream cannot be added later (use a new Moments)");
+    };
+    stream(s.c >= 0, b.outputs != nullptr, "outputs");
+    stream(s.t >= 0, b.targets != nullptr, "targets");
+    stream(s.k >= 0, b.labels != nullptr, "labels");
+  }
+  check_float_matrix(x, "features", x.rows, started ? s.p : -1, "earlier updates had");
+  if (b.outputs) check_float_matrix(*b.outputs, "outputs", x.rows, started ? s.c : -1, "earlier updates had");
+  if (b.targets) check_float_matrix(*b.targets, "targets", x.rows, started ? s.t : -1, "earlier updates had");
+  if (b.labels) {
+    const Matrix& y = *b.labels;
+    if (y.dtype != DType::i32 && y.dtype != DType::i64) {
+      std::ostringstream os;
+      os << "labels must be integers (int32 or int64), got " << dtype_name(y.dtype);
+      throw type_error(os.str());
+    }
+    if (y.rows != x.rows) {
+      std::ostringstream os;
+      os << "labels has " << y.rows << " rows but features have " << x.rows;
+      throw std::invalid_argument(os.str());
+    }
+    if (y.rows > 0 && y.ptr == nullptr) throw std::invalid_argument("labels: null pointer");
+    for (int64_t i = 0; i < y.rows; ++i) {
+      const int64_t v = label_at(y, i);
+      if (v < 0 || (s.num_classes >= 0 && v >= s.num_classes)) {
+        std::ostringstream os;
+        os << "labels out of range: label " << v << " at row " << i;
+        if (s.num_classes >= 0) os << " (num_classes=" << s.num_classes << ")";
+        else os << " (labels must be >= 0)";
+        throw std::invalid_argument(os.str());
+      }
+    }
+  }
+}
+
+// ---- CPU update -------------------------------------------------------------
+
+void CpuMoments::update(const Batch& b, Precision precision) {
+  if (precision == Precision::tf32 || precision == Precision::bf16)
+    throw std::invalid_argument(std::string("precision '") + precision_name(precision) +
+                                "' needs the CUDA backend; the CPU multiplies in fp32 or fp64");
+  validate_batch(state_, b);
+  if (b.features.rows == 0) return;
+  if (precision == Precision::fp64) update_typed<double>(b, precision, scratch_d_);
+  else update_typed<float>(b, precision, scratch_f_);
+}
+
+template <typename T>
+void CpuMoments::update_typed(const Batch& b, Precision precision, Scratch<T>& sc) {
+  std::vector<T>&xs = sc.x, &fs = sc.f, &ts = sc.t, &Ms = sc.M, &Bs = sc.B, &As = sc.A, &Bts = sc.Bt,
+  &Ats = sc.At;
+  const Matrix& x = b.features;
+  const int64_t nb = x.rows, p = x.cols;
+  // All products go to scratch first: nothing below can leave the state half
+  // updated (an allocation failure throws before the merge starts).
+  std::vector<double> mu, nu, tau;
+  column_means(x, mu);
+  center<T>(x, mu, xs);
+  Ms.resize((size_t)(p * p));
+  syrk(p, nb, xs.data(), Ms.data());
+  Block<T> blk;
+  blk.n = nb;
+  blk.mean = mu.data();
+  blk.M = Ms.data();
+  auto cross = [&](const Matrix& g, std::vector<double>& gm, std::vector<T>& gs, std::vector<T>& Bg,
+                   std::vector<T>& Ag) {
+    const int64_t c = g.cols;
+    column_means(g, gm);
+    center<T>(g, gm, gs);
+    Bg.resize((size_t)(p * c));
+    Ag.resize((size_t)(c * c));
+    gemm_tn(p, c, nb, xs.data(), gs.data(), Bg.data());
+    syrk(c, nb, gs.data(), Ag.data());
+  };
+  if (b.outputs) {
+    cross(*b.outputs, nu, fs, Bs, As);
+    blk.out_mean = nu.data();
+    blk.B = Bs.data();
+    blk.A = As.data();
+  }
+  if (b.targets) {
+    cross(*b.targets, tau, ts, Bts, Ats);
+    blk.tgt_mean = tau.data();
+    blk.Bt = Bts.data();
+    blk.At = Ats.data();
+  }
+  int64_t k_needed = -1;
+  if (b.labels) k_needed = std::max(max_label(*b.labels) + 1, state_.num_classes);
+
+  State& s = state_;
+  if (s.p < 0)
+    shape_state(s, p, b.outputs ? b.outputs->cols : -1, b.targets ? b.targets->cols : -1,
+                b.labels ? std::max<int64_t>(k_needed, 0) : -1);
+  if (b.labels) grow_classes(s, k_needed);
+  merge_block(s, blk);
+  if (b.labels) {
+    const Matrix& y = *b.labels;
+    for (int64_t i = 0; i < nb; ++i) ++s.class_counts[label_at(y, i)];
+    for_each_row(x, [&](int64_t i, auto get) {
+      double* sk = s.class_sums.data() + label_at(y, i) * p;
+      for (int64_t j = 0; j < p; ++j) sk[j] += get(j);
+    });
+  }
+  s.precision = std::max(s.precision, precision);
+}
+
+
+// ---- BLAS facts -------------------------------------------------------------
+
+std::string blas_info() {
+  std::ostringstream os;
+#ifdef RICHNESS_SCIPY_OPENBLAS
+  os << "scipy-openblas32 ";
+#else
+  os << "OpenBLAS ";
+#endif
+  os << RB_CONFIG() << " (core: " << RB_CORE() << ", threads: " << RB_GET_THREADS() << ")";
+  return os.str();
+}
+int blas_get_num_threads() { return RB_GET_THREADS(); }
+void blas_set_num_threads(int n) { RB_SET_THREADS(n); }
+
+}  // namespace richness

@@ -1,0 +1,114 @@
+// The streamed float64 co-moment state of SPEC.md and its CPU backend.
+//
+// Framework-agnostic: a batch arrives as raw pointers with shapes, row strides
+// and dtype codes (see Matrix). Python adapts numpy / torch / DLPack objects.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace richness {
+
+// Element types a batch may come in. Codes are shared with the Python adapter.
+enum class DType : int { f32 = 0, f64 = 1, f16 = 2, bf16 = 3, i32 = 4, i64 = 5 };
+
+// Precision of the products (SPEC.md: it sets the rank cut). Larger = coarser.
+enum class Precision : int { fp64 = 0, fp32 = 1, tf32 = 2, bf16 = 3 };
+
+const char* dtype_name(DType d);
+const char* precision_name(Precision p);
+
+// A row-major matrix view: element (i, j) lives at ptr[i * ld + j].
+// A vector (labels) is a Matrix with cols == 1 and ld its element stride.
+struct Matrix {
+  const void* ptr = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t ld = 0;
+  DType dtype = DType::f32;
+};
+
+// Raised for inputs of the wrong element type; bindings map it to TypeError.
+struct type_error : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// The float64 state at rest. Symmetric matrices (M, A, At) are kept in their
+// lower triangle (row-major, i >= j); export_symmetric fills the rest.
+struct State {
+  int64_t n = 0;
+  int64_t p = -1;            // feature width, fixed by the first update
+  int64_t c = -1;            // output width, -1 = outputs not streamed
+  int64_t t = -1;            // float-target width, -1 = not streamed
+  int64_t k = -1;            // classes, -1 = labels not streamed
+  int64_t num_classes = -1;  // fixed class count, -1 = grows with the labels
+  Precision precision = Precision::fp64;  // coarsest product precision so far
+
+  std::vector<double> mean;       // p
+  std::vector<double> M;          // p x p, lower
+  std::vector<double> out_mean;   // c
+  std::vector<double> B;          // p x c
+  std::vector<double> A;          // c x c, lower
+  std::vector<double> tgt_mean;   // t
+  std::vector<double> Bt;         // p x t
+  std::vector<double> At;         // t x t, lower
+  std::vector<int64_t> class_counts;  // k
+  std::vector<double> class_sums;     // k x p, raw sums (SPEC: float64 range)
+
+  bool empty() const { return n == 0; }
+  void reset();                        // forget samples; keep num_classes
+  void check_consistent() const;       // sizes agree with p, c, t, k
+  // Chan et al. pairwise merge of another state into this one (exact up to
+  // rounding; merge order changes results only at rounding level).
+  void merge(const State& other);
+};
+
+// One batch as the CPU backend sees it.
+struct Batch {
+  Matrix features;
+  const Matrix* outputs = nullptr;
+  const Matrix* labels = nullptr;
+  const Matrix* targets = nullptr;
+};
+
+// Validates a batch against a state without touching the state: shapes,
+// widths, dtypes, finiteness, label range. Throws with a message naming the
+// offending input. Shared by the backends so they reject the same things.
+void validate_batch(const State& s, const Batch& b);
+
+// CPU backend: centers each batch on its float64 mean, multiplies with BLAS
+// (ssyrk/dsyrk for M and A, gemm for B), merges with State::merge semantics.
+class CpuMoments {
+ public:
+  explicit CpuMoments(int64_t num_classes = -1) { state_.num_classes = num_classes; }
+
+  // precision: fp64 multiplies in double; fp32 in float (float16/bfloat16
+  // inputs are widened to float after centering). tf32/bf16 are GPU modes.
+  void update(const Batch& b, Precision precision);
+  void merge(const CpuMoments& other) { state_.merge(other.state_); }
+  void reset() { state_.reset(); }
+
+  const State& state() const { return state_; }
+  State& mutable_state() { return state_; }
+
+ private:
+  State state_;
+  // Scratch reused across batches: centered blocks and their products.
+  template <typename T>
+  struct Scratch {
+    std::vector<T> x, f, t, M, B, A, Bt, At;
+  };
+  Scratch<float> scratch_f_;
+  Scratch<double> scratch_d_;
+  template <typename T>
+  void update_typed(const Batch& b, Precision precision, Scratch<T>& sc);
+};
+
+// BLAS facts for `richness info`.
+std::string blas_info();
+int blas_get_num_threads();
+void blas_set_num_threads(int n);
+
+}  // namespace richness

@@ -1,0 +1,16 @@
+"""richness: how rich (feature-learning) or lazy (kernel-like) training was.
+
+DLR = 1 - CKA(feature kernel, projector onto the learned functions), from
+streamed float64 co-moments (Nam et al., ICLR 2026). See ``Moments``, ``dlr``
+and ``Report``.
+"""
+
+import scipy_openblas32 as _openblas  # noqa: F401  loads the BLAS that _core links
+
+from ._core import blas_info
+from ._moments import Moments, dlr
+from ._report import Report
+
+__version__ = "0.1.0"
+
+__all__ = ["Moments", "Report", "dlr", "blas_info", "__version__"]

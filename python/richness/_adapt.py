@@ -1,0 +1,188 @@
+"""Adapters from numpy arrays, torch tensors and DLPack objects to the core.
+
+The core takes ``(pointer, rows, cols, row_stride, dtype_code)``; this module
+is the only place that knows about frameworks. Nothing here copies unless the
+layout forces it (columns not unit-strided, or a dtype numpy cannot view).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+# Codes shared with csrc/moments.hpp (DType).
+F32, F64, F16, BF16, I32, I64 = 0, 1, 2, 3, 4, 5
+FLOAT_CODES = {np.dtype(np.float32): F32, np.dtype(np.float64): F64, np.dtype(np.float16): F16}
+INT_CODES = {np.dtype(np.int32): I32, np.dtype(np.int64): I64}
+
+# Precision of the products (csrc/moments.hpp: Precision). Coarser = larger.
+PRECISIONS = ("fp64", "fp32", "tf32", "bf16")
+
+
+class Matrix(NamedTuple):
+    """A row-major view the core can read, plus the object that owns it."""
+
+    ptr: int
+    rows: int
+    cols: int
+    ld: int
+    dtype: int
+    owner: Any  # keeps the memory alive while the core reads it
+    device: str  # "cpu" or "cuda:N"
+
+    def arg(self) -> tuple:
+        return (self.ptr, self.rows, self.cols, self.ld, self.dtype)
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _describe(x: Any) -> str:
+    shape = getattr(x, "shape", None)
+    return f"{type(x).__name__} of shape {tuple(shape)}" if shape is not None else type(x).__name__
+
+
+def _torch_view(x: Any, name: str, ndim_ok: tuple) -> Matrix:
+    import torch
+
+    x = x.detach()
+    if x.ndim not in ndim_ok:
+        raise ValueError(f"{name} must be {_ndim_words(ndim_ok)}, got a tensor of shape {tuple(x.shape)}")
+    if x.ndim == 1:
+        x = x.reshape(-1, 1)
+    if x.is_complex():
+        raise TypeError(f"{name} must be real, got {x.dtype}")
+    codes = {torch.float32: F32, torch.float64: F64, torch.float16: F16, torch.bfloat16: BF16,
+             torch.int32: I32, torch.int64: I64}
+    if x.dtype not in codes:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected float32, float64, float16, bfloat16"
+                        " (features, outputs, targets) or int32/int64 (labels)")
+    if x.shape[0] > 0 and (x.stride(1) != 1 or x.stride(0) < x.shape[1]):
+        x = x.contiguous()
+    ld = x.stride(0) if x.shape[0] > 1 else x.shape[1]
+    dev = "cpu" if x.device.type == "cpu" else f"{x.device.type}:{x.device.index or 0}"
+    return Matrix(x.data_ptr(), x.shape[0], x.shape[1], ld, codes[x.dtype], x, dev)
+
+
+def _ndim_words(ndim_ok: tuple) -> str:
+    return "2-D (n, width)" if ndim_ok == (2,) else "1-D (n,) or 2-D (n, width)"
+
+
+def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
+    """View ``x`` (numpy, torch, DLPack, or array-like) as a core Matrix."""
+    ndim_ok = (1, 2) if allow_1d else (2,)
+    if _is_torch(x) and hasattr(x, "data_ptr"):
+        return _torch_view(x, name, ndim_ok)
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "__dlpack__"):
+            try:
+                x = np.from_dlpack(x)
+            except (TypeError, BufferError, RuntimeError) as e:
+                raise TypeError(f"{name}: could not read {_describe(x)} through DLPack ({e})") from None
+        else:
+            x = np.asarray(x)
+    if x.ndim not in ndim_ok:
+        raise ValueError(f"{name} must be {_ndim_words(ndim_ok)}, got shape {x.shape}")
+    if x.ndim == 1:
+        x = x.reshape(-1, 1)
+    dt = x.dtype
+    if dt.name == "bfloat16":  # ml_dtypes
+        code = BF16
+    elif dt in FLOAT_CODES:
+        code = FLOAT_CODES[dt]
+    elif dt in INT_CODES:
+        code = INT_CODES[dt]
+    elif dt.kind in "iu":
+        # other integer widths: widen losslessly (labels)
+        x, code = x.astype(np.int64), I64
+    else:
+        raise TypeError(f"{name} has dtype {dt}; expected float32, float64, float16, bfloat16"
+                        " (features, outputs, targets) or int32/int64 (labels)")
+    if not dt.isnative:
+        x = x.astype(dt.newbyteorder("="))
+    item = x.dtype.itemsize
+    if x.shape[0] > 0 and (x.strides[1] != item or x.strides[0] % item or x.strides[0] < x.shape[1] * item):
+        x = np.ascontiguousarray(x)
+    ld = x.strides[0] // item if x.shape[0] > 1 else x.shape[1]
+    return Matrix(x.__array_interface__["data"][0], x.shape[0], x.shape[1], ld, code, x, "cpu")
+
+
+def as_labels(y: Any) -> Matrix:
+    """Labels: a 1-D vector of integers (int32/int64; other integer types widen)."""
+    if _is_torch(y) and hasattr(y, "data_ptr"):
+        if y.ndim != 1:
+            raise ValueError(f"labels must be 1-D (n,), got a tensor of shape {tuple(y.shape)}")
+        if y.is_floating_point() or y.is_complex() or y.dtype not in _torch_int_dtypes():
+            y = _torch_int(y)
+        m = _torch_view(y, "labels", (1,))
+    else:
+        a = y if isinstance(y, np.ndarray) else (np.from_dlpack(y) if hasattr(y, "__dlpack__") else np.asarray(y))
+        if a.ndim != 1:
+            raise ValueError(f"labels must be 1-D (n,), got shape {a.shape}")
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"labels must be integers, got dtype {a.dtype}")
+        m = as_matrix(a, "labels", allow_1d=True)
+    if m.dtype not in (I32, I64):
+        raise TypeError("labels must be integers (int32 or int64)")
+    return m
+
+
+def _torch_int_dtypes():
+    import torch
+
+    return (torch.int32, torch.int64)
+
+
+def _torch_int(y: Any) -> Any:
+    import torch
+
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise TypeError(f"labels must be integers, got dtype {y.dtype}")
+    return y.to(torch.int64)
+
+
+def weights_of(head: Any) -> tuple:
+    """``head`` as float64 numpy ``(W, b)``: a ``(W, b)`` / ``(W,)`` pair, a bare
+    ``W`` (C x p), or any module with ``weight`` and ``bias`` (``torch.nn.Linear``)."""
+    if hasattr(head, "weight"):
+        w = head.weight
+        b = getattr(head, "bias", None)
+    elif isinstance(head, (tuple, list)):
+        if not 1 <= len(head) <= 2:
+            raise ValueError(f"head must be (W, b) or (W,), got a sequence of length {len(head)}")
+        w, b = head[0], (head[1] if len(head) == 2 else None)
+    else:
+        w, b = head, None
+    w = to_numpy64(w, "head weight")
+    if w.ndim != 2:
+        raise ValueError(f"head weight must be 2-D (C, p), got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("head weight contains NaN or Inf")
+    if b is not None:
+        b = to_numpy64(b, "head bias").reshape(-1)
+        if b.shape[0] != w.shape[0]:
+            raise ValueError(f"head bias has {b.shape[0]} entries but the weight has {w.shape[0]} rows")
+    return w, b
+
+
+def to_numpy64(x: Any, name: str) -> np.ndarray:
+    """A float64 numpy copy of any array-like (torch tensors on any device)."""
+    if _is_torch(x) and hasattr(x, "detach"):
+        x = x.detach().to("cpu").double().numpy()
+    try:
+        return np.array(x, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} is not a float array ({e})") from None
+
+
+def device_of(x: Any) -> Optional[str]:
+    """``"cuda:N"`` for a CUDA torch tensor / DLPack CUDA object, else ``"cpu"``."""
+    if _is_torch(x) and hasattr(x, "device"):
+        d = x.device
+        return "cpu" if d.type == "cpu" else f"{d.type}:{d.index or 0}"
+    if hasattr(x, "__dlpack_device__"):
+        kind, idx = x.__dlpack_device__()
+        return "cpu" if int(kind) == 1 else f"cuda:{idx}"
+    return "cpu"

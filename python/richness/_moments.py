@@ -1,0 +1,245 @@
+"""The public accumulator: ``Moments`` and the one-shot ``dlr``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _adapt, _finish, _io
+from ._core import CpuMoments
+from ._report import Report
+
+_STATE_SHAPES = {
+    "mean": ("p",), "M": ("p", "p"), "out_mean": ("c",), "B": ("p", "c"), "A": ("c", "c"),
+    "tgt_mean": ("t",), "Bt": ("p", "t"), "At": ("t", "t"), "class_counts": ("k",),
+    "class_sums": ("k", "p"),
+}
+
+
+def _cuda_backend(num_classes: int, device: str):
+    try:
+        from . import _cuda  # built only with RICHNESS_CUDA; needs libcublas at import
+    except ImportError as e:
+        raise RuntimeError(f"device {device!r} needs the CUDA backend, which is not available here ({e})") from None
+    index = int(device.split(":")[1]) if ":" in device else 0
+    return _cuda.CudaMoments(num_classes, index)
+
+
+class Moments:
+    """Streamed float64 co-moments of features (and outputs, labels, targets).
+
+    Args:
+        num_classes: fix the label range to ``0..num_classes-1``; when None the
+            class arrays grow with the largest label seen.
+        device: ``"cpu"``, ``"cuda"``/``"cuda:N"``, or None to follow the first
+            batch's device.
+        precision: precision of the products. None: ``"fp64"`` when every input
+            of a batch is float64, else ``"fp32"``. ``"fp64"`` widens float32
+            inputs; ``"tf32"`` and ``"bf16"`` are CUDA-only modes. The state is
+            float64 at rest whatever the mode.
+
+    ``update`` adds a batch; ``merge`` adds another state; ``compute`` finishes
+    a ``Report`` without touching the state. Invalid input raises and leaves
+    the state exactly as it was.
+    """
+
+    def __init__(self, num_classes: Optional[int] = None, *, device: Optional[str] = None,
+                 precision: Optional[str] = None) -> None:
+        if num_classes is not None and (not isinstance(num_classes, (int, np.integer)) or num_classes < 1):
+            raise ValueError(f"num_classes must be a positive integer or None, got {num_classes!r}")
+        if precision is not None and precision not in _adapt.PRECISIONS:
+            raise ValueError(f"precision must be one of {_adapt.PRECISIONS} or None, got {precision!r}")
+        if device is not None:
+            device = str(device)
+            if device != "cpu" and not device.startswith("cuda"):
+                raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+            if device == "cuda":
+                device = "cuda:0"
+        if device in (None, "cpu") and precision in ("tf32", "bf16"):
+            if device == "cpu":
+                raise ValueError(f"precision {precision!r} needs device='cuda'; the CPU multiplies in fp32 or fp64")
+        self.num_classes = None if num_classes is None else int(num_classes)
+        self.precision = precision
+        self._device = device
+        self._impl = None
+        if device is not None:
+            self._impl = self._make_backend(device)
+
+    # -- backend --------------------------------------------------------------
+
+    def _make_backend(self, device: str):
+        nc = -1 if self.num_classes is None else self.num_classes
+        if device == "cpu":
+            return CpuMoments(nc)
+        return _cuda_backend(nc, device)
+
+    @property
+    def device(self) -> Optional[str]:
+        """Where the state lives: ``"cpu"``, ``"cuda:N"``, or None before the first batch."""
+        return self._device
+
+    def _backend_for(self, device: str):
+        if self._impl is None:
+            self._device = device
+            self._impl = self._make_backend(device)
+        elif device != self._device:
+            raise ValueError(f"this Moments lives on {self._device} but the batch is on {device}; "
+                             "move the batch or use a Moments on that device")
+        return self._impl
+
+    # -- accumulation ---------------------------------------------------------
+
+    def update(self, features: Any, outputs: Any = None, labels: Any = None, targets: Any = None) -> None:
+        """Add a batch: ``features`` (n, p); optional ``outputs`` (n, C),
+        integer ``labels`` (n,) and float ``targets`` (n, T) or (n,)."""
+        fx = _adapt.as_matrix(features, "features")
+        ox = _adapt.as_matrix(outputs, "outputs", allow_1d=True) if outputs is not None else None
+        yx = _adapt.as_labels(labels) if labels is not None else None
+        tx = _adapt.as_matrix(targets, "targets", allow_1d=True) if targets is not None else None
+        parts = [m for m in (fx, ox, yx, tx) if m is not None]
+        devices = {m.device for m in parts}
+        if len(devices) > 1:
+            raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
+        impl = self._backend_for(fx.device)
+        precision = self.precision
+        if precision is None:
+            floats = [m.dtype for m in (fx, ox, tx) if m is not None]
+            precision = "fp64" if all(d == _adapt.F64 for d in floats) else "fp32"
+        args = (fx.arg(), ox.arg() if ox else None, yx.arg() if yx else None, tx.arg() if tx else None,
+                _adapt.PRECISIONS.index(precision))
+        if self._device == "cpu":
+            impl.update(*args)
+        else:
+            impl.update(*args, _current_stream(fx.owner))
+
+    def merge(self, other: "Moments") -> None:
+        """Add another state (Chan et al. pairwise merge; exact up to rounding)."""
+        if not isinstance(other, Moments):
+            raise TypeError(f"merge expects a Moments, got {type(other).__name__}")
+        if other._impl is None or other.n == 0:
+            return
+        if self._impl is None:
+            self._device = other._device
+            self._impl = self._make_backend(other._device)
+        if other is self or type(other._impl) is not type(self._impl):
+            tmp = self._make_backend(self._device)
+            tmp.set_state(other._impl.get_state())
+            self._impl.merge(tmp)
+        else:
+            self._impl.merge(other._impl)
+
+    def reset(self) -> None:
+        """Forget all samples (widths are free again; num_classes is kept)."""
+        if self._impl is not None:
+            self._impl.reset()
+
+    @property
+    def n(self) -> int:
+        """Number of samples accumulated."""
+        return 0 if self._impl is None else int(self._impl.n)
+
+    # -- finishing ------------------------------------------------------------
+
+    def compute(self, *, head: Any = None, test: Optional["Moments"] = None, rtol: Optional[float] = None,
+                centered: bool = True) -> Report:
+        """Finish a ``Report`` (float64); the state is not modified.
+
+        Args:
+            head: linear read-out weights ``(W, b)``, ``W`` or a ``torch.nn.Linear``;
+                then DLR uses ``B = M W^T``, ``A = W M W^T`` and outputs need not
+                be streamed. Otherwise streamed outputs are used.
+            test: a ``Moments`` over held-out samples: adds ``test_quality``,
+                ``test_utilization`` and ``test_eigenfunction_norms``.
+            rtol: eigenvalue cut; default by product precision (SPEC.md).
+            centered: spectrum of the centered operator (default) or the
+                paper's v1 uncentered one.
+        """
+        W = _adapt.weights_of(head)[0] if head is not None else None
+        test_state = None
+        if test is not None:
+            if not isinstance(test, Moments):
+                raise TypeError(f"test must be a Moments, got {type(test).__name__}")
+            test_state = test.state_dict()
+        return _finish.finish(self.state_dict(), W=W, test=test_state, rtol=rtol, centered=centered)
+
+    # -- persistence ----------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """A float64 numpy copy of the state (symmetric matrices filled)."""
+        if self._impl is None:
+            return CpuMoments(-1 if self.num_classes is None else self.num_classes).get_state()
+        return self._impl.get_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the state with ``state`` (validated first; on error nothing changes)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        missing = [k for k in _io.SCALARS + _io.FLOATS + _io.INTS if k not in state]
+        if missing:
+            raise ValueError(f"state is missing entries: {', '.join(missing)}")
+        dims = {}
+        for key in ("n", "p", "c", "t", "k", "num_classes"):
+            v = state[key]
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"state entry {key!r} must be an integer, got {type(v).__name__}")
+            dims[key] = int(v)
+        for key, axes in _STATE_SHAPES.items():
+            want = tuple(max(dims[a], 0) for a in axes)
+            got = np.shape(state[key])
+            if got != want:
+                raise ValueError(f"state entry {key!r} has shape {got}, expected {want}")
+        if self.num_classes is not None and dims["num_classes"] != self.num_classes:
+            raise ValueError(f"state was saved with num_classes={dims['num_classes']}, "
+                             f"this Moments has num_classes={self.num_classes}")
+        for key in _io.FLOATS:
+            if not np.isfinite(np.asarray(state[key], dtype=np.float64)).all():
+                raise ValueError(f"state entry {key!r} contains NaN or Inf")
+        target = self._impl if self._impl is not None else self._make_backend(self._device or "cpu")
+        target.set_state(dict(state))
+        self._impl = target
+        self._device = self._device or "cpu"
+        self.num_classes = None if dims["num_classes"] < 0 else dims["num_classes"]
+
+    def save(self, path: "os.PathLike | str") -> None:
+        """Write the state to ``path`` atomically (an .npz archive, no pickle)."""
+        _io.save_state(self.state_dict(), path)
+
+    @classmethod
+    def load(cls, path: "os.PathLike | str", *, device: Optional[str] = None) -> "Moments":
+        """Read a state written by ``save``; rejects truncated, corrupted or
+        foreign files and unknown versions with a ValueError naming the file."""
+        state = _io.load_state(path)
+        m = cls(None if state["num_classes"] < 0 else int(state["num_classes"]), device=device or "cpu")
+        m.load_state_dict(state)
+        return m
+
+    def __repr__(self) -> str:
+        if self._impl is None or self.n == 0:
+            return "Moments(empty)"
+        st = self._impl
+        return f"Moments(n={self.n}, p={st.p}, device={self._device!r})"
+
+
+def _current_stream(tensor: Any) -> int:
+    """The caller's current CUDA stream for ``tensor``'s device (0 = legacy default)."""
+    try:
+        import torch
+
+        return int(torch.cuda.current_stream(tensor.device).cuda_stream)
+    except Exception:  # not a torch tensor: DLPack producers sync on the default stream
+        return 0
+
+
+def dlr(features: Any, outputs: Any = None, *, head: Any = None, rtol: Optional[float] = None) -> float:
+    """DLR of one set of samples (0 = rich, 1 = lazy).
+
+    Give ``outputs`` (n, C), or ``head`` (``(W, b)``, ``W`` or a ``torch.nn.Linear``)
+    for the linear-head shortcut.
+    """
+    if outputs is None and head is None:
+        raise ValueError("dlr needs outputs or a head: the learned function space is undefined without them")
+    m = Moments()
+    m.update(features, outputs)
+    return m.compute(head=head, rtol=rtol).dlr

@@ -1,0 +1,78 @@
+"""The Report that ``Moments.compute`` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import List, Optional
+
+import numpy as np
+
+
+@dataclass
+class Report:
+    """Richness of one state of a network, finished from streamed moments.
+
+    dlr: 1 - CKA(feature kernel, projector onto the learned functions); 0 = rich
+        (low rank), 1 = lazy. None when neither outputs nor a head were given.
+    rank: number of logit directions kept by the cut ``a_i > rtol * a_max``.
+    logit_eigenvalues: eigenvalues of the centered output Gram A, descending.
+    n: number of samples.
+    nc1: neural-collapse NC1 = tr(Sigma_W Sigma_B^+) / K; None without labels
+        or at precisions that cannot resolve it (see ``warnings``).
+    eigenvalues: rho_k of Sigma = M / n, descending (all p; the curves use the
+        ``feature_rank`` above the cut).
+    relative_eigenvalues: rho_k / rho_1.
+    effective_dim: exp(-sum q_k log q_k), q_k = rho_k / sum rho.
+    quality: cumulative quality Pi*(k), k = 1..p (targets or one-hot labels).
+    utilization: cumulative utilization Pi_hat(k) (outputs or head).
+    test_quality, test_utilization: the same on a held-out state (Nystrom
+        extension; monotone but NOT bounded by 1).
+    test_eigenfunction_norms: ||e_k||^2 on the held-out set (1 on training).
+    feature_rank: number of feature eigenvalues above ``rtol * rho_1``.
+    rtol: the eigenvalue cut used; precision: of the products that formed the
+        state; centered: whether the spectrum is of the centered operator.
+    warnings: plain-language caveats (finite n, rank cut, NC1 precision).
+    """
+
+    dlr: Optional[float]
+    rank: Optional[int]
+    logit_eigenvalues: Optional[np.ndarray]
+    n: int
+    nc1: Optional[float]
+    eigenvalues: np.ndarray
+    relative_eigenvalues: np.ndarray
+    effective_dim: float
+    quality: Optional[np.ndarray] = None
+    utilization: Optional[np.ndarray] = None
+    test_quality: Optional[np.ndarray] = None
+    test_utilization: Optional[np.ndarray] = None
+    test_eigenfunction_norms: Optional[np.ndarray] = None
+    feature_rank: int = 0
+    rtol: float = 0.0
+    precision: str = "fp64"
+    centered: bool = True
+    warnings: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """Plain Python types (lists for arrays): ready for ``json.dumps``."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, np.ndarray):
+                v = v.tolist()
+            elif isinstance(v, np.generic):
+                v = v.item()
+            elif isinstance(v, list):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    def __str__(self) -> str:
+        def fmt(v):
+            return "n/a" if v is None else f"{v:.4f}"
+
+        lines = [f"DLR {fmt(self.dlr)}  (0 = rich, 1 = lazy)   rank {self.rank}   n {self.n}",
+                 f"NC1 {fmt(self.nc1)}   effective dim {self.effective_dim:.1f}   "
+                 f"feature rank {self.feature_rank}   precision {self.precision}   rtol {self.rtol:g}"]
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
