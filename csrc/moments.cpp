@@ -153,8 +153,8 @@ int64_t count_nonfinite(const Matrix& m) {
   return bad;
 }
 
-void check_float_matrix(const Matrix& m, const char* name, int64_t rows, int64_t width,
-                        const char* width_source) {
+void check_float_shape(const Matrix& m, const char* name, int64_t rows, int64_t width,
+                       const char* width_source) {
   if (!is_float(m.dtype)) {
     std::ostringstream os;
     os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_name(m.dtype);
@@ -175,29 +175,29 @@ void check_float_matrix(const Matrix& m, const char* name, int64_t rows, int64_t
     os << name << " have " << m.cols << " columns but " << width_source << " " << width;
     throw std::invalid_argument(os.str());
   }
-  if (m.ld < m.cols) {
+  if (m.rows > 1 && m.ld < m.cols) {
     std::ostringstream os;
     os << name << ": row stride " << m.ld << " is smaller than the width " << m.cols;
     throw std::invalid_argument(os.str());
   }
   if (m.rows > 0 && m.ptr == nullptr) throw std::invalid_argument(std::string(name) + ": null pointer");
-  // Finiteness: one float64 pass over the values.
-  std::vector<double> sums;
-  if (m.rows > 0) {
-    column_means(m, sums);
-    bool finite = true;
-    for (double v : sums) finite = finite && std::isfinite(v);
-    if (!finite) {
-      const int64_t bad = count_nonfinite(m);
-      std::ostringstream os;
-      if (bad > 0)
-        os << name << " contain " << bad << " non-finite value" << (bad == 1 ? "" : "s")
-           << " (NaN or Inf); the batch was not added";
-      else
-        os << name << " overflow float64 when summed; rescale them; the batch was not added";
-      throw std::invalid_argument(os.str());
-    }
-  }
+}
+
+// Float64 column means, which double as the finiteness check: a finite sum
+// of finite values is finite, so only a non-finite sum needs the count.
+void means_checked(const Matrix& m, const char* name, std::vector<double>& mu) {
+  column_means(m, mu);
+  bool finite = true;
+  for (double v : mu) finite = finite && std::isfinite(v);
+  if (finite) return;
+  const int64_t bad = count_nonfinite(m);
+  std::ostringstream os;
+  if (bad > 0)
+    os << name << " contain " << bad << " non-finite value" << (bad == 1 ? "" : "s")
+       << " (NaN or Inf); the batch was not added";
+  else
+    os << name << " overflow float64 when summed; rescale them; the batch was not added";
+  throw std::invalid_argument(os.str());
 }
 
 // ---- products -------------------------------------------------------------
@@ -420,9 +420,9 @@ void validate_batch(const State& s, const Batch& b) {
     stream(s.t >= 0, b.targets != nullptr, "targets");
     stream(s.k >= 0, b.labels != nullptr, "labels");
   }
-  check_float_matrix(x, "features", x.rows, started ? s.p : -1, "earlier updates had");
-  if (b.outputs) check_float_matrix(*b.outputs, "outputs", x.rows, started ? s.c : -1, "earlier updates had");
-  if (b.targets) check_float_matrix(*b.targets, "targets", x.rows, started ? s.t : -1, "earlier updates had");
+  check_float_shape(x, "features", x.rows, started ? s.p : -1, "earlier updates had");
+  if (b.outputs) check_float_shape(*b.outputs, "outputs", x.rows, started ? s.c : -1, "earlier updates had");
+  if (b.targets) check_float_shape(*b.targets, "targets", x.rows, started ? s.t : -1, "earlier updates had");
   if (b.labels) {
     const Matrix& y = *b.labels;
     if (y.dtype != DType::i32 && y.dtype != DType::i64) {
@@ -436,15 +436,18 @@ void validate_batch(const State& s, const Batch& b) {
       throw std::invalid_argument(os.str());
     }
     if (y.rows > 0 && y.ptr == nullptr) throw std::invalid_argument("labels: null pointer");
-    for (int64_t i = 0; i < y.rows; ++i) {
-      const int64_t v = label_at(y, i);
-      if (v < 0 || (s.num_classes >= 0 && v >= s.num_classes)) {
-        std::ostringstream os;
-        os << "labels out of range: label " << v << " at row " << i;
-        if (s.num_classes >= 0) os << " (num_classes=" << s.num_classes << ")";
-        else os << " (labels must be >= 0)";
-        throw std::invalid_argument(os.str());
-      }
+  }
+}
+
+static void check_labels(const Matrix& y, int64_t num_classes) {
+  for (int64_t i = 0; i < y.rows; ++i) {
+    const int64_t v = label_at(y, i);
+    if (v < 0 || (num_classes >= 0 && v >= num_classes)) {
+      std::ostringstream os;
+      os << "labels out of range: label " << v << " at row " << i;
+      if (num_classes >= 0) os << " (num_classes=" << num_classes << ")";
+      else os << " (labels must be >= 0)";
+      throw std::invalid_argument(os.str());
     }
   }
 }
@@ -457,20 +460,25 @@ void CpuMoments::update(const Batch& b, Precision precision) {
                                 "' needs the CUDA backend; the CPU multiplies in fp32 or fp64");
   validate_batch(state_, b);
   if (b.features.rows == 0) return;
-  if (precision == Precision::fp64) update_typed<double>(b, precision, scratch_d_);
-  else update_typed<float>(b, precision, scratch_f_);
+  // Value checks read the data once; their float64 means are the batch means.
+  BatchMeans means;
+  means_checked(b.features, "features", means.features);
+  if (b.outputs) means_checked(*b.outputs, "outputs", means.outputs);
+  if (b.targets) means_checked(*b.targets, "targets", means.targets);
+  if (b.labels) check_labels(*b.labels, state_.num_classes);
+  if (precision == Precision::fp64) update_typed<double>(b, means, precision, scratch_d_);
+  else update_typed<float>(b, means, precision, scratch_f_);
 }
 
 template <typename T>
-void CpuMoments::update_typed(const Batch& b, Precision precision, Scratch<T>& sc) {
+void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision precision, Scratch<T>& sc) {
   std::vector<T>&xs = sc.x, &fs = sc.f, &ts = sc.t, &Ms = sc.M, &Bs = sc.B, &As = sc.A, &Bts = sc.Bt,
   &Ats = sc.At;
   const Matrix& x = b.features;
   const int64_t nb = x.rows, p = x.cols;
   // All products go to scratch first: nothing below can leave the state half
   // updated (an allocation failure throws before the merge starts).
-  std::vector<double> mu, nu, tau;
-  column_means(x, mu);
+  const std::vector<double>&mu = means.features, &nu = means.outputs, &tau = means.targets;
   center<T>(x, mu, xs);
   Ms.resize((size_t)(p * p));
   syrk(p, nb, xs.data(), Ms.data());
@@ -478,10 +486,9 @@ void CpuMoments::update_typed(const Batch& b, Precision precision, Scratch<T>& s
   blk.n = nb;
   blk.mean = mu.data();
   blk.M = Ms.data();
-  auto cross = [&](const Matrix& g, std::vector<double>& gm, std::vector<T>& gs, std::vector<T>& Bg,
+  auto cross = [&](const Matrix& g, const std::vector<double>& gm, std::vector<T>& gs, std::vector<T>& Bg,
                    std::vector<T>& Ag) {
     const int64_t c = g.cols;
-    column_means(g, gm);
     center<T>(g, gm, gs);
     Bg.resize((size_t)(p * c));
     Ag.resize((size_t)(c * c));

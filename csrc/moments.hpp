@@ -73,10 +73,17 @@ struct Batch {
   const Matrix* targets = nullptr;
 };
 
-// Validates a batch against a state without touching the state: shapes,
-// widths, dtypes, finiteness, label range. Throws with a message naming the
-// offending input. Shared by the backends so they reject the same things.
+// Validates a batch's shapes, widths, dtypes and streams against a state,
+// reading no data (so a device backend can use it without a sync). Throws
+// with a message naming the offending input. Values (finiteness, label
+// range) are each backend's to check before anything is merged.
 void validate_batch(const State& s, const Batch& b);
+
+// Float64 column means of a batch's float inputs (the CPU computes them
+// while checking finiteness).
+struct BatchMeans {
+  std::vector<double> features, outputs, targets;
+};
 
 // CPU backend: centers each batch on its float64 mean, multiplies with BLAS
 // (ssyrk/dsyrk for M and A, gemm for B), merges with State::merge semantics.
@@ -103,7 +110,7 @@ class CpuMoments {
   Scratch<float> scratch_f_;
   Scratch<double> scratch_d_;
   template <typename T>
-  void update_typed(const Batch& b, Precision precision, Scratch<T>& sc);
+  void update_typed(const Batch& b, const BatchMeans& means, Precision precision, Scratch<T>& sc);
 };
 
 // BLAS facts for `richness info`.
