@@ -80,3 +80,67 @@ def nc1_naive(Phi, y, rtol=1e-10):
     keep = w > rtol * w.max()
     SBp = (U[:, keep] / w[keep]) @ U[:, keep].T
     return max(np.trace(SW @ SBp) / K, 0.0)
+
+
+def dlr_thin(Phi, F, rtol=1e-10):
+    """The same n x n DLR as dlr_naive, for large n without forming n x n matrices:
+    <K, P>_F = ||Q^T Phi_c||_F^2 with Q an orthonormal basis of span(H F) (thin SVD
+    of the n x C matrix), ||K||_F = ||Phi_c^T Phi_c||_F (the nonzero spectrum of
+    Phi_c Phi_c^T equals that of Phi_c^T Phi_c)."""
+    Pc = center_rows(Phi)
+    U, s, _ = np.linalg.svd(center_rows(F), full_matrices=False)
+    keep = s**2 > rtol * s[0] ** 2
+    Q = U[:, keep]
+    r = int(keep.sum())
+    inner = np.sum((Q.T @ Pc) ** 2)
+    return 1.0 - inner / (np.linalg.norm(Pc.T @ Pc) * np.sqrt(r)), r
+
+
+def spectrum_uncentered_naive(Phi, rtol=1e-10):
+    """The paper's v1 operator: eigenpairs of Sigma_u = Phi^T Phi / n (no centering), descending."""
+    Phi = np.asarray(Phi, dtype=np.float64)
+    n = Phi.shape[0]
+    rho, V = np.linalg.eigh(Phi.T @ Phi / n)
+    rho, V = rho[::-1], V[:, ::-1]
+    keep = rho > rtol * rho[0]
+    return rho, V, int(keep.sum())
+
+
+def effective_dim_naive(rho):
+    """exp(-sum q log q), q = rho / sum rho (zero eigenvalues contribute nothing)."""
+    rho = np.clip(np.asarray(rho, dtype=np.float64), 0.0, None)
+    q = rho / rho.sum()
+    q = q[q > 0]
+    return float(np.exp(-np.sum(q * np.log(q))))
+
+
+def pad_curve(curve, p):
+    """A curve over the kept eigenfunctions, extended flat to all p (Report curves have length p)."""
+    out = np.empty(p)
+    out[: len(curve)] = curve
+    out[len(curve):] = curve[-1]
+    return out
+
+
+def simplex_etf(K, p, rng, scale=1.0):
+    """K class means on a simplex equiangular tight frame in R^p (p >= K), randomly rotated."""
+    Q, _ = np.linalg.qr(rng.normal(size=(p, p)))
+    E = np.eye(K) - 1.0 / K
+    return scale * E @ Q[:K] * np.sqrt(K / (K - 1.0))
+
+
+# -- test helpers (no richness import) -------------------------------------------
+
+def states_equal(a, b):
+    """Exact equality of two state dicts (arrays compared bit for bit by value)."""
+    if set(a) != set(b):
+        return False
+    for k in a:
+        va, vb = a[k], b[k]
+        if isinstance(va, np.ndarray) or isinstance(vb, np.ndarray):
+            va, vb = np.asarray(va), np.asarray(vb)
+            if va.shape != vb.shape or va.dtype != vb.dtype or not np.array_equal(va, vb):
+                return False
+        elif va != vb:
+            return False
+    return True
