@@ -10,7 +10,9 @@ import scipy_openblas32 as _openblas  # noqa: F401  loads the BLAS that _core li
 from ._core import blas_info
 from ._moments import Moments, dlr
 from ._report import Report
+from ._evaluate import evaluate
+from ._monitor import Monitor
 
 __version__ = "0.1.0"
 
-__all__ = ["Moments", "Report", "dlr", "blas_info", "__version__"]
+__all__ = ["Moments", "Monitor", "Report", "dlr", "evaluate", "blas_info", "__version__"]

@@ -130,6 +130,15 @@ class Moments:
         else:
             self._impl.merge(other._impl)
 
+    def all_reduce(self, group: Any = None) -> None:
+        """Merge the states of all ranks of ``group`` (torch.distributed, gloo or
+        NCCL) in float64: afterwards every rank holds the global state. Exact up
+        to rounding (SPEC.md: shift to the global mean, then sum); collective,
+        so every rank must call it."""
+        from ._distributed import all_reduce_state
+
+        self.load_state_dict(all_reduce_state(self.state_dict(), group=group))
+
     def reset(self) -> None:
         """Forget all samples (widths are free again; num_classes is kept)."""
         if self._impl is not None:

@@ -1,0 +1,384 @@
+"""``richness.Monitor``: DLR during training, at a cost the step does not notice.
+
+Window mode (default): a forward hook on the head captures the training
+batches of the last ``window`` steps before every ``every``-th step; each
+``step()`` feeds the captured batch to a ``Moments`` and drops it; at every
+``every``-th step DLR (and NC1 with labels) is finished from the window and
+emitted. Probe mode (``probe=``): every ``every`` steps a fixed probe set is
+evaluated in eval mode (train mode restored after) and its full report
+emitted.
+
+The only host synchronisation is at emission (finishing the state); ``update``
+never calls ``.item()`` or copies to the host (on a GPU the CUDA backend runs
+on the caller's stream). Boolean token masks are the exception: indexing with
+them syncs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+from . import _finish
+from ._evaluate import (HeadFinder, blas_threads_like_torch, check_tokens, collect, label_kwargs,
+                        require_torch, resolve_head, select_rows)
+from ._moments import Moments
+
+FIELDS = ("step", "mode", "n", "dlr", "rank", "nc1", "effective_dim", "time")
+
+
+class _CsvSink:
+    def __init__(self, path: str) -> None:
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        self.f = open(path, "a", newline="")
+        self.w = csv.DictWriter(self.f, fieldnames=FIELDS)
+        if new:
+            self.w.writeheader()
+            self.f.flush()
+
+    def __call__(self, rec: dict) -> None:
+        self.w.writerow({k: ("" if rec.get(k) is None else rec.get(k)) for k in FIELDS})
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class _JsonlSink:
+    def __init__(self, path: str) -> None:
+        self.f = open(path, "a")
+
+    def __call__(self, rec: dict) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class _TensorBoardSink:
+    def __init__(self, writer: Any, prefix: str) -> None:
+        self.writer, self.prefix = writer, prefix
+
+    def __call__(self, rec: dict) -> None:
+        for key in ("dlr", "nc1", "effective_dim"):
+            v = rec.get(key)
+            if v is not None:
+                self.writer.add_scalar(f"{self.prefix}/{key}", v, rec["step"])
+
+    def close(self) -> None:
+        pass
+
+
+class _CallbackSink:
+    def __init__(self, fn: Callable[[dict], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, rec: dict) -> None:
+        self.fn(rec)
+
+    def close(self) -> None:
+        pass
+
+
+def _make_sinks(log: Any, prefix: str) -> list:
+    if log is None:
+        return []
+    if isinstance(log, (list, tuple)):
+        return [s for item in log for s in _make_sinks(item, prefix)]
+    if isinstance(log, (str, os.PathLike)):
+        path = os.fspath(log)
+        if path.endswith(".csv"):
+            return [_CsvSink(path)]
+        if path.endswith(".jsonl") or path.endswith(".json"):
+            return [_JsonlSink(path)]
+        raise ValueError(f"log file {path!r}: use a .csv or .jsonl name")
+    if hasattr(log, "add_scalar"):
+        return [_TensorBoardSink(log, prefix)]
+    if callable(log):
+        return [_CallbackSink(log)]
+    raise TypeError(f"log must be a .csv/.jsonl path, a callable, a SummaryWriter or a list of them, "
+                    f"got {type(log).__name__}")
+
+
+def _probe_batches(probe: Any) -> Iterable:
+    import torch
+
+    if isinstance(probe, torch.Tensor):
+        return [(probe,)]
+    if isinstance(probe, tuple) and len(probe) == 2 and isinstance(probe[0], torch.Tensor):
+        return [probe]
+    if hasattr(probe, "__iter__"):
+        return probe
+    raise TypeError(f"probe must be a tensor, an (inputs, labels) pair or a re-iterable loader, "
+                    f"got {type(probe).__name__}")
+
+
+def _num(v: Any) -> Optional[float]:
+    return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else float(v)
+
+
+class Monitor:
+    """DLR over training steps, from forward hooks on the head.
+
+    Args:
+        model: the ``torch.nn.Module`` being trained.
+        head: the read-out module or its dotted name; default: the last
+            ``nn.Linear`` whose output is the model's output (found on the first
+            forward).
+        every: emit every ``every`` optimizer steps (count them with ``step()``).
+        window: window mode: accumulate the training batches of the last
+            ``window`` steps before each emission (``window <= every``). The
+            defaults (``every=100, window=10``) keep the hooks idle 90% of the
+            time; a window of 10 batches of 128 gives n = 1280 samples, so read
+            the finite-sample bias note in SPEC.md (n well above p) before
+            shrinking it.
+        probe: probe mode instead: a tensor, an ``(inputs, labels)`` pair or a
+            re-iterable loader evaluated in eval mode at every emission (train
+            mode restored after); the emitted record then also has the
+            effective dimension.
+        log: where records go: a ``.csv`` or ``.jsonl`` path (appended), a
+            callable taking the record dict, a TensorBoard ``SummaryWriter``
+            (``add_scalar("richness/dlr", ...)``), or a list of these.
+        precision: precision of the products (``Moments``); default by dtype.
+        tokens: token selection for 3-D head inputs (see ``richness.evaluate``).
+        batch_fn: adapts probe-loader batches (see ``richness.evaluate``).
+        rtol: eigenvalue cut (default by precision, SPEC.md).
+
+    Use as a context manager (hooks removed on exit) and call ``step(labels)``
+    after every optimizer step; ``history`` holds the emitted records
+    ``{step, mode, n, dlr, rank, nc1, effective_dim, time}``.
+
+    Example::
+
+        with richness.Monitor(model, every=100, log="dlr.jsonl") as mon:
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+                mon.step(labels=y)
+    """
+
+    def __init__(self, model: Any, head: Any = None, *, every: int = 100, window: Optional[int] = None,
+                 probe: Any = None, log: Any = None, precision: Optional[str] = None, tokens: Any = "all",
+                 batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness") -> None:
+        torch = require_torch("richness.Monitor")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive integer, got {every!r}")
+        if window is None:
+            window = min(10, every)
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= every:
+            raise ValueError(f"window must be an integer in [1, every={every}], got {window!r}")
+        check_tokens(tokens)
+        self.model = model
+        self.every, self.window = every, window
+        self.precision, self.tokens, self.batch_fn, self.rtol = precision, tokens, batch_fn, rtol
+        self.probe = None if probe is None else _probe_batches(probe)
+        self.history: List[Dict[str, Any]] = []
+        self.steps = 0
+        resolved = resolve_head(model, head)
+        self._head_name, self._head = (resolved if resolved is not None else (None, None))
+        self._sinks = _make_sinks(log, prefix)
+        self._moments = Moments(precision=precision)
+        self._pending: list = []
+        self._window_labels: Optional[bool] = None
+        self._active = self._is_window_step(1)
+        self._capture: Optional[Capture] = None
+        self._finder: Optional[HeadFinder] = None
+        self._model_hook = None
+        self._threads = None
+        self._closed = False
+        self._t0 = time.time()
+        if self.probe is None:
+            if self._head is not None:
+                self._capture = _PendingCapture(self._head, self)
+            else:
+                self._finder = HeadFinder(model)
+                self._model_hook = model.register_forward_hook(self._on_model_output)
+        self._threads = blas_threads_like_torch()
+        self._threads.__enter__()
+
+    # -- hooks ----------------------------------------------------------------
+
+    def _hook_active(self) -> bool:
+        return self._active and self.model.training
+
+    def _is_window_step(self, j: int) -> bool:
+        return (j - 1) % self.every >= self.every - self.window
+
+    def _on_model_output(self, mod, args, out) -> None:
+        finder = self._finder
+        if finder is None:
+            return
+        try:
+            name, head, x, y = finder.result(out)
+        finally:
+            finder.remove()
+            self._finder = None
+            self._model_hook.remove()
+            self._model_hook = None
+        self._head_name, self._head = name, head
+        self._capture = _PendingCapture(head, self)
+        if x is not None and self._hook_active():
+            self._pending.append((x.detach(), y.detach() if hasattr(y, "detach") else y))
+
+    @property
+    def head(self) -> Any:
+        """The head module (None until found on the first forward)."""
+        return self._head
+
+    # -- the training loop ----------------------------------------------------
+
+    def step(self, labels: Any = None) -> Optional[dict]:
+        """Count one optimizer step; ``labels`` are those of the step's batch
+        (integer classes, or float targets). Returns the record when this step
+        emitted one, else None."""
+        if self._closed:
+            raise RuntimeError("this Monitor is closed")
+        self.steps += 1
+        rec = None
+        try:
+            if self.probe is None and self._pending:
+                self._flush(labels)
+        finally:
+            self._pending = []
+        if self.steps % self.every == 0:
+            rec = self._emit()
+        self._active = self.probe is None and self._is_window_step(self.steps + 1)
+        return rec
+
+    def _flush(self, labels: Any) -> None:
+        import torch
+
+        rows = [select_rows(x, y, None, tokens=self.tokens) for x, y in self._pending]
+        if len(rows) == 1:
+            feats, outs, _ = rows[0]
+        else:
+            feats = torch.cat([r[0] for r in rows])
+            outs = torch.cat([r[1] for r in rows]) if all(r[1] is not None for r in rows) else None
+        if labels is not None and isinstance(labels, torch.Tensor) and labels.ndim >= 2 \
+                and feats.shape[0] != labels.shape[0] and len(rows) == 1:
+            # per-token labels of a sequence batch: follow the token selection
+            x, y = self._pending[0]
+            feats, outs, labels = select_rows(x, y, labels, tokens=self.tokens)
+        lk = label_kwargs(labels, feats.shape[0], feats.device)
+        has = bool(lk)
+        if self._window_labels is None:
+            self._window_labels = has
+        elif self._window_labels != has:
+            raise ValueError("Monitor.step got labels on some steps of a window and none on others")
+        if isinstance(self._head, torch.nn.Linear):
+            self._moments.update(feats, **lk)
+        else:
+            if outs is None:
+                raise ValueError(f"the head {type(self._head).__name__} did not return a tensor")
+            self._moments.update(feats, outs, **lk)
+
+    # -- emission -------------------------------------------------------------
+
+    def _emit(self) -> Optional[dict]:
+        if self.probe is not None:
+            rec = self._emit_probe()
+        else:
+            rec = self._emit_window()
+        if rec is None:
+            return None
+        self.history.append(rec)
+        for sink in self._sinks:
+            sink(rec)
+        return rec
+
+    def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, eff: Any, mode: str) -> dict:
+        return {"step": self.steps, "mode": mode, "n": int(n), "dlr": _num(dlr),
+                "rank": None if rank is None else int(rank), "nc1": _num(nc1), "effective_dim": _num(eff),
+                "time": round(time.time() - self._t0, 6)}
+
+    def _emit_window(self) -> Optional[dict]:
+        m = self._moments
+        try:
+            if m.n < 2:
+                return None
+            st = m.state_dict()  # the one host sync
+            rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[st["precision"]]
+            dlr = rank = nc1 = None
+            try:
+                import torch
+
+                if isinstance(self._head, torch.nn.Linear):
+                    W = self._head.weight.detach().to("cpu", torch.float64).numpy()
+                    B, A = _finish.head_moments(st["M"], W)
+                else:
+                    B, A = st["B"], st["A"]
+                dlr, rank, _ = _finish.dlr_from_moments(st["M"], B, A, rtol)
+            except ValueError:
+                pass  # constant features or outputs: DLR undefined, reported as None
+            if st["k"] > 0 and st["precision"] in _finish.NC1_RELIABLE:
+                nc1 = _finish.nc1(st, rtol)
+            return self._record(st["n"], dlr, rank, nc1, None, "window")
+        finally:
+            m.reset()
+            self._window_labels = None
+
+    def _emit_probe(self) -> Optional[dict]:
+        import torch
+
+        moments, head = collect(self.model, self.probe, head=self._head, precision=self.precision, progress=False,
+                                batch_fn=self.batch_fn, tokens=self.tokens)
+        if self._head is None:
+            self._head = head
+        try:
+            rep = moments.compute(head=head if isinstance(head, torch.nn.Linear) else None, rtol=self.rtol)
+        except ValueError:
+            return self._record(moments.n, None, None, None, None, "probe")
+        return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, rep.effective_dim, "probe")
+
+    # -- lifetime -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove the hooks, close log files, restore the BLAS thread count."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending = []
+        if self._capture is not None:
+            self._capture.remove()
+        if self._finder is not None:
+            self._finder.remove()
+        if self._model_hook is not None:
+            self._model_hook.remove()
+        for s in self._sinks:
+            s.close()
+        if self._threads is not None:
+            self._threads.__exit__(None, None, None)
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "probe" if self.probe is not None else f"window={self.window}"
+        return f"Monitor(head={self._head_name!r}, every={self.every}, {mode}, steps={self.steps})"
+
+
+class _PendingCapture:
+    """Training-mode forward hook on the head: queues (features, outputs) of
+    window steps until ``Monitor.step`` consumes them."""
+
+    def __init__(self, module: Any, mon: Monitor) -> None:
+        self.mon = mon
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, mod, args, out) -> None:
+        mon = self.mon
+        if mon._active and mon.model.training and args:
+            mon._pending.append((args[0].detach(), out.detach() if hasattr(out, "detach") else out))
+
+    def remove(self) -> None:
+        self.handle.remove()
