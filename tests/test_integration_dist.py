@@ -1,0 +1,165 @@
+"""torch.distributed: 2 gloo processes on the CPU against one process.
+
+One spawn runs every check (Moments.all_reduce in float64 and float32, a rank
+with no samples and ranks with different label ranges, evaluate(distributed=True)
+with a DistributedSampler, and the torchmetrics DLR under DDP sync); rank 0
+writes what it measured to a JSON file the test then compares.
+"""
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import richness  # noqa: E402
+from reference import dlr_naive, nc1_naive  # noqa: E402
+
+N, P, C = 600, 12, 4
+
+
+def _data(dtype=np.float64):
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(N, P)) @ rng.normal(size=(P, P)) + 5.0
+    W = rng.normal(size=(C, P))
+    F = X @ W.T + 0.3 * rng.normal(size=(N, C))
+    y = rng.integers(0, 5, N)
+    return X.astype(dtype), F.astype(dtype), y, W
+
+
+def _model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(P, 16), torch.nn.Tanh(), torch.nn.Linear(16, C)).double()
+
+
+def _worker(rank, world, port, out_path):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        res = {}
+        X, F, y, W = _data()
+        shard = np.array_split(np.arange(N), world)[rank]
+        # float64, uneven batches per rank; rank 1 sees classes 0..4, rank 0 only 0..2
+        ys = y.copy()
+        ys[: N // 2] %= 3
+        m = richness.Moments()
+        for idx in np.array_split(shard, 3 + rank):
+            m.update(X[idx], F[idx], labels=ys[idx])
+        m.all_reduce()
+        st = m.state_dict()
+        res["f64"] = {"dlr": m.compute().dlr, "nc1": m.compute().nc1, "n": st["n"], "k": st["k"],
+                      "M": st["M"].tolist(), "mean": st["mean"].tolist(), "B": st["B"].tolist()}
+        # float32 inputs
+        m32 = richness.Moments()
+        m32.update(X[shard].astype(np.float32), F[shard].astype(np.float32))
+        m32.all_reduce()
+        res["f32"] = m32.compute().dlr
+        # a rank with no samples
+        me = richness.Moments()
+        if rank == 1:
+            me.update(X, F)
+        me.all_reduce()
+        res["empty_rank"] = {"n": me.n, "dlr": me.compute().dlr}
+        # mismatched widths raise on every rank
+        bad = richness.Moments()
+        bad.update(X[:, : P - rank], F)
+        try:
+            bad.all_reduce()
+            res["mismatch"] = "no error"
+        except ValueError as e:
+            res["mismatch"] = str(e)
+        # evaluate(distributed=True) with a DistributedSampler
+        model = _model()
+        ds = torch.utils.data.TensorDataset(torch.tensor(X), torch.tensor(y))
+        sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False)
+        loader = torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler)
+        rep = richness.evaluate(model, loader, progress=False, distributed=True)
+        res["evaluate"] = {"dlr": rep.dlr, "n": rep.n, "nc1": rep.nc1}
+        # torchmetrics under DDP: compute() syncs the packed states
+        try:
+            from richness.torchmetrics import DLR
+
+            metric = DLR()
+            for idx in np.array_split(shard, 2):
+                metric.update(torch.tensor(X[idx]), torch.tensor(F[idx]))
+            res["torchmetrics"] = float(metric.compute())
+            res["torchmetrics_local_n"] = metric.report().n  # unsynced again after compute
+        except ImportError:
+            res["torchmetrics"] = None
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "rank0.json"
+    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_all_reduce_float64_matches_single_process(dist_results):
+    X, F, y, _ = _data()
+    ys = y.copy()
+    ys[: N // 2] %= 3
+    single = richness.Moments()
+    single.update(X, F, labels=ys)
+    st = single.state_dict()
+    got = dist_results["f64"]
+    assert got["n"] == N and got["k"] == 5
+    np.testing.assert_allclose(np.array(got["M"]), st["M"], rtol=1e-10, atol=1e-10 * np.abs(st["M"]).max())
+    np.testing.assert_allclose(np.array(got["B"]), st["B"], rtol=1e-10, atol=1e-10 * np.abs(st["B"]).max())
+    np.testing.assert_allclose(np.array(got["mean"]), X.mean(0), rtol=1e-12)
+    want, _ = dlr_naive(X, F)
+    assert abs(got["dlr"] - want) < 1e-10
+    assert abs(got["nc1"] - nc1_naive(X, ys)) < 1e-8 * max(1.0, nc1_naive(X, ys))
+
+
+def test_all_reduce_float32_and_empty_rank(dist_results):
+    X, F, _, _ = _data()
+    want, _ = dlr_naive(X, F)
+    assert abs(dist_results["f32"] - want) < 1e-6
+    assert dist_results["empty_rank"]["n"] == N
+    assert abs(dist_results["empty_rank"]["dlr"] - want) < 1e-12
+
+
+def test_all_reduce_mismatch_is_a_clear_error(dist_results):
+    assert "feature widths" in dist_results["mismatch"]
+
+
+def test_evaluate_distributed_sampler(dist_results):
+    X, _, y, _ = _data()
+    model = _model()
+    with torch.no_grad():
+        H = model[1](model[0](torch.tensor(X))).numpy()
+        Fm = model(torch.tensor(X)).numpy()
+    want, _ = dlr_naive(H, Fm)
+    got = dist_results["evaluate"]
+    assert got["n"] == N
+    assert abs(got["dlr"] - want) < 1e-10
+    assert abs(got["nc1"] - nc1_naive(H, y)) < 1e-8 * max(1.0, nc1_naive(H, y))
+
+
+def test_torchmetrics_ddp_sync_is_exact(dist_results):
+    if dist_results["torchmetrics"] is None:
+        pytest.skip("torchmetrics not installed")
+    X, F, _, _ = _data()
+    want, _ = dlr_naive(X, F)
+    assert abs(dist_results["torchmetrics"] - want) < 1e-10
+    assert dist_results["torchmetrics_local_n"] == N // 2
