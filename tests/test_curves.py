@@ -225,7 +225,7 @@ def test_heldout_curves_equal_explicit_projections(centered):
     assert_monotone(rep.test_quality, upper=None)
     # Not bounded by 1: the variance shift makes training eigenfunctions large on test data.
     assert rep.test_utilization[-1] > 1.2
-    assert rep.test_eigenfunction_norms.max() > 5.0
+    assert rep.test_eigenfunction_norms.max() > 4.0
 
 
 def test_heldout_on_training_set_equals_training_curves():
