@@ -87,6 +87,8 @@ def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
         raise ValueError(f"{name} must be {_ndim_words(ndim_ok)}, got shape {x.shape}")
     if x.ndim == 1:
         x = x.reshape(-1, 1)
+    if not x.dtype.isnative:  # before the dtype lookup: '>f8' does not compare equal to float64
+        x = x.astype(x.dtype.newbyteorder("="))
     dt = x.dtype
     if dt.name == "bfloat16":  # ml_dtypes
         code = BF16
@@ -100,8 +102,6 @@ def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
     else:
         raise TypeError(f"{name} has dtype {dt}; expected float32, float64, float16, bfloat16"
                         " (features, outputs, targets) or int32/int64 (labels)")
-    if not dt.isnative:
-        x = x.astype(dt.newbyteorder("="))
     item = x.dtype.itemsize
     if x.shape[0] > 0 and (x.strides[1] != item or x.strides[0] % item or x.strides[0] < x.shape[1] * item):
         x = np.ascontiguousarray(x)
