@@ -1,0 +1,197 @@
+"""Inputs: numpy and torch dtypes and layouts, DLPack objects, label types.
+Every layout of the same values must give the same state; every dtype must match
+the float64 reference on exactly the values it holds."""
+
+import numpy as np
+import pytest
+import torch
+
+import richness
+from reference import dlr_naive, one_hot, states_equal
+
+
+def data(seed=0, n=240, p=8, C=3):
+    rng = np.random.default_rng(seed)
+    Q = np.linalg.qr(rng.normal(size=(p, p)))[0]
+    X = rng.normal(size=(n, p)) * np.linspace(2.0, 1.0, p) @ Q + 1.0
+    G = np.linalg.qr(rng.normal(size=(p, C)))[0]
+    F = X @ G + 0.2 * np.tanh(X[:, :C])
+    y = rng.integers(0, 4, size=n)
+    return X, F, y
+
+
+def state_of(*batches, **kw):
+    m = richness.Moments(**kw)
+    for b in batches:
+        m.update(*b[:2], labels=b[2] if len(b) > 2 else None)
+    return m
+
+
+# -- dtypes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,precision,tol", [
+    (np.float64, "fp64", 1e-12), (np.float32, "fp32", 1e-6), (np.float16, "fp32", 1e-6)])
+def test_numpy_dtypes_against_reference(dtype, precision, tol):
+    X, F, y = data()
+    Xd, Fd = X.astype(dtype), F.astype(dtype)
+    m = state_of((Xd, Fd, y))
+    rep = m.compute()
+    assert rep.precision == precision
+    want, r = dlr_naive(Xd, Fd)  # the reference sees the same (rounded) values
+    assert rep.rank == r
+    assert abs(rep.dlr - want) < tol
+    mean = Xd.astype(np.float64).mean(axis=0)
+    np.testing.assert_allclose(m.state_dict()["mean"], mean, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("tdtype,precision,tol", [
+    (torch.float64, "fp64", 1e-12), (torch.float32, "fp32", 1e-6), (torch.bfloat16, "fp32", 1e-6),
+    (torch.float16, "fp32", 1e-6)])
+def test_torch_dtypes_against_reference(tdtype, precision, tol):
+    X, F, y = data(1)
+    Xt, Ft = torch.from_numpy(X).to(tdtype), torch.from_numpy(F).to(tdtype)
+    Xd, Fd = Xt.double().numpy(), Ft.double().numpy()
+    m = richness.Moments()
+    m.update(Xt, Ft, labels=torch.from_numpy(y))
+    rep = m.compute()
+    assert rep.precision == precision
+    want, _ = dlr_naive(Xd, Fd)
+    assert abs(rep.dlr - want) < tol
+    assert np.array_equal(m.state_dict()["class_counts"], np.bincount(y, minlength=4))
+
+
+def test_mixed_dtypes_multiply_in_the_narrower():
+    X, F, _ = data(2)
+    m = richness.Moments()
+    m.update(X, F.astype(np.float32))  # one float32 input makes the batch fp32
+    assert m.compute().precision == "fp32"
+    m64 = richness.Moments(precision="fp64")  # widening on request
+    m64.update(X.astype(np.float32), F.astype(np.float32))
+    rep = m64.compute()
+    assert rep.precision == "fp64" and rep.rtol == 1e-10
+    want, _ = dlr_naive(X.astype(np.float32), F.astype(np.float32))
+    assert abs(rep.dlr - want) < 1e-12
+
+
+def test_precision_is_the_coarsest_seen():
+    X, F, _ = data(3)
+    m = richness.Moments()
+    m.update(X[:100], F[:100])
+    assert m.compute().precision == "fp64"
+    m.update(X[100:].astype(np.float32), F[100:].astype(np.float32))
+    assert m.compute().precision == "fp32"
+
+
+def test_torch_requires_grad_is_read_without_grad():
+    X, F, _ = data(4)
+    Xt = torch.from_numpy(X).requires_grad_(True)
+    Ft = (Xt * 1.0)[:, :3] + torch.from_numpy(F - X[:, :3])  # part of a graph
+    m = richness.Moments()
+    m.update(Xt, Ft)
+    assert abs(m.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
+
+
+# -- layouts: every view of the same values gives the identical state ------------------------------
+
+def test_numpy_layouts_give_identical_state():
+    X, F, y = data(5)
+    base = state_of((X, F, y)).state_dict()
+    big = np.zeros((X.shape[0] * 2, X.shape[1] + 5))
+    big[::2, 2:-3] = X
+    views = {
+        "fortran": (np.asfortranarray(X), np.asfortranarray(F)),
+        "transposed": (np.ascontiguousarray(X.T).T, np.ascontiguousarray(F.T).T),
+        "strided rows and offset": (big[::2, 2:-3], F),
+        "column step": (np.repeat(X, 2, axis=1)[:, ::2], F),
+        "big-endian": (X.astype(">f8"), F.astype(">f8")),
+        "list of lists": (X.tolist(), F.tolist()),
+    }
+    for name, (Xv, Fv) in views.items():
+        got = state_of((Xv, Fv, y)).state_dict()
+        assert states_equal(got, base), name
+
+
+def test_torch_layouts_give_identical_state():
+    X, F, y = data(6)
+    base = state_of((X, F, y)).state_dict()
+    Xt, Ft, yt = torch.from_numpy(X), torch.from_numpy(F), torch.from_numpy(y)
+    big = torch.zeros(X.shape[0] * 2, X.shape[1] + 5, dtype=torch.float64)
+    big[::2, 2:-3] = Xt
+    views = {
+        "contiguous": (Xt, Ft),
+        "transposed view": (Xt.t().contiguous().t(), Ft.t().contiguous().t()),
+        "strided rows and offset": (big[::2, 2:-3], Ft),
+        "column step": (Xt.repeat_interleave(2, dim=1)[:, ::2], Ft),
+        "expanded labels": (Xt, Ft),
+    }
+    for name, (Xv, Fv) in views.items():
+        assert not name.startswith("transposed") or not Xv.is_contiguous()
+        got = state_of((Xv, Fv, yt)).state_dict()
+        assert states_equal(got, base), name
+    # labels through a strided view
+    y2 = torch.stack([yt, yt], dim=1)[:, 1]
+    assert y2.stride(0) == 2
+    assert states_equal(state_of((Xt, Ft, y2)).state_dict(), base)
+
+
+def test_float32_layouts_give_identical_state():
+    X, F, y = data(7)
+    X32, F32 = X.astype(np.float32), F.astype(np.float32)
+    base = state_of((X32, F32, y)).state_dict()
+    assert states_equal(state_of((np.asfortranarray(X32), F32, y)).state_dict(), base)
+    Xt = torch.from_numpy(np.ascontiguousarray(X32.T)).t()
+    assert states_equal(state_of((Xt, torch.from_numpy(F32), y)).state_dict(), base)
+
+
+class OnlyDLPack:
+    """An array producer that exposes nothing but ``__dlpack__``."""
+
+    def __init__(self, array):
+        self._a = array
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+
+class DLPackWithDevice(OnlyDLPack):
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+@pytest.mark.parametrize("wrapper", [OnlyDLPack, DLPackWithDevice])
+def test_dlpack_objects(wrapper):
+    X, F, y = data(8)
+    base = state_of((X, F, y)).state_dict()
+    assert not hasattr(wrapper(X), "shape") and not isinstance(wrapper(X), np.ndarray)
+    got = state_of((wrapper(X), wrapper(F), wrapper(y))).state_dict()
+    assert states_equal(got, base)
+    X32 = X.astype(np.float32)
+    m = richness.Moments()
+    m.update(wrapper(X32), wrapper(F.astype(np.float32)))
+    assert abs(m.compute().dlr - dlr_naive(X32, F.astype(np.float32))[0]) < 1e-6
+
+
+# -- labels -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda y: y.astype(np.int32), lambda y: y.astype(np.int64), lambda y: y.astype(np.uint8),
+    lambda y: y.astype(np.int16), lambda y: torch.from_numpy(y), lambda y: torch.from_numpy(y).int(),
+    lambda y: y.tolist(), lambda y: y.astype(">i8")],
+    ids=["int32", "int64", "uint8", "int16", "torch64", "torch32", "list", "big-endian"])
+def test_label_types(make):
+    X, _, y = data(9)
+    m = richness.Moments()
+    m.update(X, labels=make(y))
+    st = m.state_dict()
+    assert np.array_equal(st["class_counts"], np.bincount(y, minlength=4))
+    sums = one_hot(y, 4).T @ X
+    np.testing.assert_allclose(st["class_sums"], sums, rtol=1e-14, atol=1e-12)
+
+
+def test_empty_batch_adds_nothing():
+    X, F, y = data(10)
+    m = state_of((X, F, y))
+    before = m.state_dict()
+    m.update(X[:0], F[:0], labels=y[:0])
+    assert states_equal(m.state_dict(), before)
+    assert m.n == X.shape[0]
