@@ -1,0 +1,1025 @@
+// Where a batch enters the GPU (CudaMoments::update), is reduced to float64
+// means (column_partials/column_means), centered and narrowed (center),
+// multiplied (product_M/product_cross, cuBLAS) and merged into the float64
+// state (merge_sym/merge_cross/finalize). All of it is enqueued on the
+// caller's stream; nothing in update waits for the device.
+#include "cuda_moments.hpp"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+namespace richness {
+namespace cuda {
+
+namespace {
+
+// ---- status checks ----------------------------------------------------------
+
+void check_cuda(cudaError_t e, const char* what, const char* file, int line) {
+  if (e == cudaSuccess) return;
+  std::ostringstream os;
+  os << "CUDA error in " << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ") at "
+     << file << ":" << line;
+  throw std::runtime_error(os.str());
+}
+void check_cublas(cublasStatus_t s, const char* what, const char* file, int line) {
+  if (s == CUBLAS_STATUS_SUCCESS) return;
+  std::ostringstream os;
+  os << "cuBLAS error in " << what << ": " << cublasGetStatusName(s) << " (" << cublasGetStatusString(s)
+     << ") at " << file << ":" << line;
+  throw std::runtime_error(os.str());
+}
+#define CUDA_CHECK(x) check_cuda((x), #x, __FILE__, __LINE__)
+#define CUBLAS_CHECK(x) check_cublas((x), #x, __FILE__, __LINE__)
+#define LAUNCH_CHECK(name) check_cuda(cudaGetLastError(), name, __FILE__, __LINE__)
+
+// Makes `device` current for the scope of a call and restores the caller's.
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int device) {
+    CUDA_CHECK(cudaGetDevice(&prev));
+    if (prev != device) CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev && prev >= 0) cudaSetDevice(prev);
+  }
+};
+
+const char* dtype_str(DType d) {
+  switch (d) {
+    case DType::f32: return "float32";
+    case DType::f64: return "float64";
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
+  }
+  return "unknown";
+}
+
+bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16; }
+
+// ---- element conversion -----------------------------------------------------
+
+__device__ __forceinline__ double to_double(float v) { return (double)v; }
+__device__ __forceinline__ double to_double(double v) { return v; }
+__device__ __forceinline__ double to_double(__half v) { return (double)__half2float(v); }
+__device__ __forceinline__ double to_double(__nv_bfloat16 v) { return (double)__bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_double(double v);
+template <>
+__device__ __forceinline__ float from_double<float>(double v) { return (float)v; }
+template <>
+__device__ __forceinline__ double from_double<double>(double v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_double<__nv_bfloat16>(double v) { return __double2bfloat16(v); }
+
+__device__ __forceinline__ bool batch_is_bad(const Header* h) {
+  return (h->batch_bad[0] | h->batch_bad[1] | h->batch_bad[2] | h->batch_bad[3]) != 0;
+}
+
+// ---- kernels ----------------------------------------------------------------
+
+constexpr int kColTile = 32;    // columns per block (one warp across)
+constexpr int kRowLanes = 8;    // warps per block, striding the rows
+constexpr int kChunkRows = 256; // rows per block; partial sums per chunk
+
+// Float64 column sums of one row chunk, and the count of non-finite values
+// (the device's version of the CPU's finiteness check). Two passes with fixed
+// order (partials, then column_means) keep the mean deterministic.
+template <typename Tin>
+__global__ void column_partials(const Tin* __restrict__ x, long long rows, long long cols, long long ld,
+                                double* __restrict__ partial, unsigned long long* bad) {
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const long long col = (long long)blockIdx.x * kColTile + tx;
+  const long long r0 = (long long)blockIdx.y * kChunkRows;
+  const long long r1 = min(rows, r0 + kChunkRows);
+  double s = 0.0;
+  unsigned long long nbad = 0;
+  if (col < cols) {
+    for (long long r = r0 + ty; r < r1; r += kRowLanes) {
+      const double v = to_double(x[r * ld + col]);
+      s += v;
+      nbad += !isfinite(v);
+    }
+  }
+  __shared__ double sh[kRowLanes][kColTile + 1];
+  sh[ty][tx] = s;
+  __syncthreads();
+  if (ty == 0 && col < cols) {
+    double acc = 0.0;
+#pragma unroll
+    for (int k = 0; k < kRowLanes; ++k) acc += sh[k][tx];
+    partial[blockIdx.y * cols + col] = acc;
+  }
+  if (nbad) atomicAdd(bad, nbad);
+}
+
+__global__ void column_means(const double* __restrict__ partial, long long chunks, long long cols, double inv_rows,
+                             double* __restrict__ mean) {
+  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= cols) return;
+  double acc = 0.0;
+  for (long long c = 0; c < chunks; ++c) acc += partial[c * cols + col];
+  mean[col] = acc * inv_rows;
+}
+
+// Centered copy in the product type, packed (ld = cols). The subtraction is in
+// float64, before the narrowing (SPEC.md: mean 1e4 with spread 1e-2 survives
+// fp32; bf16 keeps 8 bits of the centered value, bounded by the bf16 tests).
+template <typename Tin, typename Tout>
+__global__ void center(const Tin* __restrict__ x, long long rows, long long cols, long long ld,
+                       const double* __restrict__ mean, Tout* __restrict__ out) {
+  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= cols) return;
+  const double m = mean[col];
+  for (long long r = blockIdx.y; r < rows; r += gridDim.y)
+    out[r * cols + col] = from_double<Tout>(to_double(x[r * ld + col]) - m);
+}
+
+// Chan merge of a symmetric block, lower triangle only (column-major i >= j):
+//   S += Sb + f d d^T,  f = na nb / (na + nb),  d = mean_b - mean_a.
+// `bad` (nullable) holds the batch's error counts: a bad batch is skipped.
+template <typename Tb>
+__global__ void merge_sym(double* __restrict__ S, const Tb* __restrict__ Sb, long long n,
+                          const double* __restrict__ mean_a, const double* __restrict__ mean_b, const Header* h,
+                          long long nb, bool check) {
+  if (check && batch_is_bad(h)) return;
+  const long long i0 = (long long)blockIdx.x * 32, j0 = (long long)blockIdx.y * 32;
+  if (i0 + 31 < j0) return;  // tile entirely above the diagonal
+  const double na = (double)h->n, nbd = (double)nb;
+  const double f = na * nbd / (na + nbd);
+  const long long i = i0 + threadIdx.x;
+  if (i >= n) return;
+  const double di = mean_b[i] - mean_a[i];
+  for (long long j = j0 + threadIdx.y; j < min(j0 + 32, i + 1); j += blockDim.y) {
+    const long long idx = j * n + i;
+    S[idx] += (double)Sb[idx] + f * di * (mean_b[j] - mean_a[j]);
+  }
+}
+
+// Cross block B (p x w row-major): B += Bb + f d_phi e^T.
+template <typename Tb>
+__global__ void merge_cross(double* __restrict__ B, const Tb* __restrict__ Bb, long long p, long long w,
+                            const double* __restrict__ mu_a, const double* __restrict__ mu_b,
+                            const double* __restrict__ nu_a, const double* __restrict__ nu_b, const Header* h,
+                            long long nb, bool check) {
+  if (check && batch_is_bad(h)) return;
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= w) return;
+  const double na = (double)h->n, nbd = (double)nb;
+  const double f = na * nbd / (na + nbd);
+  const double ej = nu_b[j] - nu_a[j];
+  for (long long i = blockIdx.y; i < p; i += gridDim.y) {
+    const long long idx = i * w + j;
+    B[idx] += (double)Bb[idx] + f * (mu_b[i] - mu_a[i]) * ej;
+  }
+}
+
+// Last step of a merge: means move toward the block's, n grows; a bad batch
+// only adds its counts to the pending error (the state is untouched).
+__global__ void finalize(Header* h, long long nb, double* mean, const double* mb, long long p, double* om,
+                         const double* ob, long long c, double* tm, const double* tb, long long t, bool check) {
+  if (check && batch_is_bad(h)) {
+    if (threadIdx.x == 0) {
+      for (int q = 0; q < 4; ++q) h->total_bad[q] += h->batch_bad[q];
+      h->skipped += 1;
+    }
+    return;
+  }
+  const double na = (double)h->n, w = (double)nb / (na + (double)nb);
+  for (long long j = threadIdx.x; j < p; j += blockDim.x) mean[j] += (mb[j] - mean[j]) * w;
+  for (long long j = threadIdx.x; j < c; j += blockDim.x) om[j] += (ob[j] - om[j]) * w;
+  for (long long j = threadIdx.x; j < t; j += blockDim.x) tm[j] += (tb[j] - tm[j]) * w;
+  __syncthreads();  // every thread has read n before it changes
+  if (threadIdx.x == 0) h->n += nb;
+}
+
+template <typename Ti>
+__global__ void check_labels(const Ti* __restrict__ y, long long rows, long long ld, long long limit, Header* h) {
+  unsigned long long bad = 0;
+  for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long long)gridDim.x * blockDim.x) {
+    const long long v = (long long)y[r * ld];
+    bad += (v < 0 || v >= limit);
+  }
+  if (bad) atomicAdd(reinterpret_cast<unsigned long long*>(&h->batch_bad[3]), bad);
+}
+
+template <typename Ti>
+__global__ void max_label(const Ti* __restrict__ y, long long rows, long long ld, Header* h) {
+  long long mx = -1;
+  for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long long)gridDim.x * blockDim.x)
+    mx = max(mx, (long long)y[r * ld]);
+  atomicMax(&h->max_label, mx);
+}
+
+// Raw float64 class sums and counts (SPEC: the one place relying on float64
+// range). Atomics: the order of additions, and so the last bits, may vary.
+template <typename Tin, typename Ti>
+__global__ void class_sums(const Tin* __restrict__ x, long long rows, long long cols, long long ld,
+                           const Ti* __restrict__ y, long long yld, double* sums, long long* counts, const Header* h) {
+  if (batch_is_bad(h)) return;
+  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= cols) return;
+  for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+    const long long k = (long long)y[r * yld];
+    atomicAdd(&sums[k * cols + col], to_double(x[r * ld + col]));
+    if (col == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[k]), 1ull);
+  }
+}
+
+// Adds another state's class arrays (k_other <= k).
+__global__ void add_classes(double* sums, long long* counts, const double* osums, const long long* ocounts,
+                            long long ko, long long p) {
+  const long long total = ko * p;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    sums[i] += osums[i];
+    if (i < ko) counts[i] += ocounts[i];
+  }
+}
+
+// Full symmetric row-major copy of a column-major lower triangle.
+__global__ void symmetrize(const double* __restrict__ lower, long long n, double* __restrict__ out) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  for (long long j = blockIdx.y; j <= i && j < n; j += gridDim.y) {
+    const double v = lower[j * n + i];
+    out[i * n + j] = v;
+    out[j * n + i] = v;
+  }
+}
+
+// Pointer arrays for the lower tiles of X X^T (column-major, bs x bs tiles).
+__global__ void tile_pointers(const char* xs, char* Mb, long long p, long long bs, long long in_es,
+                              long long nbt, const void** A, const void** B, void** C) {
+  long long t = 0;
+  for (long long bi = 0; bi < nbt; ++bi)
+    for (long long bj = 0; bj <= bi; ++bj, ++t) {
+      if (t % blockDim.x != threadIdx.x) continue;
+      A[t] = xs + bi * bs * in_es;
+      B[t] = xs + bj * bs * in_es;
+      C[t] = Mb + (bj * bs * p + bi * bs) * (long long)sizeof(float);
+    }
+}
+
+// ---- launch helpers -----------------------------------------------------------
+
+inline unsigned grid_y(long long rows) { return (unsigned)std::max<long long>(1, std::min<long long>(rows, 65535)); }
+
+template <typename Fn>
+void dispatch_float(DType d, Fn&& fn) {
+  switch (d) {
+    case DType::f32: fn(float()); break;
+    case DType::f64: fn(double()); break;
+    case DType::f16: fn(__half()); break;
+    case DType::bf16: fn(__nv_bfloat16()); break;
+    default: throw type_error("internal: not a float matrix");
+  }
+}
+
+template <typename Fn>
+void dispatch_int(DType d, Fn&& fn) {
+  if (d == DType::i32) fn(int32_t());
+  else fn(int64_t());
+}
+
+// Float64 column means of m into mean (partials: scratch of chunks * cols).
+void launch_means(const Matrix& m, double* partial, double* mean, unsigned long long* bad, cudaStream_t s) {
+  const long long chunks = (m.rows + kChunkRows - 1) / kChunkRows;
+  dispatch_float(m.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    dim3 grid((unsigned)((m.cols + kColTile - 1) / kColTile), (unsigned)chunks);
+    column_partials<T><<<grid, dim3(kColTile, kRowLanes), 0, s>>>(static_cast<const T*>(m.ptr), m.rows, m.cols,
+                                                                  m.ld, partial, bad);
+  });
+  LAUNCH_CHECK("column_partials");
+  column_means<<<(unsigned)((m.cols + 255) / 256), 256, 0, s>>>(partial, chunks, m.cols, 1.0 / (double)m.rows, mean);
+  LAUNCH_CHECK("column_means");
+}
+
+void launch_center(const Matrix& m, const double* mean, Precision prec, void* out, cudaStream_t s) {
+  dim3 grid((unsigned)((m.cols + 255) / 256), grid_y(m.rows));
+  dispatch_float(m.dtype, [&](auto tag) {
+    using Tin = decltype(tag);
+    const Tin* x = static_cast<const Tin*>(m.ptr);
+    if (prec == Precision::fp64)
+      center<Tin, double><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean, static_cast<double*>(out));
+    else if (prec == Precision::bf16)
+      center<Tin, __nv_bfloat16><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean,
+                                                       static_cast<__nv_bfloat16*>(out));
+    else
+      center<Tin, float><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean, static_cast<float*>(out));
+  });
+  LAUNCH_CHECK("center");
+}
+
+size_t in_size(Precision p) { return p == Precision::fp64 ? 8 : (p == Precision::bf16 ? 2 : 4); }
+size_t out_size(Precision p) { return p == Precision::fp64 ? 8 : 4; }
+cudaDataType_t in_type(Precision p) {
+  return p == Precision::fp64 ? CUDA_R_64F : (p == Precision::bf16 ? CUDA_R_16BF : CUDA_R_32F);
+}
+cudaDataType_t out_type(Precision p) { return p == Precision::fp64 ? CUDA_R_64F : CUDA_R_32F; }
+// fp32: no tensor cores (the handle stays in CUBLAS_DEFAULT_MATH, which never
+// picks TF32 for CUBLAS_COMPUTE_32F). tf32: tensor cores with fp32
+// accumulation, bounded by the tf32 tests (DLR within 1e-3). bf16: bf16
+// inputs, fp32 accumulation (DLR within 5e-3).
+cublasComputeType_t compute_type(Precision p) {
+  switch (p) {
+    case Precision::fp64: return CUBLAS_COMPUTE_64F;
+    case Precision::tf32: return CUBLAS_COMPUTE_32F_FAST_TF32;
+    default: return CUBLAS_COMPUTE_32F;
+  }
+}
+
+void* allocate(size_t bytes) {
+  void* p = nullptr;
+  if (bytes) CUDA_CHECK(cudaMalloc(&p, bytes));
+  return p;
+}
+
+}  // namespace
+
+// ---- lifecycle ----------------------------------------------------------------
+
+CudaMoments::CudaMoments(int64_t num_classes, int device) : device_(device), num_classes_(num_classes) {
+  int count = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (device < 0 || device >= count) {
+    std::ostringstream os;
+    os << "CUDA device " << device << " does not exist (" << count << " visible)";
+    throw std::invalid_argument(os.str());
+  }
+  DeviceGuard g(device_);
+  CUBLAS_CHECK(cublasCreate(&handle_));
+  CUBLAS_CHECK(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH));
+  CUBLAS_CHECK(cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST));
+  // Our own workspace: cublasSetStream resets it to the default pool, which
+  // may allocate inside a CUDA graph capture.
+  workspace_bytes_ = 32u << 20;
+  workspace_ = allocate(workspace_bytes_);
+  CUDA_CHECK(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
+}
+
+CudaMoments::~CudaMoments() {
+  int prev = -1;
+  cudaGetDevice(&prev);
+  cudaSetDevice(device_);
+  cudaDeviceSynchronize();  // pending work may still write the buffers
+  free_all();
+  if (workspace_) cudaFree(workspace_);
+  if (order_event_) cudaEventDestroy(order_event_);
+  if (handle_) cublasDestroy(handle_);
+  cudaGetLastError();
+  if (prev >= 0) cudaSetDevice(prev);
+}
+
+void CudaMoments::free_all() {
+  for (void* p : {(void*)s_.hdr, (void*)s_.mean, (void*)s_.M, (void*)s_.out_mean, (void*)s_.B, (void*)s_.A,
+                  (void*)s_.tgt_mean, (void*)s_.Bt, (void*)s_.At, (void*)s_.class_counts, (void*)s_.class_sums})
+    if (p) cudaFree(p);
+  s_ = DeviceState();
+  for (Buf* b : {&xs_, &fs_, &ts_, &Mb_, &Bb_, &Ab_, &Btb_, &Atb_, &mu_, &nu_, &tau_, &partial_, &tiles_}) {
+    if (b->ptr) cudaFree(b->ptr);
+    *b = Buf();
+  }
+  tiles_for_p_ = tiles_for_bs_ = -1;
+}
+
+void CudaMoments::ensure(Buf& b, size_t bytes) {
+  if (b.bytes >= bytes) return;
+  // Growing frees memory a pending kernel may read: wait for the device first.
+  if (b.ptr) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaFree(b.ptr));
+    b = Buf();
+    if (&b == &xs_ || &b == &Mb_) tiles_for_p_ = -1;
+  }
+  b.ptr = allocate(bytes);
+  b.bytes = bytes;
+}
+
+void CudaMoments::shape(int64_t p, int64_t c, int64_t t, int64_t k) {
+  p_ = p;
+  c_ = c;
+  t_ = t;
+  k_ = k;
+  auto zeros = [](size_t count, size_t es) {
+    void* ptr = allocate(count * es);
+    if (ptr) CUDA_CHECK(cudaMemset(ptr, 0, count * es));
+    return ptr;
+  };
+  const size_t P = p, C = c > 0 ? c : 0, T = t > 0 ? t : 0, K = k > 0 ? k : 0;
+  s_.hdr = static_cast<Header*>(zeros(1, sizeof(Header)));
+  s_.mean = static_cast<double*>(zeros(P, 8));
+  s_.M = static_cast<double*>(zeros(P * P, 8));
+  s_.out_mean = static_cast<double*>(zeros(C, 8));
+  s_.B = static_cast<double*>(zeros(P * C, 8));
+  s_.A = static_cast<double*>(zeros(C * C, 8));
+  s_.tgt_mean = static_cast<double*>(zeros(T, 8));
+  s_.Bt = static_cast<double*>(zeros(P * T, 8));
+  s_.At = static_cast<double*>(zeros(T * T, 8));
+  s_.class_counts = static_cast<long long*>(zeros(K, 8));
+  s_.class_sums = static_cast<double*>(zeros(K * P, 8));
+  CUDA_CHECK(cudaDeviceSynchronize());  // memsets are done before any stream uses the buffers
+}
+
+void CudaMoments::grow_classes(int64_t k, cudaStream_t stream) {
+  if (k <= k_) return;
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  const size_t K = k, P = p_, K0 = k_ > 0 ? k_ : 0;
+  long long* counts = static_cast<long long*>(allocate(K * 8));
+  double* sums = static_cast<double*>(allocate(K * P * 8));
+  CUDA_CHECK(cudaMemset(counts, 0, K * 8));
+  CUDA_CHECK(cudaMemset(sums, 0, K * P * 8));
+  if (K0) {
+    CUDA_CHECK(cudaMemcpy(counts, s_.class_counts, K0 * 8, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaMemcpy(sums, s_.class_sums, K0 * P * 8, cudaMemcpyDeviceToDevice));
+  }
+  if (s_.class_counts) CUDA_CHECK(cudaFree(s_.class_counts));
+  if (s_.class_sums) CUDA_CHECK(cudaFree(s_.class_sums));
+  s_.class_counts = counts;
+  s_.class_sums = sums;
+  k_ = k;
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+void CudaMoments::set_product(Product algo, int block) {
+  if (block < 16) throw std::invalid_argument("block size must be at least 16");
+  algo_ = algo;
+  block_ = block;
+}
+
+void CudaMoments::order_after_last(cudaStream_t stream) {
+  // Successive updates on different streams write the same state: the new
+  // stream waits (on the device) for the work queued on the previous one.
+  if (have_last_stream_ && last_stream_ != stream) {
+    CUDA_CHECK(cudaEventRecord(order_event_, last_stream_));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, order_event_, 0));
+  }
+  last_stream_ = stream;
+  have_last_stream_ = true;
+}
+
+// ---- validation (host: shapes and dtypes only; data is checked on the device) --
+
+namespace {
+
+void check_float_matrix(const Matrix& m, const char* name, int64_t rows, int64_t width) {
+  if (!is_float(m.dtype)) {
+    std::ostringstream os;
+    os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_str(m.dtype);
+    throw type_error(os.str());
+  }
+  std::ostringstream os;
+  if (m.cols < 1) os << name << " must have at least one column, got shape (" << m.rows << ", " << m.cols << ")";
+  else if (m.rows != rows) os << name << " has " << m.rows << " rows but features have " << rows;
+  else if (width >= 0 && m.cols != width) os << name << " have " << m.cols << " columns but earlier updates had " << width;
+  else if (m.ld < m.cols) os << name << ": row stride " << m.ld << " is smaller than the width " << m.cols;
+  else if (m.rows > 0 && m.ptr == nullptr) os << name << ": null pointer";
+  const std::string msg = os.str();
+  if (!msg.empty()) throw std::invalid_argument(msg);
+}
+
+}  // namespace
+
+// ---- update -------------------------------------------------------------------
+
+void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
+                         Precision prec, cudaStream_t stream) {
+  if (!is_float(x.dtype)) {
+    std::ostringstream os;
+    os << "features must be float32, float64, float16 or bfloat16, got " << dtype_str(x.dtype);
+    throw type_error(os.str());
+  }
+  if (x.rows < 0) throw std::invalid_argument("features: negative row count");
+  const bool started = p_ >= 0;
+  if (started) {
+    auto stream_check = [](bool had, bool has, const char* name) {
+      if (had && !has)
+        throw std::invalid_argument(std::string("this Moments streamed ") + name + " before; pass " + name +
+                                    "= on every update");
+      if (!had && has)
+        throw std::invalid_argument(std::string("this Moments was started without ") + name +
+                                    "; a stream cannot be added later (use a new Moments)");
+    };
+    stream_check(c_ >= 0, outputs != nullptr, "outputs");
+    stream_check(t_ >= 0, targets != nullptr, "targets");
+    stream_check(k_ >= 0, labels != nullptr, "labels");
+  }
+  check_float_matrix(x, "features", x.rows, started ? p_ : -1);
+  if (outputs) check_float_matrix(*outputs, "outputs", x.rows, started ? c_ : -1);
+  if (targets) check_float_matrix(*targets, "targets", x.rows, started ? t_ : -1);
+  if (labels) {
+    if (labels->dtype != DType::i32 && labels->dtype != DType::i64)
+      throw type_error(std::string("labels must be integers (int32 or int64), got ") + dtype_str(labels->dtype));
+    if (labels->rows != x.rows) {
+      std::ostringstream os;
+      os << "labels has " << labels->rows << " rows but features have " << x.rows;
+      throw std::invalid_argument(os.str());
+    }
+    if (labels->rows > 0 && labels->ptr == nullptr) throw std::invalid_argument("labels: null pointer");
+  }
+  if (x.rows == 0) return;
+
+  DeviceGuard g(device_);
+  const int64_t nb = x.rows, p = x.cols;
+  if (!started)
+    shape(p, outputs ? outputs->cols : -1, targets ? targets->cols : -1,
+          labels ? std::max<int64_t>(num_classes_, 0) : -1);
+  order_after_last(stream);
+  Header* h = s_.hdr;
+  unsigned long long* bad = reinterpret_cast<unsigned long long*>(h->batch_bad);
+
+  if (labels && num_classes_ < 0) {
+    // Without num_classes the class arrays follow the largest label, which
+    // only the device knows: the one synchronising case of update.
+    CUDA_CHECK(cudaMemsetAsync(&h->max_label, 0xff, sizeof(long long), stream));
+    dispatch_int(labels->dtype, [&](auto tag) {
+      using Ti = decltype(tag);
+      max_label<Ti><<<std::min<long long>(1024, (nb + 255) / 256), 256, 0, stream>>>(
+          static_cast<const Ti*>(labels->ptr), nb, labels->ld, h);
+    });
+    LAUNCH_CHECK("max_label");
+    long long mx = -1;
+    CUDA_CHECK(cudaMemcpyAsync(&mx, &h->max_label, sizeof(long long), cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    grow_classes(mx + 1, stream);
+  }
+
+  // Scratch (sizes in bytes, by product precision).
+  const size_t ies = in_size(prec), oes = out_size(prec);
+  const int64_t c = outputs ? outputs->cols : 0, t = targets ? targets->cols : 0;
+  const int64_t widest = std::max<int64_t>(p, std::max<int64_t>(c, t));
+  const long long chunks = (nb + kChunkRows - 1) / kChunkRows;
+  ensure(partial_, (size_t)chunks * widest * 8);
+  ensure(mu_, (size_t)p * 8);
+  ensure(xs_, (size_t)nb * p * ies);
+  ensure(Mb_, (size_t)p * p * oes);
+  if (outputs) {
+    ensure(nu_, (size_t)c * 8);
+    ensure(fs_, (size_t)nb * c * ies);
+    ensure(Bb_, (size_t)p * c * oes);
+    ensure(Ab_, (size_t)c * c * oes);
+  }
+  if (targets) {
+    ensure(tau_, (size_t)t * 8);
+    ensure(ts_, (size_t)nb * t * ies);
+    ensure(Btb_, (size_t)p * t * oes);
+    ensure(Atb_, (size_t)t * t * oes);
+  }
+
+  CUDA_CHECK(cudaMemsetAsync(h->batch_bad, 0, sizeof(h->batch_bad), stream));
+  double* mu = static_cast<double*>(mu_.ptr);
+  double* nu = static_cast<double*>(nu_.ptr);
+  double* tau = static_cast<double*>(tau_.ptr);
+  double* partial = static_cast<double*>(partial_.ptr);
+  launch_means(x, partial, mu, bad + 0, stream);
+  if (outputs) launch_means(*outputs, partial, nu, bad + 1, stream);
+  if (targets) launch_means(*targets, partial, tau, bad + 2, stream);
+  if (labels) {
+    const long long limit = num_classes_ >= 0 ? num_classes_ : k_;
+    dispatch_int(labels->dtype, [&](auto tag) {
+      using Ti = decltype(tag);
+      check_labels<Ti><<<(unsigned)std::min<long long>(1024, (nb + 255) / 256), 256, 0, stream>>>(
+          static_cast<const Ti*>(labels->ptr), nb, labels->ld, limit, h);
+    });
+    LAUNCH_CHECK("check_labels");
+  }
+
+  launch_center(x, mu, prec, xs_.ptr, stream);
+  if (outputs) launch_center(*outputs, nu, prec, fs_.ptr, stream);
+  if (targets) launch_center(*targets, tau, prec, ts_.ptr, stream);
+
+  CUBLAS_CHECK(cublasSetStream(handle_, stream));
+  CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, workspace_bytes_));
+  product_M(prec, nb, stream);
+  if (outputs) product_cross(prec, nb, c, fs_.ptr, Bb_.ptr, Ab_.ptr, stream);
+  if (targets) product_cross(prec, nb, t, ts_.ptr, Btb_.ptr, Atb_.ptr, stream);
+
+  // float64 merge; every kernel reads the device's error counts and leaves
+  // the state untouched for a bad batch.
+  auto sym = [&](double* S, const void* Sb, long long n, const double* ma, const double* mb) {
+    const unsigned tiles = (unsigned)((n + 31) / 32);
+    if (prec == Precision::fp64)
+      merge_sym<double><<<dim3(tiles, tiles), dim3(32, 8), 0, stream>>>(S, static_cast<const double*>(Sb), n, ma, mb,
+                                                                       h, nb, true);
+    else
+      merge_sym<float><<<dim3(tiles, tiles), dim3(32, 8), 0, stream>>>(S, static_cast<const float*>(Sb), n, ma, mb,
+                                                                      h, nb, true);
+    LAUNCH_CHECK("merge_sym");
+  };
+  auto cross = [&](double* Bs, const void* Bg, long long w, const double* ga, const double* gb) {
+    dim3 grid((unsigned)((w + 127) / 128), grid_y(p));
+    if (prec == Precision::fp64)
+      merge_cross<double><<<grid, 128, 0, stream>>>(Bs, static_cast<const double*>(Bg), p, w, s_.mean, mu, ga, gb,
+                                                    h, nb, true);
+    else
+      merge_cross<float><<<grid, 128, 0, stream>>>(Bs, static_cast<const float*>(Bg), p, w, s_.mean, mu, ga, gb, h,
+                                                   nb, true);
+    LAUNCH_CHECK("merge_cross");
+  };
+  sym(s_.M, Mb_.ptr, p, s_.mean, mu);
+  if (outputs) {
+    cross(s_.B, Bb_.ptr, c, s_.out_mean, nu);
+    sym(s_.A, Ab_.ptr, c, s_.out_mean, nu);
+  }
+  if (targets) {
+    cross(s_.Bt, Btb_.ptr, t, s_.tgt_mean, tau);
+    sym(s_.At, Atb_.ptr, t, s_.tgt_mean, tau);
+  }
+  if (labels) {
+    dim3 grid((unsigned)((p + 255) / 256), grid_y(nb));
+    dispatch_float(x.dtype, [&](auto xt) {
+      using Tin = decltype(xt);
+      dispatch_int(labels->dtype, [&](auto yt) {
+        using Ti = decltype(yt);
+        class_sums<Tin, Ti><<<grid, 256, 0, stream>>>(static_cast<const Tin*>(x.ptr), nb, p, x.ld,
+                                                       static_cast<const Ti*>(labels->ptr), labels->ld, s_.class_sums,
+                                                       s_.class_counts, h);
+      });
+    });
+    LAUNCH_CHECK("class_sums");
+  }
+  finalize<<<1, 1024, 0, stream>>>(h, nb, s_.mean, mu, p, s_.out_mean, nu, outputs ? c : 0, s_.tgt_mean, tau,
+                                    targets ? t : 0, true);
+  LAUNCH_CHECK("finalize");
+  precision_ = std::max(precision_, prec);
+}
+
+// ---- products -------------------------------------------------------------------
+
+namespace {
+
+void gemm_nt(cublasHandle_t hd, Precision prec, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda,
+             const void* B, int64_t ldb, void* C, int64_t ldc) {
+  const double one_d = 1.0, zero_d = 0.0;
+  const float one_f = 1.0f, zero_f = 0.0f;
+  const bool d = prec == Precision::fp64;
+  CUBLAS_CHECK(cublasGemmEx(hd, CUBLAS_OP_N, CUBLAS_OP_T, (int)m, (int)n, (int)k, d ? (const void*)&one_d : &one_f, A,
+                            in_type(prec), (int)lda, B, in_type(prec), (int)ldb, d ? (const void*)&zero_d : &zero_f,
+                            C, out_type(prec), (int)ldc, compute_type(prec), CUBLAS_GEMM_DEFAULT));
+}
+
+// Lower triangle (column-major) of C = A A^T, A n x k column-major (lda = n).
+void syrk_lower(cublasHandle_t hd, Precision prec, int64_t n, int64_t k, const void* A, void* C) {
+  if (prec == Precision::fp64) {
+    const double one = 1.0, zero = 0.0;
+    CUBLAS_CHECK(cublasDsyrk(hd, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)n, (int)k, &one,
+                             static_cast<const double*>(A), (int)n, &zero, static_cast<double*>(C), (int)n));
+  } else if (prec == Precision::bf16) {
+    gemm_nt(hd, prec, n, n, k, A, n, A, n, C, n);  // no bf16 syrk in cuBLAS
+  } else {
+    const float one = 1.0f, zero = 0.0f;
+    if (prec == Precision::tf32) CUBLAS_CHECK(cublasSetMathMode(hd, CUBLAS_TF32_TENSOR_OP_MATH));
+    const cublasStatus_t st = cublasSsyrk(hd, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)n, (int)k, &one,
+                                          static_cast<const float*>(A), (int)n, &zero, static_cast<float*>(C), (int)n);
+    if (prec == Precision::tf32) CUBLAS_CHECK(cublasSetMathMode(hd, CUBLAS_DEFAULT_MATH));
+    CUBLAS_CHECK(st);
+  }
+}
+
+}  // namespace
+
+void CudaMoments::product_M(Precision prec, int64_t nb, cudaStream_t stream) {
+  const int64_t p = p_;
+  const size_t ies = in_size(prec), oes = out_size(prec);
+  char* xs = static_cast<char*>(xs_.ptr);
+  char* Mb = static_cast<char*>(Mb_.ptr);
+  Product algo = algo_;
+  if (algo == Product::automatic)
+    algo = (prec == Precision::fp64 || prec == Precision::fp32) ? Product::syrk : Product::gemm;
+  const int64_t bs = block_;
+  if (algo == Product::tiles && (prec == Precision::fp64 || p % bs != 0 || p / bs < 2)) algo = Product::block_rows;
+  if (algo == Product::syrk && prec == Precision::bf16) algo = Product::gemm;
+
+  switch (algo) {
+    case Product::syrk:
+      syrk_lower(handle_, prec, p, nb, xs, Mb);
+      break;
+    case Product::gemm:
+      gemm_nt(handle_, prec, p, p, nb, xs, p, xs, p, Mb, p);
+      break;
+    case Product::block_rows:
+      // Block-row i of the lower triangle: rows [r0, r0+rows), columns [0, r0+rows).
+      for (int64_t r0 = 0; r0 < p; r0 += bs) {
+        const int64_t rows = std::min(bs, p - r0);
+        gemm_nt(handle_, prec, rows, r0 + rows, nb, xs + r0 * ies, p, xs, p, Mb + r0 * oes, p);
+      }
+      break;
+    case Product::tiles: {
+      const long long nbt = p / bs, count = nbt * (nbt + 1) / 2;
+      ensure(tiles_, (size_t)count * 3 * sizeof(void*));
+      const void** A = static_cast<const void**>(tiles_.ptr);
+      const void** B = A + count;
+      void** C = const_cast<void**>(B + count);
+      if (tiles_for_p_ != p || tiles_for_bs_ != bs || tiles_elem_ != ies) {
+        tile_pointers<<<1, 256, 0, stream>>>(xs, Mb, p, bs, (long long)ies, nbt, A, B, C);
+        LAUNCH_CHECK("tile_pointers");
+        tiles_for_p_ = (int)p;
+        tiles_for_bs_ = (int)bs;
+        tiles_elem_ = ies;
+      }
+      const float one = 1.0f, zero = 0.0f;
+      CUBLAS_CHECK(cublasGemmBatchedEx(handle_, CUBLAS_OP_N, CUBLAS_OP_T, (int)bs, (int)bs, (int)nb, &one, A,
+                                       in_type(prec), (int)p, B, in_type(prec), (int)p, &zero, C, out_type(prec),
+                                       (int)p, (int)count, compute_type(prec), CUBLAS_GEMM_DEFAULT));
+      break;
+    }
+    default:
+      throw std::invalid_argument("unknown product algorithm");
+  }
+}
+
+void CudaMoments::product_cross(Precision prec, int64_t nb, int64_t w, const void* gs, void* Bg, void* Ag,
+                                cudaStream_t) {
+  // B_g (p x w row-major = w x p column-major) = G_c^T X_c.
+  gemm_nt(handle_, prec, w, p_, nb, gs, w, xs_.ptr, p_, Bg, w);
+  if (prec == Precision::fp64 || prec == Precision::fp32) syrk_lower(handle_, prec, w, nb, gs, Ag);
+  else gemm_nt(handle_, prec, w, w, nb, gs, w, gs, w, Ag, w);
+}
+
+// ---- synchronising calls ----------------------------------------------------------
+
+void CudaMoments::sync_and_check() {
+  DeviceGuard g(device_);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  if (!s_.hdr) return;
+  Header hh;
+  CUDA_CHECK(cudaMemcpy(&hh, s_.hdr, sizeof(Header), cudaMemcpyDeviceToHost));
+  if (hh.skipped == 0) return;
+  // Clear the pending error first: the state itself is intact (bad batches
+  // were skipped), so the object stays usable after the exception.
+  CUDA_CHECK(cudaMemset(&s_.hdr->total_bad, 0, sizeof(hh.total_bad) + sizeof(hh.skipped)));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::ostringstream os;
+  os << hh.skipped << (hh.skipped == 1 ? " batch was" : " batches were") << " not added (checked on the device): ";
+  const char* names[3] = {"features", "outputs", "targets"};
+  bool first = true;
+  for (int q = 0; q < 3; ++q)
+    if (hh.total_bad[q]) {
+      os << (first ? "" : "; ") << names[q] << " contain " << hh.total_bad[q] << " non-finite value"
+         << (hh.total_bad[q] == 1 ? "" : "s") << " (NaN or Inf)";
+      first = false;
+    }
+  if (hh.total_bad[3]) {
+    os << (first ? "" : "; ") << "labels out of range: " << hh.total_bad[3] << " label"
+       << (hh.total_bad[3] == 1 ? "" : "s");
+    if (num_classes_ >= 0) os << " outside 0.." << num_classes_ - 1 << " (num_classes=" << num_classes_ << ")";
+    else os << " negative (labels must be >= 0)";
+  }
+  throw std::invalid_argument(os.str());
+}
+
+int64_t CudaMoments::n() {
+  sync_and_check();
+  if (!s_.hdr) return 0;
+  long long n = 0;
+  DeviceGuard g(device_);
+  CUDA_CHECK(cudaMemcpy(&n, &s_.hdr->n, sizeof(long long), cudaMemcpyDeviceToHost));
+  return n;
+}
+
+void CudaMoments::reset() {
+  DeviceGuard g(device_);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  free_all();
+  p_ = c_ = t_ = k_ = -1;
+  precision_ = Precision::fp64;
+  have_last_stream_ = false;
+}
+
+namespace {
+
+std::vector<double> fetch(const double* d, size_t count) {
+  std::vector<double> v(count);
+  if (count) CUDA_CHECK(cudaMemcpy(v.data(), d, count * 8, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// Column-major lower triangle (device layout) -> full symmetric.
+std::vector<double> fetch_symmetric(const double* d, int64_t n) {
+  std::vector<double> raw = fetch(d, (size_t)(n * n));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < i; ++j) raw[j * n + i] = raw[i * n + j] = raw[j * n + i];
+  return raw;
+}
+
+void put(double* d, const std::vector<double>& v) {
+  if (!v.empty()) CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * 8, cudaMemcpyHostToDevice));
+}
+
+// Row-major lower triangle (host State) -> column-major lower (device).
+void put_symmetric(double* d, const std::vector<double>& rowmajor_lower, int64_t n) {
+  std::vector<double> t((size_t)(n * n), 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j <= i; ++j) t[j * n + i] = rowmajor_lower[i * n + j];
+  put(d, t);
+}
+
+}  // namespace
+
+State CudaMoments::download() {
+  sync_and_check();
+  DeviceGuard g(device_);
+  State s;
+  s.num_classes = num_classes_;
+  s.precision = precision_;
+  if (p_ < 0) return s;
+  Header hh;
+  CUDA_CHECK(cudaMemcpy(&hh, s_.hdr, sizeof(Header), cudaMemcpyDeviceToHost));
+  s.n = hh.n;
+  s.p = p_;
+  s.c = c_;
+  s.t = t_;
+  s.k = k_;
+  const int64_t C = std::max<int64_t>(c_, 0), T = std::max<int64_t>(t_, 0), K = std::max<int64_t>(k_, 0);
+  s.mean = fetch(s_.mean, p_);
+  s.M = fetch_symmetric(s_.M, p_);
+  s.out_mean = fetch(s_.out_mean, C);
+  s.B = fetch(s_.B, p_ * C);
+  s.A = fetch_symmetric(s_.A, C);
+  s.tgt_mean = fetch(s_.tgt_mean, T);
+  s.Bt = fetch(s_.Bt, p_ * T);
+  s.At = fetch_symmetric(s_.At, T);
+  s.class_counts.resize(K);
+  if (K) CUDA_CHECK(cudaMemcpy(s.class_counts.data(), s_.class_counts, K * 8, cudaMemcpyDeviceToHost));
+  s.class_sums = fetch(s_.class_sums, K * p_);
+  if (hh.n == 0) {  // shaped by a batch that was skipped: report an empty state, as the CPU does
+    State e;
+    e.num_classes = num_classes_;
+    return e;
+  }
+  return s;
+}
+
+void CudaMoments::upload(const State& s) {
+  DeviceGuard g(device_);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  free_all();
+  p_ = c_ = t_ = k_ = -1;
+  have_last_stream_ = false;
+  num_classes_ = s.num_classes;
+  precision_ = s.precision;
+  if (s.p < 0 || s.n == 0) return;
+  shape(s.p, s.c, s.t, s.k);
+  Header hh{};
+  hh.n = s.n;
+  CUDA_CHECK(cudaMemcpy(s_.hdr, &hh, sizeof(Header), cudaMemcpyHostToDevice));
+  put(s_.mean, s.mean);
+  put_symmetric(s_.M, s.M, s.p);
+  put(s_.out_mean, s.out_mean);
+  put(s_.B, s.B);
+  if (s.c > 0) put_symmetric(s_.A, s.A, s.c);
+  put(s_.tgt_mean, s.tgt_mean);
+  put(s_.Bt, s.Bt);
+  if (s.t > 0) put_symmetric(s_.At, s.At, s.t);
+  if (s.k > 0) {
+    CUDA_CHECK(cudaMemcpy(s_.class_counts, s.class_counts.data(), s.k * 8, cudaMemcpyHostToDevice));
+    put(s_.class_sums, s.class_sums);
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+void CudaMoments::export_to(const Targets& o) {
+  sync_and_check();
+  if (p_ < 0) return;
+  DeviceGuard g(device_);
+  auto copy = [](double* dst, const double* src, size_t count) {
+    if (count && dst) CUDA_CHECK(cudaMemcpy(dst, src, count * 8, cudaMemcpyDeviceToDevice));
+  };
+  auto sym = [](double* dst, const double* src, int64_t n) {
+    if (n <= 0 || !dst) return;
+    symmetrize<<<dim3((unsigned)((n + 255) / 256), grid_y(n)), 256>>>(src, n, dst);
+    LAUNCH_CHECK("symmetrize");
+  };
+  const int64_t C = std::max<int64_t>(c_, 0), T = std::max<int64_t>(t_, 0), K = std::max<int64_t>(k_, 0);
+  copy(o.mean, s_.mean, p_);
+  sym(o.M, s_.M, p_);
+  copy(o.out_mean, s_.out_mean, C);
+  copy(o.B, s_.B, p_ * C);
+  sym(o.A, s_.A, C);
+  copy(o.tgt_mean, s_.tgt_mean, T);
+  copy(o.Bt, s_.Bt, p_ * T);
+  sym(o.At, s_.At, T);
+  if (K && o.class_counts) CUDA_CHECK(cudaMemcpy(o.class_counts, s_.class_counts, K * 8, cudaMemcpyDeviceToDevice));
+  copy(o.class_sums, s_.class_sums, K * p_);
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// ---- merge of two states --------------------------------------------------------
+
+void CudaMoments::merge(CudaMoments& other) {
+  if (&other == this) {
+    State s = download();
+    CudaMoments tmp(num_classes_, device_);
+    tmp.upload(s);
+    merge(tmp);
+    return;
+  }
+  sync_and_check();
+  const int64_t on = other.n();  // raises the other's pending error, if any
+  if (other.p_ < 0 || on == 0) return;
+  if (other.device_ != device_) {
+    CudaMoments tmp(other.num_classes_, device_);
+    tmp.upload(other.download());
+    merge(tmp);
+    return;
+  }
+  const int64_t here = n();
+  if (p_ >= 0 && here > 0) {
+    auto differ = [](const char* what, int64_t a, int64_t b) {
+      std::ostringstream os;
+      os << "cannot merge: " << what << " differ (" << a << " here, " << b << " in the other)";
+      throw std::invalid_argument(os.str());
+    };
+    if (other.p_ != p_) differ("feature widths", p_, other.p_);
+    if ((other.c_ < 0) != (c_ < 0)) throw std::invalid_argument("cannot merge: only one side streamed outputs");
+    if ((other.t_ < 0) != (t_ < 0)) throw std::invalid_argument("cannot merge: only one side streamed targets");
+    if ((other.k_ < 0) != (k_ < 0)) throw std::invalid_argument("cannot merge: only one side streamed labels");
+    if (c_ >= 0 && other.c_ != c_) differ("output widths", c_, other.c_);
+    if (t_ >= 0 && other.t_ != t_) differ("target widths", t_, other.t_);
+    if (k_ >= 0 && num_classes_ >= 0 && other.k_ > num_classes_) differ("class counts", num_classes_, other.k_);
+  } else {
+    if (num_classes_ >= 0 && other.k_ > num_classes_) {
+      std::ostringstream os;
+      os << "cannot merge: the other state has " << other.k_ << " classes, more than num_classes=" << num_classes_;
+      throw std::invalid_argument(os.str());
+    }
+    DeviceGuard g(device_);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    free_all();
+    shape(other.p_, other.c_, other.t_, other.k_ < 0 ? -1 : std::max<int64_t>(other.k_, num_classes_));
+  }
+  merge_state_device(other, on);
+}
+
+void CudaMoments::merge_state_device(const CudaMoments& o, int64_t on) {
+  DeviceGuard g(device_);
+  cudaStream_t s = 0;
+  if (o.k_ > k_) grow_classes(o.k_, s);
+  Header* h = s_.hdr;
+  const long long p = p_;
+  auto sym = [&](double* S, const double* Sb, long long n, const double* ma, const double* mb) {
+    const unsigned tiles = (unsigned)((n + 31) / 32);
+    merge_sym<double><<<dim3(tiles, tiles), dim3(32, 8), 0, s>>>(S, Sb, n, ma, mb, h, on, false);
+    LAUNCH_CHECK("merge_sym");
+  };
+  auto cross = [&](double* Bs, const double* Bg, long long w, const double* ga, const double* gb) {
+    merge_cross<double><<<dim3((unsigned)((w + 127) / 128), grid_y(p)), 128, 0, s>>>(Bs, Bg, p, w, s_.mean,
+                                                                                      o.s_.mean, ga, gb, h, on, false);
+    LAUNCH_CHECK("merge_cross");
+  };
+  sym(s_.M, o.s_.M, p, s_.mean, o.s_.mean);
+  if (c_ > 0) {
+    cross(s_.B, o.s_.B, c_, s_.out_mean, o.s_.out_mean);
+    sym(s_.A, o.s_.A, c_, s_.out_mean, o.s_.out_mean);
+  }
+  if (t_ > 0) {
+    cross(s_.Bt, o.s_.Bt, t_, s_.tgt_mean, o.s_.tgt_mean);
+    sym(s_.At, o.s_.At, t_, s_.tgt_mean, o.s_.tgt_mean);
+  }
+  if (o.k_ > 0) {
+    add_classes<<<1024, 256, 0, s>>>(s_.class_sums, s_.class_counts, o.s_.class_sums, o.s_.class_counts, o.k_, p);
+    LAUNCH_CHECK("add_classes");
+  }
+  finalize<<<1, 1024, 0, s>>>(h, on, s_.mean, o.s_.mean, p, s_.out_mean, o.s_.out_mean, std::max<int64_t>(c_, 0),
+                              s_.tgt_mean, o.s_.tgt_mean, std::max<int64_t>(t_, 0), false);
+  LAUNCH_CHECK("finalize");
+  CUDA_CHECK(cudaDeviceSynchronize());
+  precision_ = std::max(precision_, o.precision_);
+  have_last_stream_ = false;
+}
+
+// ---- facts ------------------------------------------------------------------------
+
+std::string device_info(int device) {
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  int drv = 0, rt = 0;
+  CUDA_CHECK(cudaDriverGetVersion(&drv));
+  CUDA_CHECK(cudaRuntimeGetVersion(&rt));
+  int cublas_version = 0;
+  cublasHandle_t h = nullptr;
+  {
+    DeviceGuard g(device);
+    CUBLAS_CHECK(cublasCreate(&h));
+    cublasGetVersion(h, &cublas_version);
+    cublasDestroy(h);
+  }
+  std::ostringstream os;
+  os << prop.name << " (sm_" << prop.major << prop.minor << ", " << prop.multiProcessorCount << " SMs, "
+     << (prop.totalGlobalMem >> 20) << " MiB), CUDA driver " << drv / 1000 << "." << (drv % 1000) / 10 << ", runtime "
+     << rt / 1000 << "." << (rt % 1000) / 10 << ", cuBLAS " << cublas_version;
+  return os.str();
+}
+
+}  // namespace cuda
+}  // namespace richness

@@ -1,0 +1,143 @@
+// CUDA backend of the streamed float64 co-moment state (SPEC.md).
+//
+// The same state and Chan merge as the CPU backend (../moments.hpp), held in
+// device memory. A batch is validated on the host (shapes, dtypes: no data is
+// read there); everything that reads data runs on the caller's stream:
+//   column means in float64 -> centering and narrowing to the product type ->
+//   cuBLAS products into scratch -> float64 merge kernels -> mean/n update.
+// Non-finite values and out-of-range labels are counted on the device; the
+// merge kernels read that count and skip the batch, and the error is raised at
+// the next synchronising call (n, get_state, merge, reset). So update() never
+// waits for the device (one exception: labels without num_classes, where the
+// class arrays must be sized from the largest label).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../moments.hpp"  // DType, Precision, Matrix, State (data only)
+
+typedef struct cublasContext* cublasHandle_t;
+
+namespace richness {
+namespace cuda {
+
+// How the p x p product X^T X is formed. Only its lower triangle is read.
+enum class Product : int {
+  automatic = 0,  // syrk for fp64/fp32, full gemm for tf32/bf16 (measured on H200, see RESULTS_GPU.md)
+  syrk = 1,       // cublas{S,D}syrk (tf32: Ssyrk under TF32 math mode)
+  gemm = 2,       // one cublasGemmEx over the full square
+  block_rows = 3, // one cublasGemmEx per block-row of the lower triangle
+  tiles = 4,      // cublasGemmBatchedEx over the lower bs x bs tiles (p % bs == 0)
+};
+
+// Device-side bookkeeping, read by the kernels (never by the host in update).
+struct Header {
+  long long n;             // samples merged
+  long long batch_bad[4];  // this batch: non-finite features/outputs/targets, bad labels
+  long long total_bad[4];  // since the last synchronising call
+  long long skipped;       // batches skipped since the last synchronising call
+  long long max_label;     // scratch for growing the class arrays
+};
+
+struct DeviceState {
+  Header* hdr = nullptr;
+  double* mean = nullptr;      // p
+  double* M = nullptr;         // p x p, lower triangle (column-major i >= j) valid
+  double* out_mean = nullptr;  // c
+  double* B = nullptr;         // p x c, row-major (= column-major c x p)
+  double* A = nullptr;         // c x c, lower valid
+  double* tgt_mean = nullptr;  // t
+  double* Bt = nullptr;        // p x t
+  double* At = nullptr;        // t x t, lower valid
+  long long* class_counts = nullptr;  // k
+  double* class_sums = nullptr;       // k x p, row-major raw sums
+};
+
+class CudaMoments {
+ public:
+  CudaMoments(int64_t num_classes, int device);
+  ~CudaMoments();
+  CudaMoments(const CudaMoments&) = delete;
+  CudaMoments& operator=(const CudaMoments&) = delete;
+
+  // Enqueues one batch on `stream` (cudaStream_t; 0 = legacy default stream).
+  void update(const Matrix& features, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
+              Precision precision, cudaStream_t stream);
+  void merge(CudaMoments& other);  // synchronises both
+  void reset();
+
+  // Synchronising accessors: each raises a pending device-side error first.
+  int64_t n();
+  State download();                 // float64 host copy (symmetric matrices filled)
+  void upload(const State& s);      // replaces the state
+  // Copies the state into caller-allocated device buffers (symmetric matrices
+  // filled); keys as in State. Returns after the copies have completed.
+  struct Targets {
+    double *mean = nullptr, *M = nullptr, *out_mean = nullptr, *B = nullptr, *A = nullptr,
+           *tgt_mean = nullptr, *Bt = nullptr, *At = nullptr, *class_sums = nullptr;
+    long long* class_counts = nullptr;
+  };
+  void export_to(const Targets& t);
+
+  // Shape facts known on the host without synchronising.
+  int64_t p() const { return p_; }
+  int64_t c() const { return c_; }
+  int64_t t() const { return t_; }
+  int64_t k() const { return k_; }
+  int64_t num_classes() const { return num_classes_; }
+  Precision precision() const { return precision_; }
+  int device() const { return device_; }
+
+  void set_product(Product algo, int block);
+  Product product() const { return algo_; }
+  int block() const { return block_; }
+
+ private:
+  int device_;
+  int64_t num_classes_;
+  int64_t p_ = -1, c_ = -1, t_ = -1, k_ = -1;
+  Precision precision_ = Precision::fp64;
+  Product algo_ = Product::automatic;
+  int block_ = 512;
+
+  cublasHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  cudaStream_t last_stream_ = nullptr;
+  bool have_last_stream_ = false;
+  cudaEvent_t order_event_ = nullptr;
+
+  DeviceState s_;
+  // Scratch, grown on demand (growth allocates, so it synchronises; warm up
+  // with the largest batch before capturing a CUDA graph).
+  struct Buf {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_, tiles_;
+  int tiles_for_p_ = -1, tiles_for_bs_ = -1;
+  long long tile_count_ = 0;
+  size_t tiles_elem_ = 0;
+
+  void ensure(Buf& b, size_t bytes);
+  void free_all();
+  void shape(int64_t p, int64_t c, int64_t t, int64_t k);
+  void grow_classes(int64_t k, cudaStream_t stream);
+  void sync_and_check();  // waits for the device; raises and clears pending errors
+  void order_after_last(cudaStream_t stream);
+  void product_M(Precision prec, int64_t nb, cudaStream_t stream);
+  void product_cross(Precision prec, int64_t nb, int64_t width, const void* gs, void* Bg, void* Ag,
+                     cudaStream_t stream);
+  void merge_state_device(const CudaMoments& other, int64_t other_n);
+};
+
+// "NVIDIA H200 (sm_90), driver 13.0, runtime 13.0, cuBLAS 130100"
+std::string device_info(int device);
+
+}  // namespace cuda
+}  // namespace richness
