@@ -311,12 +311,14 @@ def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch
         mask = mask.to(feats.device)
         if mask.dtype != torch.bool:
             raise TypeError(f"a tokens mask must be boolean, got dtype {mask.dtype}")
-        if mask.ndim == 1:
+        if mask.ndim == 1 and mask.shape[0] == T:
             mask = mask.expand(b, T)
         if tuple(mask.shape) != (b, T):
             raise ValueError(f"tokens mask has shape {tuple(mask.shape)}, the head input has (batch, tokens) = {(b, T)}")
-    elif attention_mask is not None and tuple(attention_mask.shape) == (b, T):
-        mask = attention_mask.to(feats.device).bool()
+    if attention_mask is not None and tuple(attention_mask.shape) == (b, T):
+        # padding is never counted, whatever else selects the positions
+        pad = attention_mask.to(feats.device).bool()
+        mask = pad if mask is None else mask & pad
     if isinstance(tokens, str) and tokens == "last":
         if mask is None:
             idx = torch.full((b,), T - 1, dtype=torch.long, device=feats.device)

@@ -1,0 +1,478 @@
+"""evaluate, Monitor, torchmetrics.DLR and saved state, on the CPU with tiny models.
+
+Every number is checked against an independent computation: tests/reference.py's
+n x n oracles on activations computed here by plain forward calls, or a
+Moments fed those activations directly.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import richness  # noqa: E402
+from richness import _core  # noqa: E402
+from reference import dlr_naive, nc1_naive  # noqa: E402
+
+
+class MLP(nn.Module):
+    def __init__(self, d=8, h=16, c=4):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, h), nn.Tanh(), nn.Linear(h, h), nn.ReLU())
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(h, c)
+
+    def forward(self, x):
+        return self.fc(self.drop(self.body(x)))
+
+
+def make(n=240, d=8, c=4, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d, generator=g, dtype=dtype) * 2 + 1
+    y = torch.randint(0, c, (n,), generator=g)
+    torch.manual_seed(seed)
+    model = MLP(d, 16, c).to(dtype)
+    return model, X, y
+
+
+def loader(X, y=None, bs=32):
+    ds = torch.utils.data.TensorDataset(X, y) if y is not None else torch.utils.data.TensorDataset(X)
+    return torch.utils.data.DataLoader(ds, batch_size=bs)
+
+
+def acts(model, X):
+    model.eval()
+    with torch.no_grad():
+        H = model.body(X)
+        return H.double().numpy(), model.fc(H).double().numpy()
+
+
+def hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+# -- evaluate -----------------------------------------------------------------
+
+def test_evaluate_matches_oracle_and_direct_moments():
+    model, X, y = make()
+    model.train()  # evaluate must switch to eval (dropout off) and back
+    rep = richness.evaluate(model, loader(X, y), progress=False)
+    assert model.training and model.drop.training
+    H, F = acts(model, X)
+    want, r = dlr_naive(H, F)
+    assert rep.n == 240 and rep.rank == r == 4
+    assert abs(rep.dlr - want) < 1e-12
+    assert abs(rep.nc1 - nc1_naive(H, y.numpy())) < 1e-9 * nc1_naive(H, y.numpy())
+    m = richness.Moments()
+    m.update(H, F, labels=y.numpy())
+    direct = m.compute()
+    np.testing.assert_allclose(rep.eigenvalues, direct.eigenvalues, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(rep.utilization, direct.utilization, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(rep.quality, direct.quality, rtol=1e-9, atol=1e-12)
+    assert hook_count(model) == 0
+
+
+def test_evaluate_held_out_and_head_by_name_and_module():
+    model, X, y = make(n=300)
+    Xt, yt = X[200:], y[200:]
+    X, y = X[:200], y[:200]
+    a = richness.evaluate(model, loader(X, y), test_loader=loader(Xt, yt), head="fc", progress=False)
+    b = richness.evaluate(model, loader(X, y), test_loader=loader(Xt, yt), head=model.fc, progress=False)
+    H, F = acts(model, X)
+    Ht, Ft = acts(model, Xt)
+    m, t = richness.Moments(), richness.Moments()
+    m.update(H, F, labels=y.numpy())
+    t.update(Ht, Ft, labels=yt.numpy())
+    ref = m.compute(test=t)
+    for rep in (a, b):
+        assert abs(rep.dlr - ref.dlr) < 1e-12
+        np.testing.assert_allclose(rep.test_utilization, ref.test_utilization, rtol=1e-9)
+        np.testing.assert_allclose(rep.test_quality, ref.test_quality, rtol=1e-9)
+        np.testing.assert_allclose(rep.test_eigenfunction_norms, ref.test_eigenfunction_norms, rtol=1e-9)
+
+
+class ScaledHead(nn.Module):
+    """A non-linear read-out: outputs are streamed, not derived from weights."""
+
+    def __init__(self, h, c):
+        super().__init__()
+        self.lin = nn.Linear(h, c)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def test_evaluate_non_linear_head_streams_outputs():
+    model, X, y = make()
+    model.fc = ScaledHead(16, 4).double()
+    rep = richness.evaluate(model, loader(X), head="fc", progress=False, precision="fp64")
+    model.eval()
+    with torch.no_grad():
+        H = model.body(X).numpy()
+        F = model(X).numpy()
+    want, _ = dlr_naive(H, F)
+    assert abs(rep.dlr - want) < 1e-12
+    assert rep.nc1 is None
+
+
+def test_float_labels_are_targets():
+    model, X, _ = make()
+    t = torch.randn(240, 2, dtype=torch.float64)
+    rep = richness.evaluate(model, loader(X, t), progress=False)
+    H, F = acts(model, X)
+    m = richness.Moments()
+    m.update(H, F, targets=t.numpy())
+    np.testing.assert_allclose(rep.quality, m.compute().quality, rtol=1e-9)
+
+
+def test_head_not_found_lists_candidates():
+    class PostProcessed(MLP):
+        def forward(self, x):
+            return torch.log_softmax(super().forward(x), dim=1)
+
+    model = PostProcessed().double()
+    X = torch.randn(40, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"'fc' \(Linear 16 -> 4\)"):
+        richness.evaluate(model, loader(X), progress=False)
+    assert hook_count(model) == 0
+    with pytest.raises(ValueError, match="no submodule named 'nope'.*'fc'"):
+        richness.evaluate(model, loader(X), head="nope", progress=False)
+    with pytest.raises(TypeError, match="submodule or its dotted name"):
+        richness.evaluate(model, loader(X), head=np.zeros((4, 16)), progress=False)
+    # with the head named, the post-processed model works
+    rep = richness.evaluate(model, loader(X), head="fc", progress=False)
+    H, _ = acts(model, X)
+    with torch.no_grad():
+        F = model.fc(torch.tensor(H)).numpy()
+    assert abs(rep.dlr - dlr_naive(H, F)[0]) < 1e-12
+
+
+def test_hooks_removed_and_modes_restored_after_exception():
+    model, X, y = make()
+    model.train()
+    model.body.eval()  # a mixed mode must come back exactly
+
+    def bad_loader():
+        yield X[:32], y[:32]
+        yield X[32:64], y[32:64]
+        raise RuntimeError("disk on fire")
+
+    for head in (None, "fc"):
+        with pytest.raises(RuntimeError, match="disk on fire"):
+            richness.evaluate(model, bad_loader(), head=head, progress=False)
+        assert hook_count(model) == 0
+        assert model.training and model.fc.training and not model.body.training
+    # a failing forward also cleans up
+    with pytest.raises(RuntimeError):
+        richness.evaluate(model, loader(torch.randn(10, 3, dtype=torch.float64)), progress=False)
+    assert hook_count(model) == 0
+
+
+def test_blas_threads_follow_torch_and_are_restored():
+    model, X, y = make()
+    seen = []
+    model.fc.register_forward_hook(lambda m, a, o: seen.append(_core.blas_get_num_threads()))
+    before = _core.blas_get_num_threads()
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        richness.evaluate(model, loader(X), progress=False)
+    finally:
+        torch.set_num_threads(old)
+    assert seen and set(seen) == {1}
+    assert _core.blas_get_num_threads() == before
+
+
+def test_progress_bar_reports_samples(capsys):
+    pytest.importorskip("tqdm")
+    model, X, y = make()
+    richness.evaluate(model, loader(X, y), progress=True)
+    err = capsys.readouterr().err
+    assert "sample/s" in err
+
+
+def test_dict_batches_and_batch_fn():
+    model, X, y = make()
+
+    class KW(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    kw = KW(model)
+    batches = [{"x": X[i:i + 50], "labels": y[i:i + 50]} for i in range(0, 240, 50)]
+    a = richness.evaluate(kw, batches, progress=False)
+    b = richness.evaluate(model, [(X[i:i + 50], y[i:i + 50]) for i in range(0, 240, 50)], progress=False,
+                          batch_fn=lambda bt: (bt[0], bt[1]))
+    H, F = acts(model, X)
+    want = dlr_naive(H, F)[0]
+    assert abs(a.dlr - want) < 1e-12 and abs(b.dlr - want) < 1e-12
+    assert abs(a.nc1 - nc1_naive(H, y.numpy())) < 1e-9 * a.nc1
+
+
+# -- sequence models ------------------------------------------------------------
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=11, d=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = torch.tanh(self.mix(self.emb(input_ids)))
+        h = h + h.cumsum(dim=1) * 0.1
+        return {"logits": self.lm_head(h)}
+
+
+def lm_setup():
+    torch.manual_seed(1)
+    model = TinyLM().double()
+    ids = torch.randint(0, 11, (40, 7))
+    lengths = torch.randint(3, 8, (40,))
+    mask = torch.arange(7)[None, :] < lengths[:, None]
+    return model, ids, mask, lengths
+
+
+def lm_feats(model, ids):
+    with torch.no_grad():
+        h = torch.tanh(model.mix(model.emb(ids)))
+        h = h + h.cumsum(dim=1) * 0.1
+        return h, model.lm_head(h)
+
+
+@pytest.mark.parametrize("mode", ["all", "last", "mask"])
+def test_sequence_token_selection(mode):
+    model, ids, mask, lengths = lm_setup()
+    batches = [{"input_ids": ids[i:i + 8], "attention_mask": mask[i:i + 8]} for i in range(0, 40, 8)]
+    H, F = lm_feats(model, ids)
+    if mode == "all":  # padding excluded through attention_mask
+        rep = richness.evaluate(model, batches, progress=False, tokens="all")
+        Hs, Fs = H[mask], F[mask]
+    elif mode == "last":  # last non-padding position of each sequence
+        rep = richness.evaluate(model, batches, progress=False, tokens="last")
+        rows = torch.arange(40)
+        Hs, Fs = H[rows, lengths - 1], F[rows, lengths - 1]
+    else:  # a fixed boolean mask over positions, applied on top of nothing else
+        keep = torch.tensor([False, True, True, False, True, False, True])
+        rep = richness.evaluate(model, [{"input_ids": b["input_ids"]} for b in batches], progress=False, tokens=keep)
+        Hs, Fs = H[:, keep].reshape(-1, 6), F[:, keep].reshape(-1, 11)
+    want, r = dlr_naive(Hs.numpy(), Fs.numpy())
+    assert rep.n == Hs.shape[0]
+    assert rep.rank == r
+    assert abs(rep.dlr - want) < 1e-10
+
+
+def test_sequence_per_token_labels_follow_mask():
+    model, ids, mask, _ = lm_setup()
+    labels = torch.randint(0, 5, (40, 7))
+    batches = [{"input_ids": ids[i:i + 8], "attention_mask": mask[i:i + 8], "labels": labels[i:i + 8]}
+               for i in range(0, 40, 8)]
+    rep = richness.evaluate(model, batches, progress=False)
+    H, _ = lm_feats(model, ids)
+    assert abs(rep.nc1 - nc1_naive(H[mask].numpy(), labels[mask].numpy())) < 1e-8 * rep.nc1
+    with pytest.raises(ValueError, match="tokens mask"):
+        richness.evaluate(model, batches, progress=False, tokens=torch.ones(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="tokens must be"):
+        richness.evaluate(model, batches, progress=False, tokens="first")
+
+
+# -- Monitor --------------------------------------------------------------------
+
+def train_with_monitor(mon_kwargs, steps=12, bs=48, seed=0, record_window=None):
+    model, X, y = make(n=steps * bs, seed=seed, dtype=torch.float32)
+    model.drop.p = 0.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grabbed = []
+    h = model.body.register_forward_hook(lambda m, a, o: grabbed.append(o.detach().clone()) if model.training else None)
+    with richness.Monitor(model, **mon_kwargs) as mon:
+        for i in range(steps):
+            xb, yb = X[i * bs:(i + 1) * bs], y[i * bs:(i + 1) * bs]
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec = mon.step(labels=yb)
+            if record_window is not None:
+                record_window(i + 1, grabbed[-1], yb, rec, model)
+    h.remove()
+    return model, X, y, mon
+
+
+def test_monitor_window_matches_oracle():
+    every, window = 4, 2
+    feats, labs, checks = [], [], []
+
+    def check(step, H, yb, rec, model):
+        if (step - 1) % every >= every - window:
+            feats.append(H.double().numpy())
+            labs.append(yb.numpy())
+        if step % every == 0:
+            Hw, yw = np.concatenate(feats), np.concatenate(labs)
+            W = model.fc.weight.detach().double().numpy()
+            want, r = dlr_naive(Hw, Hw @ W.T)  # the head's current weights (window mode)
+            checks.append((rec, want, r, nc1_naive(Hw, yw), Hw.shape[0]))
+            feats.clear()
+            labs.clear()
+        else:
+            assert rec is None
+
+    _, _, _, mon = train_with_monitor({"every": every, "window": window}, steps=12, record_window=check)
+    assert len(checks) == 3 and len(mon.history) == 3
+    for rec, want, r, nc1, n in checks:
+        assert rec["n"] == n == 96 and rec["mode"] == "window" and rec["rank"] == r
+        assert abs(rec["dlr"] - want) < 1e-5  # fp32 products
+        assert abs(rec["nc1"] - nc1) < 1e-3 * nc1
+    assert [r["step"] for r in mon.history] == [4, 8, 12]
+
+
+def test_monitor_every_step_and_no_pending_references(tmp_path):
+    csv_path, jsonl_path = tmp_path / "log.csv", tmp_path / "log.jsonl"
+
+    class FakeWriter:
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, tag, value, step):
+            self.calls.append((tag, value, step))
+
+    writer, seen = FakeWriter(), []
+    model, X, y, mon = train_with_monitor({"every": 1, "window": 1, "log": [csv_path, jsonl_path, writer, seen.append]},
+                                          steps=5)
+    assert len(mon.history) == 5 and seen == mon.history
+    assert mon._pending == [] and hook_count(model) == 0
+    lines = [json.loads(s) for s in jsonl_path.read_text().splitlines()]
+    assert lines == mon.history
+    import csv
+
+    rows = list(csv.DictReader(open(csv_path)))
+    assert [float(r["dlr"]) for r in rows] == [r["dlr"] for r in mon.history]
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5]
+    assert ("richness/dlr", mon.history[2]["dlr"], 3) in writer.calls
+    assert all(0.0 <= r["dlr"] <= 1.0 for r in mon.history)
+
+
+def test_monitor_probe_mode_matches_evaluate_and_restores_modes():
+    model, X, y = make(n=200, dtype=torch.float32)
+    probe = (X[:120], y[:120])
+    model.train()
+    model.body[0].eval()
+    mon = richness.Monitor(model, every=3, probe=probe)
+    try:
+        for _ in range(6):
+            model(X[:16])
+            mon.step()
+    finally:
+        mon.close()
+    assert model.training and not model.body[0].training and model.fc.training
+    assert hook_count(model) == 0
+    assert [r["step"] for r in mon.history] == [3, 6]
+    H, F = acts(model, X[:120])
+    want = dlr_naive(H, F)[0]
+    assert abs(mon.history[0]["dlr"] - want) < 1e-5
+    assert mon.history[0]["effective_dim"] > 1.0
+    assert abs(mon.history[0]["nc1"] - nc1_naive(H, y[:120].numpy())) < 1e-3 * mon.history[0]["nc1"]
+
+
+def test_monitor_rejects_bad_settings():
+    model, _, _ = make()
+    with pytest.raises(ValueError, match="every"):
+        richness.Monitor(model, every=0)
+    with pytest.raises(ValueError, match="window"):
+        richness.Monitor(model, every=5, window=6)
+    with pytest.raises(ValueError, match=".csv or .jsonl"):
+        richness.Monitor(model, log="out.txt")
+    with pytest.raises(ValueError, match="no submodule"):
+        richness.Monitor(model, head="fc2")
+    assert hook_count(model) == 0
+
+
+def test_monitor_default_window_is_idle_most_steps():
+    model, X, y = make(n=64, dtype=torch.float32)
+    mon = richness.Monitor(model, head="fc")
+    assert (mon.every, mon.window) == (100, 10)
+    active = []
+    for s in range(100):
+        active.append(mon._active)
+        model(X[:8])
+        mon.step()
+    mon.close()
+    assert sum(active) == 10 and active[-10:] == [True] * 10
+    assert mon.history[0]["step"] == 100 and mon.history[0]["n"] == 80
+
+
+# -- torchmetrics ---------------------------------------------------------------
+
+def test_torchmetrics_dlr_exact_and_compute_is_pure():
+    pytest.importorskip("torchmetrics")
+    from richness.torchmetrics import DLR
+
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(300, 10)) + 3
+    F = X @ rng.normal(size=(10, 3)) + 0.5 * rng.normal(size=(300, 3))
+    y = rng.integers(0, 3, 300)
+    want = dlr_naive(X, F)[0]
+    a, b = DLR(), DLR()
+    for i in range(0, 300, 70):
+        a.update(torch.tensor(X[i:i + 70]), torch.tensor(F[i:i + 70]), labels=torch.tensor(y[i:i + 70]))
+    for i in reversed(range(0, 300, 70)):  # other order, via forward (batch value + accumulation)
+        batch_val = b(torch.tensor(X[i:i + 70]), torch.tensor(F[i:i + 70]), labels=torch.tensor(y[i:i + 70]))
+        assert abs(float(batch_val) - dlr_naive(X[i:i + 70], F[i:i + 70])[0]) < 1e-10
+    v1, v2 = float(a.compute()), float(a.compute())
+    assert v1 == v2 and abs(v1 - want) < 1e-12 and abs(float(b.compute()) - want) < 1e-12
+    assert abs(a.report().nc1 - nc1_naive(X, y)) < 1e-9 * a.report().nc1
+    before = a.moments[0].clone()
+    with pytest.raises(ValueError):
+        a.update(torch.tensor(X[:5, :4]), torch.tensor(F[:5]))
+    assert torch.equal(a.moments[0], before)
+    a.reset()
+    assert a.moments == []
+    lin = nn.Linear(10, 3).double()
+    h = DLR(head=lin)
+    h.update(torch.tensor(X))
+    with torch.no_grad():
+        assert abs(float(h.compute()) - dlr_naive(X, lin(torch.tensor(X)).numpy())[0]) < 1e-12
+    assert "head" not in dict(h.named_children())
+
+
+# -- saved state ----------------------------------------------------------------
+
+def test_saved_state_survives_kill_between_saves(tmp_path):
+    path = tmp_path / "state.npz"
+    script = textwrap.dedent(f"""
+        import numpy as np, richness, sys
+        rng = np.random.default_rng(0)
+        m = richness.Moments()
+        m.update(rng.normal(size=(50, 8)), rng.normal(size=(50, 3)))
+        m.save({str(path)!r})
+        print("first", m.n, flush=True)
+        big = richness.Moments()
+        big.update(rng.normal(size=(2000, 700)))
+        while True:  # second save, killed somewhere inside it
+            big.save({str(path)!r})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().split() == ["first", "50"]
+    time.sleep(0.4)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    m = richness.Moments.load(path)  # still valid: the old state or a complete new one
+    assert m.n in (50, 2000)
+    if m.n == 50:
+        rng = np.random.default_rng(0)
+        X, F = rng.normal(size=(50, 8)), rng.normal(size=(50, 3))
+        assert abs(m.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
+    leftovers = [f for f in os.listdir(tmp_path) if f != "state.npz"]
+    assert all(f.startswith(".richness-") for f in leftovers)  # only a temp file can remain
