@@ -27,29 +27,106 @@ def _eigh_desc(S: np.ndarray) -> tuple:
     return np.clip(w[::-1], 0.0, None), V[:, ::-1]
 
 
-def dlr_from_moments(M: np.ndarray, B: np.ndarray, A: np.ndarray, rtol: float) -> tuple:
-    """DLR = 1 - tr(B A^+ B^T) / (||M||_F sqrt(r)); returns (dlr, r, logit eigenvalues desc)."""
-    norm_m = float(np.linalg.norm(M))
-    if not norm_m > 0.0:
-        raise ValueError("features are constant (zero covariance): DLR is undefined")
-    a, U = _eigh_desc(A)
-    if not a[0] > 0.0:
-        raise ValueError("outputs are constant (zero covariance): the learned function space is empty")
-    r = int(np.count_nonzero(a > rtol * a[0]))
-    BU = B @ U[:, :r]
-    inner = float(np.sum(np.sum(BU * BU, axis=0) / a[:r]))
-    dlr = 1.0 - inner / (norm_m * math.sqrt(r))
+class Functions:
+    """A family of streamed functions g with B_g (p x m) and A_g (m x m) given explicitly."""
+
+    def __init__(self, B: np.ndarray, A: np.ndarray) -> None:
+        self.B, self.A = B, A
+
+    def proj_sq(self, V: np.ndarray) -> np.ndarray:
+        """||B_g^T v_k||^2 for the columns v_k of V."""
+        P = V.T @ self.B
+        return np.sum(P * P, axis=1)
+
+    def trace(self) -> float:
+        return float(np.trace(self.A))
+
+    def span(self, M: np.ndarray, floor: float) -> tuple:
+        """Eigenvalues a (desc) of A and the DLR numerator terms ||B u_i||^2 / a_i
+        for every direction with a_i > floor * a_max (SPEC: tr(B A^+ B^T))."""
+        a, U = _eigh_desc(self.A)
+        if not a[0] > 0.0:
+            raise ValueError("outputs are constant (zero covariance): the learned function space is empty")
+        m = int(np.count_nonzero(a > floor * a[0]))
+        BU = self.B @ U[:, :m]
+        return a, np.sum(BU * BU, axis=0) / a[:m]
+
+
+class HeadFunctions(Functions):
+    """Outputs of a linear head W (C x p) on features with second moment M, in
+    p-space (SPEC.md, "Many outputs"): B = M W^T and A = W M W^T are never
+    formed, only W^T W (p x p). Used when C > p."""
+
+    def __init__(self, M: np.ndarray, WtW: np.ndarray) -> None:
+        self.M, self.WtW = M, WtW
+
+    def proj_sq(self, V: np.ndarray) -> np.ndarray:
+        MV = self.M @ V
+        return np.einsum("ij,ij->j", self.WtW @ MV, MV)
+
+    def trace(self) -> float:
+        return float(np.sum(self.M * self.WtW))
+
+    def span(self, M: np.ndarray, floor: float) -> tuple:
+        # tr(B A^+ B^T) = tr(M^1/2 P M^1/2), P the projector onto the column span
+        # of M^1/2 W^T; G = M^1/2 W^T W M^1/2 has A's nonzero eigenvalues.
+        lam, V = _eigh_desc(self.M)
+        R = (V * np.sqrt(lam)) @ V.T
+        G = R @ self.WtW @ R
+        a, U = _eigh_desc((G + G.T) / 2)
+        if not a[0] > 0.0:
+            raise ValueError("outputs are constant (zero covariance): the learned function space is empty")
+        m = int(np.count_nonzero(a > floor * a[0]))
+        U = U[:, :m]
+        return a, np.einsum("ij,ij->j", M @ U, U)
+
+
+def dlr_from_span(norm_m: float, a: np.ndarray, terms: np.ndarray, rtol: float) -> tuple:
+    """DLR = 1 - tr(B A^+ B^T) / (||M||_F sqrt(r)) with r = #{a_i > rtol a_max}."""
+    r = int(np.count_nonzero(a[: terms.shape[0]] > rtol * a[0]))
+    dlr = 1.0 - float(np.sum(terms[:r])) / (norm_m * math.sqrt(r))
     # CKA <= 1 by Cauchy-Schwarz: only rounding can leave [0, 1].
-    return min(max(dlr, 0.0), 1.0), r, a
+    return min(max(dlr, 0.0), 1.0), r
 
 
-def head_moments(M: np.ndarray, W: np.ndarray) -> tuple:
-    """Linear-head shortcut (SPEC.md): B = M W^T, A = W M W^T."""
-    if W.shape[1] != M.shape[0]:
-        raise ValueError(f"head weight has {W.shape[1]} input columns but the features have {M.shape[0]}")
-    B = M @ W.T
-    A = W @ B
-    return B, (A + A.T) / 2
+def function_moments(st: dict, W: Optional[np.ndarray], M: Optional[np.ndarray] = None) -> Optional[Functions]:
+    """The learned functions: a linear head if given (B = M W^T, A = W M W^T),
+    else the streamed outputs."""
+    if W is not None:
+        M = st["M"] if M is None else M
+        if W.shape[1] != M.shape[0]:
+            raise ValueError(f"head weight has {W.shape[1]} input columns but the features have {M.shape[0]}")
+        if W.shape[0] > W.shape[1]:
+            return HeadFunctions(M, W.T @ W)
+        B = M @ W.T
+        A = W @ B
+        return Functions(B, (A + A.T) / 2)
+    if st["c"] > 0:
+        return Functions(st["B"], st["A"])
+    return None
+
+
+def dlr_of_state(st: dict, W: Optional[np.ndarray], rtol: float) -> tuple:
+    """(DLR, rank) alone, no spectrum: for monitors and jackknife replicates."""
+    fn = function_moments(st, W)
+    norm_m = float(np.linalg.norm(st["M"]))
+    if fn is None or not norm_m > 0.0:
+        raise ValueError("DLR is undefined for this state (no outputs/head, or constant features)")
+    a, terms = fn.span(st["M"], rtol)
+    return dlr_from_span(norm_m, a, terms, rtol)
+
+
+def isotropic_dlr(n: int, p_eff: float, r: int) -> float:
+    """Expected DLR of isotropic Gaussian features (n samples, p_eff dimensions)
+    with an r-dimensional linear output span: with m = n - 1 centered degrees of
+    freedom, E tr(B A^+ B^T) = r (m + p - r) and E ||M||_F^2 = m p (m + p + 1)
+    (Wishart moments), so DLR_iso = 1 - sqrt(r) (m + p - r) / sqrt(m p (m + p + 1)).
+    Its n -> oo limit is SPEC.md's 1 - sqrt(C/p); docs/READING_DLR.md derives it."""
+    m = max(n - 1, 1)
+    p = max(p_eff, 1.0)
+    r = min(r, m, p)
+    value = 1.0 - math.sqrt(r) * (m + p - r) / math.sqrt(m * p * (m + p + 1))
+    return min(max(value, 0.0), 1.0)
 
 
 def label_moments(st: dict) -> tuple:
@@ -60,22 +137,14 @@ def label_moments(st: dict) -> tuple:
     return B, A
 
 
-def task_moments(st: dict) -> Optional[tuple]:
-    """(B, A) of the task: float targets when streamed, else one-hot labels."""
+def task_moments(st: dict) -> Optional[Functions]:
+    """The task: float targets when streamed, else one-hot labels."""
     if st["t"] > 0:
-        return st["Bt"], st["At"]
+        return Functions(st["Bt"], st["At"])
     if st["k"] > 0:
-        return label_moments(st)
+        return Functions(*label_moments(st))
     return None
 
-
-def function_moments(st: dict, W: Optional[np.ndarray]) -> Optional[tuple]:
-    """(B, A) of the learned function: from the head if given, else streamed outputs."""
-    if W is not None:
-        return head_moments(st["M"], W)
-    if st["c"] > 0:
-        return st["B"], st["A"]
-    return None
 
 
 def _curve(proj_sq: np.ndarray, denom: float, p: int) -> Optional[np.ndarray]:
@@ -132,16 +201,22 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
 
     fn = function_moments(st, W)
     dlr = rank = logit_eig = None
+    dlr_range = None
+    norm_m = float(np.linalg.norm(M))
+    if not norm_m > 0.0:
+        raise ValueError("features are constant (zero covariance): DLR and the spectrum are undefined")
     if fn is not None:
-        dlr, rank, logit_eig = dlr_from_moments(M, fn[0], fn[1], rtol)
+        # Terms down to a decade below the cut give the rtol sensitivity for free.
+        logit_eig, terms = fn.span(M, rtol / 10)
+        dlr, rank = dlr_from_span(norm_m, logit_eig, terms, rtol)
+        dlr_range = (dlr_from_span(norm_m, logit_eig, terms, rtol / 10)[0],
+                     dlr_from_span(norm_m, logit_eig, terms, rtol * 10)[0])
         cut = rtol * logit_eig[0]
         dropped_near = rank < logit_eig.shape[0] and logit_eig[rank] > 0.1 * cut
         if dropped_near or logit_eig[rank - 1] < 10 * cut:
             warnings.append(
-                f"a logit eigenvalue lies within a decade of the rank cut (rtol={rtol:g}): "
-                "DLR depends on the cut; see logit_eigenvalues")
-    elif not float(np.linalg.norm(M)) > 0.0:
-        raise ValueError("features are constant (zero covariance): the spectrum is undefined")
+                f"a logit eigenvalue lies within a decade of the rank cut (rtol={rtol:g}): DLR moves "
+                f"from {dlr_range[0]:.4f} to {dlr_range[1]:.4f} over rtol x 0.1 .. x 10; see logit_eigenvalues")
 
     # Spectrum of Sigma = M / n (or the uncentered operator, the paper's v1).
     S = M if centered else M + n * np.outer(st["mean"], st["mean"])
@@ -154,12 +229,8 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
     q = rho[rho > 0] / rho.sum()
     effective_dim = float(np.exp(-np.sum(q * np.log(q))))
 
-    def train_curve(moments):
-        if moments is None:
-            return None
-        Bg, Ag = moments
-        proj = Vk.T @ Bg
-        return _curve(np.sum(proj * proj, axis=1) / lk, float(np.trace(Ag)), p)
+    def train_curve(g):
+        return None if g is None else _curve(g.proj_sq(Vk) / lk, g.trace(), p)
 
     task = task_moments(st)
     quality = train_curve(task)
@@ -173,13 +244,9 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
         if nt < 2:
             raise ValueError(f"the test state needs at least 2 samples, got n = {nt}")
 
-        def test_curve(moments):
-            if moments is None:
-                return None
-            Bg, Ag = moments
-            proj = Vk.T @ Bg
+        def test_curve(g):
             # <e_k, g_j>_test = v_k^T B_test[:, j] / (n_test sqrt(rho_k)), rho_k from training.
-            return _curve(np.sum(proj * proj, axis=1) / (rho[:r_phi] * nt), float(np.trace(Ag)), p)
+            return None if g is None else _curve(g.proj_sq(Vk) / (rho[:r_phi] * nt), g.trace(), p)
 
         test_quality = test_curve(task_moments(test))
         test_utilization = test_curve(function_moments(test, W))
@@ -196,8 +263,16 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
         else:
             warnings.append(f"NC1 not reported: {precision} products cannot resolve within-class spread")
 
+    # Finite-sample reference: isotropic features of the same n, effective
+    # dimension (participation ratio) and logit rank.
+    p_eff = float(lam.sum() ** 2 / np.sum(lam * lam))
+    dlr_iso = dlr_norm = None
+    if dlr is not None:
+        dlr_iso = isotropic_dlr(n, p_eff, rank)
+        dlr_norm = dlr / dlr_iso if dlr_iso > 0 else None
     if n < 10 * p:
-        warnings.append(f"n = {n} is below 10 p = {10 * p}: DLR is biased toward rich at this sample size")
+        warnings.append(f"n = {n} is below 10 p = {10 * p}: DLR is biased toward rich at this sample size"
+                        + (f" (isotropic features here would give {dlr_iso:.3f})" if dlr_iso is not None else ""))
 
     return Report(
         dlr=dlr, rank=rank, logit_eigenvalues=logit_eig, n=n, nc1=nc1_value,
@@ -205,4 +280,5 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
         quality=quality, utilization=utilization, test_quality=test_quality,
         test_utilization=test_utilization, test_eigenfunction_norms=test_norms,
         feature_rank=r_phi, rtol=float(rtol), precision=precision, centered=centered,
-        warnings=warnings)
+        dlr_rtol_range=dlr_range, participation_ratio=p_eff, dlr_isotropic=dlr_iso,
+        dlr_normalized=dlr_norm, warnings=warnings)

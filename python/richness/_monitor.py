@@ -309,12 +309,10 @@ class Monitor:
             try:
                 import torch
 
+                W = None
                 if isinstance(self._head, torch.nn.Linear):
                     W = self._head.weight.detach().to("cpu", torch.float64).numpy()
-                    B, A = _finish.head_moments(st["M"], W)
-                else:
-                    B, A = st["B"], st["A"]
-                dlr, rank, _ = _finish.dlr_from_moments(st["M"], B, A, rtol)
+                dlr, rank = _finish.dlr_of_state(st, W, rtol)
             except ValueError:
                 pass  # constant features or outputs: DLR undefined, reported as None
             if st["k"] > 0 and st["precision"] in _finish.NC1_RELIABLE:

@@ -31,6 +31,16 @@ class Report:
     feature_rank: number of feature eigenvalues above ``rtol * rho_1``.
     rtol: the eigenvalue cut used; precision: of the products that formed the
         state; centered: whether the spectrum is of the centered operator.
+    dlr_rtol_range: DLR with rtol / 10 and rtol * 10 (how much the rank cut matters).
+    participation_ratio: (sum rho)^2 / sum rho^2, the effective feature dimension
+        used by the finite-sample reference.
+    dlr_isotropic: DLR that isotropic features of the same n, participation
+        ratio and logit rank would give (the lazy end at this n, p, C).
+    dlr_normalized: dlr / dlr_isotropic: about 1 for lazy (isotropic-like),
+        0 for rich, comparable across p, C and n (docs/READING_DLR.md).
+    dlr_stderr, dlr_interval, dlr_jackknife: delete-one-group jackknife standard
+        error, 95% interval and bias-corrected DLR (``compute(uncertainty=True)``
+        on a ``Moments(groups=k)``).
     warnings: plain-language caveats (finite n, rank cut, NC1 precision).
     """
 
@@ -51,6 +61,13 @@ class Report:
     rtol: float = 0.0
     precision: str = "fp64"
     centered: bool = True
+    dlr_rtol_range: Optional[tuple] = None
+    participation_ratio: Optional[float] = None
+    dlr_isotropic: Optional[float] = None
+    dlr_normalized: Optional[float] = None
+    dlr_stderr: Optional[float] = None
+    dlr_interval: Optional[tuple] = None
+    dlr_jackknife: Optional[float] = None
     warnings: List[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -62,7 +79,7 @@ class Report:
                 v = v.tolist()
             elif isinstance(v, np.generic):
                 v = v.item()
-            elif isinstance(v, list):
+            elif isinstance(v, (list, tuple)):
                 v = list(v)
             out[f.name] = v
         return out
