@@ -1,0 +1,302 @@
+"""Bad input: each raises a specific exception whose message names the problem,
+and the state afterwards is exactly what it was before."""
+
+import numpy as np
+import pytest
+import torch
+
+import richness
+from reference import dlr_naive, states_equal
+
+N, P, C, K = 30, 4, 2, 3
+
+
+def batch(seed=0, n=N):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, P)), rng.normal(size=(n, C)), rng.integers(0, K, size=n)
+
+
+def with_nonfinite(a, cells):
+    a = a.copy()
+    for (i, j), v in cells.items():
+        a[i, j] = v
+    return a
+
+
+X, F, Y = batch(1)
+XB = with_nonfinite(X, {(1, 2): np.nan, (3, 0): np.inf, (4, 1): -np.inf})
+FB = with_nonfinite(F, {(0, 0): np.nan})
+
+BAD_UPDATES = {
+    # name: (kwargs of update, exception, message pattern)
+    "nan/inf features": (dict(features=XB, outputs=F, labels=Y), ValueError, r"features contain 3 non-finite values"),
+    "nan/inf features float32": (dict(features=XB.astype(np.float32), outputs=F, labels=Y), ValueError,
+                                 r"features contain 3 non-finite"),
+    "nan/inf features float16": (dict(features=XB.astype(np.float16), outputs=F, labels=Y), ValueError,
+                                 r"features contain 3 non-finite"),
+    "nan/inf features bfloat16": (dict(features=torch.from_numpy(XB).bfloat16(), outputs=F, labels=Y), ValueError,
+                                  r"features contain 3 non-finite"),
+    "nan outputs": (dict(features=X, outputs=FB, labels=Y), ValueError, r"outputs contain 1 non-finite value\b"),
+    "float64 overflow": (dict(features=np.full((N, P), 1e308), outputs=F, labels=Y), ValueError, r"overflow"),
+    "1-D features": (dict(features=X[:, 0], outputs=F, labels=Y), ValueError, r"features must be 2-D.*\(30,\)"),
+    "3-D features": (dict(features=X[None], outputs=F, labels=Y), ValueError, r"features must be 2-D.*\(1, 30, 4\)"),
+    "3-D outputs": (dict(features=X, outputs=F[None], labels=Y), ValueError, r"outputs must be .*2-D"),
+    "zero-width features": (dict(features=X[:, :0], outputs=F, labels=Y), ValueError, r"at least one column"),
+    "feature width changes": (dict(features=X[:, :3], outputs=F, labels=Y), ValueError,
+                              r"features have 3 columns but earlier updates had 4"),
+    "output width changes": (dict(features=X, outputs=F[:, :1], labels=Y), ValueError,
+                             r"outputs have 1 columns but earlier updates had 2"),
+    "negative label": (dict(features=X, outputs=F, labels=np.where(np.arange(N) == 7, -1, Y)), ValueError,
+                       r"labels out of range: label -1 at row 7"),
+    "float labels": (dict(features=X, outputs=F, labels=Y.astype(np.float64)), TypeError,
+                     r"labels must be integers.*float64"),
+    "torch float labels": (dict(features=X, outputs=F, labels=torch.from_numpy(Y).float()), TypeError,
+                           r"labels must be integers"),
+    "bool labels": (dict(features=X, outputs=F, labels=Y > 0), TypeError, r"labels must be integers"),
+    "2-D labels": (dict(features=X, outputs=F, labels=Y[:, None]), ValueError, r"labels must be 1-D"),
+    "outputs rows differ": (dict(features=X, outputs=F[:-1], labels=Y), ValueError,
+                            r"outputs has 29 rows but features have 30"),
+    "labels rows differ": (dict(features=X, outputs=F, labels=Y[:-2]), ValueError,
+                           r"labels has 28 rows but features have 30"),
+    "outputs stream missing": (dict(features=X, labels=Y), ValueError, r"streamed outputs before"),
+    "labels stream missing": (dict(features=X, outputs=F), ValueError, r"streamed labels before"),
+    "targets stream added": (dict(features=X, outputs=F, labels=Y, targets=F), ValueError,
+                             r"started without targets"),
+    "integer features": (dict(features=X.astype(np.int64), outputs=F, labels=Y), TypeError, r"features .*int64"),
+    "complex features": (dict(features=X.astype(np.complex128), outputs=F, labels=Y), TypeError,
+                         r"features has dtype complex128"),
+}
+
+
+def started():
+    m = richness.Moments()
+    Xs, Fs, Ys = batch(2)
+    m.update(Xs, Fs, labels=Ys)
+    return m
+
+
+@pytest.mark.parametrize("name", sorted(BAD_UPDATES))
+def test_bad_update_raises_and_leaves_state(name):
+    kwargs, exc, pattern = BAD_UPDATES[name]
+    m = started()
+    before = m.state_dict()
+    with pytest.raises(exc, match=pattern):
+        m.update(**kwargs)
+    assert states_equal(m.state_dict(), before)
+    assert m.n == N
+    # and the Moments still works: a good batch after the bad one is taken normally
+    m.update(X, F, labels=Y)
+    Xs, Fs, _ = batch(2)
+    ref, _ = dlr_naive(np.vstack([Xs, X]), np.vstack([Fs, F]))
+    assert abs(m.compute().dlr - ref) < 1e-12
+
+
+def test_label_out_of_range_with_num_classes():
+    m = richness.Moments(num_classes=K)
+    m.update(X, labels=Y)
+    before = m.state_dict()
+    bad = Y.copy()
+    bad[11] = K
+    with pytest.raises(ValueError, match=r"labels out of range: label 3 at row 11 \(num_classes=3\)"):
+        m.update(X, labels=bad)
+    assert states_equal(m.state_dict(), before)
+
+
+@pytest.mark.parametrize("name", ["nan/inf features", "negative label", "float labels", "outputs rows differ",
+                                  "labels rows differ", "3-D outputs"])
+def test_bad_first_update_leaves_moments_fresh(name):
+    # A rejected first batch must not fix the widths or the streams.
+    kwargs, exc, pattern = BAD_UPDATES[name]
+    m = richness.Moments()
+    fresh = m.state_dict()
+    with pytest.raises(exc, match=pattern):
+        m.update(**kwargs)
+    assert states_equal(m.state_dict(), fresh)
+    assert m.n == 0
+    Z = np.random.default_rng(3).normal(size=(20, P + 2))  # another width, no labels: allowed
+    m.update(Z, Z[:, :2] * 2 + Z[:, 2:4])
+    assert m.n == 20
+    assert abs(m.compute().dlr - dlr_naive(Z, Z[:, :2] * 2 + Z[:, 2:4])[0]) < 1e-12
+
+
+# -- compute errors ----------------------------------------------------------------------
+
+def test_compute_on_empty_state():
+    m = richness.Moments()
+    with pytest.raises(ValueError, match=r"empty"):
+        m.compute()
+    m.update(X)
+    m.reset()
+    with pytest.raises(ValueError, match=r"empty"):
+        m.compute()
+    assert m.n == 0
+
+
+def test_compute_with_one_sample():
+    m = richness.Moments()
+    m.update(X[:1], F[:1], labels=Y[:1])
+    before = m.state_dict()
+    with pytest.raises(ValueError, match=r"at least 2 samples.*n = 1"):
+        m.compute()
+    assert states_equal(m.state_dict(), before)
+
+
+def test_constant_features():
+    m = richness.Moments()
+    m.update(np.full((N, P), 3.25), F)
+    before = m.state_dict()
+    with pytest.raises(ValueError, match=r"features are constant"):
+        m.compute()
+    mo = richness.Moments()
+    mo.update(np.full((N, P), -1.0))
+    with pytest.raises(ValueError, match=r"features are constant"):
+        mo.compute()
+    assert states_equal(m.state_dict(), before)
+
+
+def test_constant_outputs_and_zero_head():
+    m = richness.Moments()
+    m.update(X, np.tile([1.0, -2.0], (N, 1)))
+    before = m.state_dict()
+    with pytest.raises(ValueError, match=r"outputs are constant"):
+        m.compute()
+    assert states_equal(m.state_dict(), before)
+    mh = richness.Moments()
+    mh.update(X)
+    with pytest.raises(ValueError, match=r"constant"):
+        mh.compute(head=(np.zeros((C, P)), np.ones(C)))
+
+
+@pytest.mark.parametrize("head,exc,pattern", [
+    (np.ones((C, P + 1)), ValueError, r"head weight has 5 input columns but the features have 4"),
+    ((np.ones((C, P)), np.ones(C + 1)), ValueError, r"head bias has 3 entries but the weight has 2 rows"),
+    (np.ones(P), ValueError, r"head weight must be 2-D"),
+    (np.full((C, P), np.nan), ValueError, r"head weight contains NaN or Inf"),
+    (torch.nn.Linear(P + 1, C), ValueError, r"head weight has 5 input columns"),
+    ((np.ones((C, P)), np.ones(C), np.ones(C)), ValueError, r"head must be \(W, b\)"),
+    ("not a head", TypeError, r"head weight is not a float array"),
+])
+def test_bad_head(head, exc, pattern):
+    m = richness.Moments()
+    m.update(X, F)
+    before = m.state_dict()
+    with pytest.raises(exc, match=pattern):
+        m.compute(head=head)
+    assert states_equal(m.state_dict(), before)
+
+
+def test_bad_compute_arguments():
+    m = richness.Moments()
+    m.update(X, F)
+    other = richness.Moments()
+    other.update(X[:, :3])
+    before, before_other = m.state_dict(), other.state_dict()
+    with pytest.raises(ValueError, match=r"rtol must be a number in \(0, 1\)"):
+        m.compute(rtol=2.0)
+    with pytest.raises(ValueError, match=r"rtol"):
+        m.compute(rtol=0.0)
+    with pytest.raises(TypeError, match=r"test must be a Moments"):
+        m.compute(test=X)
+    with pytest.raises(ValueError, match=r"test state has 3 features, the training state 4"):
+        m.compute(test=other)
+    tiny = richness.Moments()
+    tiny.update(X[:1], F[:1])
+    with pytest.raises(ValueError, match=r"test state needs at least 2 samples"):
+        m.compute(test=tiny)
+    assert states_equal(m.state_dict(), before)
+    assert states_equal(other.state_dict(), before_other)
+
+
+def test_constructor_arguments():
+    with pytest.raises(ValueError, match=r"num_classes"):
+        richness.Moments(num_classes=0)
+    with pytest.raises(ValueError, match=r"num_classes"):
+        richness.Moments(num_classes=2.5)
+    with pytest.raises(ValueError, match=r"precision"):
+        richness.Moments(precision="fp16")
+    with pytest.raises(ValueError, match=r"needs device='cuda'"):
+        richness.Moments(device="cpu", precision="tf32")
+    with pytest.raises(ValueError, match=r"device"):
+        richness.Moments(device="tpu")
+
+
+def test_dlr_needs_outputs_or_head():
+    with pytest.raises(ValueError, match=r"needs outputs or a head"):
+        richness.dlr(X)
+
+
+# -- merge errors --------------------------------------------------------------------------
+
+def test_bad_merges_leave_state():
+    m = started()
+    before = m.state_dict()
+    narrow = richness.Moments()
+    narrow.update(X[:, :3], F, labels=Y)
+    no_outputs = richness.Moments()
+    no_outputs.update(X, labels=Y)
+    wide_out = richness.Moments()
+    wide_out.update(X, np.hstack([F, F[:, :1] ** 2]), labels=Y)
+    cases = [
+        (narrow, ValueError, r"feature widths differ \(4 here, 3 in the other\)"),
+        (no_outputs, ValueError, r"only one side streamed outputs"),
+        (wide_out, ValueError, r"output widths differ \(2 here, 3 in the other\)"),
+        ("not a Moments", TypeError, r"merge expects a Moments"),
+    ]
+    for other, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            m.merge(other)
+        assert states_equal(m.state_dict(), before)
+    capped = richness.Moments(num_classes=2)
+    capped.update(X, F, labels=Y % 2)
+    capped_before = capped.state_dict()
+    with pytest.raises(ValueError, match=r"class"):
+        capped.merge(m)  # m has 3 classes
+    assert states_equal(capped.state_dict(), capped_before)
+
+
+# -- load_state_dict ------------------------------------------------------------------------
+
+def mutated(state, **changes):
+    s = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+    for k, v in changes.items():
+        if v is None:
+            del s[k]
+        else:
+            s[k] = v
+    return s
+
+
+def test_bad_state_dicts_leave_state():
+    m = started()
+    good = m.state_dict()
+    nan_M = good["M"].copy()
+    nan_M[0, 0] = np.nan
+    counts = good["class_counts"].copy()
+    counts[0] += 1
+    cases = [
+        (mutated(good, M=None), ValueError, r"missing entries: M"),
+        (mutated(good, M=good["M"][:3, :3]), ValueError, r"'M' has shape \(3, 3\), expected \(4, 4\)"),
+        (mutated(good, B=good["B"][:, :1]), ValueError, r"'B' has shape"),
+        (mutated(good, M=nan_M), ValueError, r"'M' contains NaN or Inf"),
+        (mutated(good, n=float(N)), TypeError, r"'n' must be an integer"),
+        (mutated(good, p=True), TypeError, r"'p' must be an integer"),
+        (mutated(good, class_counts=counts), ValueError, r"class counts do not add up to n"),
+        (mutated(good, precision="fp8"), ValueError, r"precision"),
+        ([("n", 3)], TypeError, r"state must be a dict"),
+    ]
+    for state, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            m.load_state_dict(state)
+        assert states_equal(m.state_dict(), good)
+    fixed = richness.Moments(num_classes=5)
+    with pytest.raises(ValueError, match=r"num_classes"):
+        fixed.load_state_dict(good)
+    assert fixed.n == 0 and fixed.num_classes == 5
+
+
+def test_load_state_dict_round_trip():
+    m = started()
+    other = richness.Moments()
+    other.load_state_dict(m.state_dict())
+    assert states_equal(other.state_dict(), m.state_dict())
+    assert other.compute().dlr == m.compute().dlr
