@@ -22,9 +22,54 @@ DEFAULT_RTOL = {"fp64": 1e-10, "fp32": 1e-5, "tf32": 1e-3, "bf16": 1e-2}
 NC1_RELIABLE = ("fp64", "fp32")
 
 
+class _TorchNamespace:
+    """The numpy functions used here, on torch tensors: ``compute()`` of a CUDA
+    state runs this same math on the device, in float64. torch is imported
+    only on that path (numpy stays the one hard dependency)."""
+
+    def __init__(self, torch, device) -> None:
+        self._torch, self.device, self.linalg = torch, device, torch.linalg
+
+    def __getattr__(self, name: str):  # sum, einsum, outer, diag, trace, sqrt, exp, log, clip, flip, ...
+        return getattr(self._torch, name)
+
+    def cumsum(self, x):
+        return self._torch.cumsum(x, 0)
+
+    def empty(self, n: int):
+        return self._torch.empty(n, dtype=self._torch.float64, device=self.device)
+
+    def zeros(self, n: int):
+        return self._torch.zeros(n, dtype=self._torch.float64, device=self.device)
+
+    def asarray(self, x):
+        return self._torch.as_tensor(x, device=self.device)
+
+
+def _ns(a):
+    """numpy for numpy arrays; the torch shim for torch tensors (CUDA compute)."""
+    if isinstance(a, np.ndarray) or type(a).__module__.split(".")[0] != "torch":
+        return np
+    import torch
+
+    return _TorchNamespace(torch, a.device)
+
+
+def _f64(a):
+    return a.astype(np.float64) if isinstance(a, np.ndarray) else a.double()
+
+
+def _host(a):
+    """A numpy copy of a torch result (Report fields are numpy); numpy passes through."""
+    if a is None or isinstance(a, np.ndarray) or not hasattr(a, "detach"):
+        return a
+    return a.detach().cpu().numpy()
+
+
 def _eigh_desc(S: np.ndarray) -> tuple:
-    w, V = np.linalg.eigh(S)
-    return np.clip(w[::-1], 0.0, None), V[:, ::-1]
+    xp = _ns(S)
+    w, V = xp.linalg.eigh(S)
+    return xp.clip(xp.flip(w, (0,)), 0.0, None), xp.flip(V, (1,))
 
 
 class Functions:
@@ -36,10 +81,10 @@ class Functions:
     def proj_sq(self, V: np.ndarray) -> np.ndarray:
         """||B_g^T v_k||^2 for the columns v_k of V."""
         P = V.T @ self.B
-        return np.sum(P * P, axis=1)
+        return _ns(P).sum(P * P, axis=1)
 
     def trace(self) -> float:
-        return float(np.trace(self.A))
+        return float(_ns(self.A).trace(self.A))
 
     def span(self, M: np.ndarray, floor: float) -> tuple:
         """Eigenvalues a (desc) of A and the DLR numerator terms ||B u_i||^2 / a_i
@@ -47,9 +92,10 @@ class Functions:
         a, U = _eigh_desc(self.A)
         if not a[0] > 0.0:
             raise ValueError("outputs are constant (zero covariance): the learned function space is empty")
-        m = int(np.count_nonzero(a > floor * a[0]))
+        xp = _ns(a)
+        m = int(xp.count_nonzero(a > floor * a[0]))
         BU = self.B @ U[:, :m]
-        return a, np.sum(BU * BU, axis=0) / a[:m]
+        return a, xp.sum(BU * BU, axis=0) / a[:m]
 
 
 class HeadFunctions(Functions):
@@ -62,29 +108,31 @@ class HeadFunctions(Functions):
 
     def proj_sq(self, V: np.ndarray) -> np.ndarray:
         MV = self.M @ V
-        return np.einsum("ij,ij->j", self.WtW @ MV, MV)
+        return _ns(MV).einsum("ij,ij->j", self.WtW @ MV, MV)
 
     def trace(self) -> float:
-        return float(np.sum(self.M * self.WtW))
+        return float(_ns(self.M).sum(self.M * self.WtW))
 
     def span(self, M: np.ndarray, floor: float) -> tuple:
         # tr(B A^+ B^T) = tr(M^1/2 P M^1/2), P the projector onto the column span
         # of M^1/2 W^T; G = M^1/2 W^T W M^1/2 has A's nonzero eigenvalues.
+        xp = _ns(self.M)
         lam, V = _eigh_desc(self.M)
-        R = (V * np.sqrt(lam)) @ V.T
+        R = (V * xp.sqrt(lam)) @ V.T
         G = R @ self.WtW @ R
         a, U = _eigh_desc((G + G.T) / 2)
         if not a[0] > 0.0:
             raise ValueError("outputs are constant (zero covariance): the learned function space is empty")
-        m = int(np.count_nonzero(a > floor * a[0]))
+        m = int(xp.count_nonzero(a > floor * a[0]))
         U = U[:, :m]
-        return a, np.einsum("ij,ij->j", M @ U, U)
+        return a, xp.einsum("ij,ij->j", M @ U, U)
 
 
 def dlr_from_span(norm_m: float, a: np.ndarray, terms: np.ndarray, rtol: float) -> tuple:
     """DLR = 1 - tr(B A^+ B^T) / (||M||_F sqrt(r)) with r = #{a_i > rtol a_max}."""
-    r = int(np.count_nonzero(a[: terms.shape[0]] > rtol * a[0]))
-    dlr = 1.0 - float(np.sum(terms[:r])) / (norm_m * math.sqrt(r))
+    xp = _ns(a)
+    r = int(xp.count_nonzero(a[: terms.shape[0]] > rtol * a[0]))
+    dlr = 1.0 - float(xp.sum(terms[:r])) / (norm_m * math.sqrt(r))
     # CKA <= 1 by Cauchy-Schwarz: only rounding can leave [0, 1].
     return min(max(dlr, 0.0), 1.0), r
 
@@ -109,7 +157,7 @@ def function_moments(st: dict, W: Optional[np.ndarray], M: Optional[np.ndarray] 
 def dlr_of_state(st: dict, W: Optional[np.ndarray], rtol: float) -> tuple:
     """(DLR, rank) alone, no spectrum: for monitors and jackknife replicates."""
     fn = function_moments(st, W)
-    norm_m = float(np.linalg.norm(st["M"]))
+    norm_m = float(_ns(st["M"]).linalg.norm(st["M"]))
     if fn is None or not norm_m > 0.0:
         raise ValueError("DLR is undefined for this state (no outputs/head, or constant features)")
     a, terms = fn.span(st["M"], rtol)
@@ -117,7 +165,7 @@ def dlr_of_state(st: dict, W: Optional[np.ndarray], rtol: float) -> tuple:
 
 
 def isotropic_dlr(n: int, p_eff: float, r: int) -> float:
-    """Expected DLR of isotropic Gaussian features (n samples, p_eff dimensions)
+    """Expected DLR of isotropic Gaussian features (n samples, p_eff features)
     with an r-dimensional linear output span: with m = n - 1 centered degrees of
     freedom, E tr(B A^+ B^T) = r (m + p - r) and E ||M||_F^2 = m p (m + p + 1)
     (Wishart moments), so DLR_iso = 1 - sqrt(r) (m + p - r) / sqrt(m p (m + p + 1)).
@@ -131,9 +179,10 @@ def isotropic_dlr(n: int, p_eff: float, r: int) -> float:
 
 def label_moments(st: dict) -> tuple:
     """One-hot targets: B_y[:, k] = s_k - n_k mu, A_y = diag(n_k) - n pi pi^T."""
-    counts = st["class_counts"].astype(np.float64)
-    B = st["class_sums"].T - np.outer(st["mean"], counts)
-    A = np.diag(counts) - np.outer(counts, counts) / st["n"]
+    xp = _ns(st["mean"])
+    counts = _f64(st["class_counts"])
+    B = st["class_sums"].T - xp.outer(st["mean"], counts)
+    A = xp.diag(counts) - xp.outer(counts, counts) / st["n"]
     return B, A
 
 
@@ -150,10 +199,11 @@ def task_moments(st: dict) -> Optional[Functions]:
 def _curve(proj_sq: np.ndarray, denom: float, p: int) -> Optional[np.ndarray]:
     if not denom > 0.0:
         return None
+    xp = _ns(proj_sq)
     q = proj_sq / denom
-    out = np.empty(p)
+    out = xp.empty(p)
     r = q.shape[0]
-    out[:r] = np.cumsum(q)
+    out[:r] = xp.cumsum(q)
     out[r:] = out[r - 1] if r else 0.0
     return out
 
@@ -162,7 +212,8 @@ def nc1(st: dict, rtol: float) -> Optional[float]:
     """NC1 = tr(Sigma_W Sigma_B^+) / K (Papyan et al. 2020; SPEC.md)."""
     if st["k"] <= 0:
         return None
-    counts = st["class_counts"].astype(np.float64)
+    xp = _ns(st["mean"])
+    counts = _f64(st["class_counts"])
     present = counts > 0
     K = int(present.sum())
     if K < 2:
@@ -170,17 +221,17 @@ def nc1(st: dict, rtol: float) -> Optional[float]:
     n = float(st["n"])
     D = st["class_sums"][present] / counts[present, None] - st["mean"][None, :]
     # Sigma_B = D^T D / K: its eigenvectors are D's right singular vectors.
-    _, S, Vt = np.linalg.svd(D, full_matrices=False)
-    keep = S * S > rtol * S[0] * S[0] if S[0] > 0 else np.zeros_like(S, dtype=bool)
+    _, S, Vt = xp.linalg.svd(D, full_matrices=False)
+    keep = S * S > rtol * S[0] * S[0]  # all False when S[0] == 0
     if not keep.any():
         return None
     Vt = Vt[keep]
     sb = S[keep] ** 2 / K
     # v^T Sigma_W v = (v^T M v - sum_k n_k (d_k . v)^2) / n
-    vmv = np.einsum("ij,ij->i", Vt @ st["M"], Vt)
+    vmv = xp.einsum("ij,ij->i", Vt @ st["M"], Vt)
     dv = D @ Vt.T
     vwv = (vmv - (counts[present, None] * dv * dv).sum(axis=0)) / n
-    return max(float(np.sum(vwv / sb)) / K, 0.0)
+    return max(float(xp.sum(vwv / sb)) / K, 0.0)
 
 
 def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = None,
@@ -197,12 +248,18 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
     if not (isinstance(rtol, (int, float)) and 0.0 < rtol < 1.0):
         raise ValueError(f"rtol must be a number in (0, 1), got {rtol!r}")
     M = st["M"]
+    xp = _ns(M)
+    if xp is not np:  # CUDA state: head and held-out state join it on the device
+        if W is not None:
+            W = xp.asarray(W).double()
+        if test is not None:
+            test = {k: (xp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in test.items()}
     warnings = []
 
     fn = function_moments(st, W)
     dlr = rank = logit_eig = None
     dlr_range = None
-    norm_m = float(np.linalg.norm(M))
+    norm_m = float(xp.linalg.norm(M))
     if not norm_m > 0.0:
         raise ValueError("features are constant (zero covariance): DLR and the spectrum are undefined")
     if fn is not None:
@@ -219,15 +276,15 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
                 f"from {dlr_range[0]:.4f} to {dlr_range[1]:.4f} over rtol x 0.1 .. x 10; see logit_eigenvalues")
 
     # Spectrum of Sigma = M / n (or the uncentered operator, the paper's v1).
-    S = M if centered else M + n * np.outer(st["mean"], st["mean"])
+    S = M if centered else M + n * xp.outer(st["mean"], st["mean"])
     lam, V = _eigh_desc(S)
     if not lam[0] > 0.0:
         raise ValueError("features are constant (zero covariance): the spectrum is undefined")
     rho = lam / n
-    r_phi = int(np.count_nonzero(lam > rtol * lam[0]))
+    r_phi = int(xp.count_nonzero(lam > rtol * lam[0]))
     Vk, lk = V[:, :r_phi], lam[:r_phi]
     q = rho[rho > 0] / rho.sum()
-    effective_dim = float(np.exp(-np.sum(q * np.log(q))))
+    effective_dim = float(xp.exp(-xp.sum(q * xp.log(q))))
 
     def train_curve(g):
         return None if g is None else _curve(g.proj_sq(Vk) / lk, g.trace(), p)
@@ -251,9 +308,9 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
         test_quality = test_curve(task_moments(test))
         test_utilization = test_curve(function_moments(test, W))
         shift = test["mean"] - (st["mean"] if centered else 0.0)
-        second = test["M"] / nt + np.outer(shift, shift)
-        norms = np.einsum("ij,ij->j", second @ Vk, Vk) / rho[:r_phi]
-        test_norms = np.zeros(p)
+        second = test["M"] / nt + xp.outer(shift, shift)
+        norms = xp.einsum("ij,ij->j", second @ Vk, Vk) / rho[:r_phi]
+        test_norms = xp.zeros(p)
         test_norms[:r_phi] = norms
 
     nc1_value = None
@@ -263,22 +320,23 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
         else:
             warnings.append(f"NC1 not reported: {precision} products cannot resolve within-class spread")
 
-    # Finite-sample reference: isotropic features of the same n, effective
-    # dimension (participation ratio) and logit rank.
-    p_eff = float(lam.sum() ** 2 / np.sum(lam * lam))
+    # Finite-sample reference: isotropic features of the same n, the same
+    # number of active features (dead units excluded) and the same logit rank.
+    var = xp.diagonal(M)
+    p_active = int(xp.count_nonzero(var > rtol * var.max()))
     dlr_iso = dlr_norm = None
     if dlr is not None:
-        dlr_iso = isotropic_dlr(n, p_eff, rank)
+        dlr_iso = isotropic_dlr(n, p_active, rank)
         dlr_norm = dlr / dlr_iso if dlr_iso > 0 else None
     if n < 10 * p:
         warnings.append(f"n = {n} is below 10 p = {10 * p}: DLR is biased toward rich at this sample size"
                         + (f" (isotropic features here would give {dlr_iso:.3f})" if dlr_iso is not None else ""))
 
     return Report(
-        dlr=dlr, rank=rank, logit_eigenvalues=logit_eig, n=n, nc1=nc1_value,
-        eigenvalues=rho, relative_eigenvalues=rho / rho[0], effective_dim=effective_dim,
-        quality=quality, utilization=utilization, test_quality=test_quality,
-        test_utilization=test_utilization, test_eigenfunction_norms=test_norms,
+        dlr=dlr, rank=rank, logit_eigenvalues=_host(logit_eig), n=n, nc1=nc1_value,
+        eigenvalues=_host(rho), relative_eigenvalues=_host(rho / rho[0]), effective_dim=effective_dim,
+        quality=_host(quality), utilization=_host(utilization), test_quality=_host(test_quality),
+        test_utilization=_host(test_utilization), test_eigenfunction_norms=_host(test_norms),
         feature_rank=r_phi, rtol=float(rtol), precision=precision, centered=centered,
-        dlr_rtol_range=dlr_range, participation_ratio=p_eff, dlr_isotropic=dlr_iso,
+        dlr_rtol_range=dlr_range, active_features=p_active, dlr_isotropic=dlr_iso,
         dlr_normalized=dlr_norm, warnings=warnings)
