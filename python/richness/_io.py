@@ -78,7 +78,10 @@ def load_state(path: "os.PathLike | str") -> dict:
     try:
         with np.load(io.BytesIO(raw), allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile) as e:
+    # A damaged zip header can also read as an unsupported compression method or
+    # zip version (NotImplementedError) or as an encrypted member (RuntimeError).
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile,
+            NotImplementedError, RuntimeError) as e:
         raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
     if "meta" not in data:
         raise bad("not a richness state (no meta entry)")
