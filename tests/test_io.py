@@ -1,0 +1,304 @@
+"""save / load: exact round trip, atomic replacement, and rejection of bad files
+with a ValueError naming the file and the problem."""
+
+import io
+import json
+import os
+import zipfile
+
+import numpy as np
+import pytest
+
+import richness
+from reference import dlr_naive, states_equal
+
+
+def filled(num_classes=None, targets=True, dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+    X = (rng.normal(size=(120, 5)) + 2.0).astype(dtype)
+    F = (X.astype(np.float64) @ rng.normal(size=(5, 3))).astype(dtype)
+    y = rng.integers(0, 4, size=120)
+    T = rng.normal(size=(120, 2)).astype(dtype)
+    m = richness.Moments(num_classes=num_classes)
+    for idx in np.array_split(np.arange(120), 3):
+        m.update(X[idx], F[idx], labels=y[idx], targets=T[idx] if targets else None)
+    return m, X, F
+
+
+@pytest.mark.parametrize("num_classes,targets,dtype", [(None, True, np.float64), (6, False, np.float32)])
+def test_round_trip_is_exact(tmp_path, num_classes, targets, dtype):
+    m, X, F = filled(num_classes, targets, dtype)
+    path = tmp_path / "state.npz"
+    m.save(path)
+    loaded = richness.Moments.load(path)
+    assert states_equal(loaded.state_dict(), m.state_dict())
+    assert loaded.num_classes == num_classes
+    assert loaded.n == m.n
+    a, b = m.compute(), loaded.compute()
+    assert a.dlr == b.dlr and a.precision == b.precision and a.nc1 == b.nc1
+    assert np.array_equal(a.quality, b.quality)
+    assert abs(b.dlr - dlr_naive(X, F)[0]) < (1e-12 if dtype == np.float64 else 1e-6)
+    # a loaded state keeps streaming exactly like the original
+    rng = np.random.default_rng(9)
+    Xn = rng.normal(size=(10, 5)).astype(dtype)
+    kw = dict(labels=rng.integers(0, 4, 10), targets=rng.normal(size=(10, 2)).astype(dtype) if targets else None)
+    m.update(Xn, Xn[:, :3], **kw)
+    loaded.update(Xn, Xn[:, :3], **kw)
+    assert states_equal(loaded.state_dict(), m.state_dict())
+
+
+def test_round_trip_str_path_and_empty_state(tmp_path):
+    m = richness.Moments(num_classes=3)
+    path = str(tmp_path / "empty.npz")
+    m.save(path)
+    loaded = richness.Moments.load(path)
+    assert loaded.n == 0 and loaded.num_classes == 3
+    assert states_equal(loaded.state_dict(), m.state_dict())
+    with pytest.raises(ValueError, match=r"empty"):
+        loaded.compute()
+
+
+def test_file_needs_no_pickle(tmp_path):
+    m, _, _ = filled()
+    path = tmp_path / "s.npz"
+    m.save(path)
+    with np.load(path, allow_pickle=False) as z:
+        assert "meta" in z.files
+        meta = json.loads(z["meta"].tobytes().decode())
+    assert meta["format"] == "richness.moments" and meta["version"] == 1
+    assert meta["n"] == 120
+
+
+# -- atomic save --------------------------------------------------------------------------
+
+def test_save_replaces_the_file_by_rename(tmp_path):
+    m, _, _ = filled()
+    path = tmp_path / "s.npz"
+    m.save(path)
+    inode = os.stat(path).st_ino
+    m2, _, _ = filled(seed=1)
+    m2.save(path)
+    # a new file took the old one's name (written elsewhere, renamed over it)
+    assert os.stat(path).st_ino != inode
+    assert states_equal(richness.Moments.load(path).state_dict(), m2.state_dict())
+    assert sorted(os.listdir(tmp_path)) == ["s.npz"]  # no temp files left
+
+
+def test_failing_save_leaves_old_file_valid(tmp_path, monkeypatch):
+    old, _, _ = filled()
+    path = tmp_path / "s.npz"
+    old.save(path)
+    old_bytes = path.read_bytes()
+    new, _, _ = filled(seed=2)
+
+    real_savez = np.savez
+
+    def savez_then_fail(file, *args, **kwargs):
+        real_savez(file, *args, **kwargs)  # part of the data reaches the disk ...
+        file.write(b"garbage")
+        raise OSError("disk full (simulated)")  # ... and then the write fails
+
+    monkeypatch.setattr(np, "savez", savez_then_fail)
+    with pytest.raises(OSError, match="simulated"):
+        new.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == old_bytes
+    assert states_equal(richness.Moments.load(path).state_dict(), old.state_dict())
+    assert sorted(os.listdir(tmp_path)) == ["s.npz"]  # the temp file was removed
+
+
+def test_failing_save_before_any_file(tmp_path, monkeypatch):
+    m, _, _ = filled()
+    path = tmp_path / "never.npz"
+
+    def fail(*args, **kwargs):
+        raise OSError("simulated")
+
+    monkeypatch.setattr(np, "savez", fail)
+    with pytest.raises(OSError):
+        m.save(path)
+    assert os.listdir(tmp_path) == []
+
+
+# -- bad files ----------------------------------------------------------------------------
+
+def saved_bytes(tmp_path):
+    m, _, _ = filled()
+    path = tmp_path / "good.npz"
+    m.save(path)
+    return path.read_bytes()
+
+
+def rewrite(raw, change_meta=None, change_arrays=None):
+    """Rebuild an archive after editing its meta document and/or arrays."""
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(arrays.pop("meta").tobytes().decode())
+    if change_meta:
+        change_meta(meta)
+    if change_arrays:
+        change_arrays(arrays)
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    return buf.getvalue()
+
+
+def member_payload(raw, name):
+    """(start, end) byte offsets of an archive member's stored data."""
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        info = zf.getinfo(name)
+    with io.BytesIO(raw) as f:  # the local header's own name/extra lengths
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = np.frombuffer(f.read(4), dtype="<u2")
+    start = info.header_offset + 30 + int(name_len) + int(extra_len)
+    return start, start + info.compress_size
+
+
+def flip_middle(raw):
+    # The middle byte of the largest array's payload (the file's literal middle can
+    # fall in zip header fields Python's zipfile ignores; the sweep below covers those).
+    start, end = member_payload(raw, "M.npy")
+    b = bytearray(raw)
+    b[(start + end) // 2] ^= 0xFF
+    return bytes(b)
+
+
+def drop(key):
+    return lambda d: d.pop(key)
+
+
+def set_(key, value):
+    return lambda d: d.__setitem__(key, value)
+
+
+def array_tweak(arrays):
+    arrays["M"] = arrays["M"].copy()
+    arrays["M"][0, 0] += 1.0  # valid archive, stale checksum
+
+
+def array_dtype(arrays):
+    arrays["M"] = arrays["M"].astype(np.float32)
+
+
+def array_shape(arrays):
+    arrays["mean"] = arrays["mean"][:-1]
+
+
+def foreign_npz(_raw):
+    buf = io.BytesIO()
+    np.savez(buf, x=np.arange(3))
+    return buf.getvalue()
+
+
+def pickled_npz(_raw):
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.array([{"format": "richness.moments"}], dtype=object))
+    return buf.getvalue()
+
+
+BAD_FILES = {
+    "byte flipped in the middle": (flip_middle, r"corrupted|checksum"),
+    "truncated to half": (lambda raw: raw[: len(raw) // 2], r"truncated or corrupted"),
+    "truncated by one byte": (lambda raw: raw[:-1], r"truncated or corrupted"),
+    "empty file": (lambda raw: b"", r"truncated or corrupted"),
+    "not a zip": (lambda raw: b"this is a text file, not a richness state\n" * 20, r"not a richness state"),
+    "foreign npz": (foreign_npz, r"not a richness state \(no meta entry\)"),
+    "pickled object array": (pickled_npz, r"not a richness state"),
+    "wrong version": (lambda raw: rewrite(raw, set_("version", 2)), r"unsupported state version 2"),
+    "wrong format": (lambda raw: rewrite(raw, set_("format", "other.tool")), r"not a richness state.*other\.tool"),
+    "meta missing n": (lambda raw: rewrite(raw, drop("n")), r"missing entries: n"),
+    "meta missing checksum": (lambda raw: rewrite(raw, drop("sha256")), r"missing entries: sha256"),
+    "array missing": (lambda raw: rewrite(raw, change_arrays=drop("A")), r"missing entries: A"),
+    "array edited": (lambda raw: rewrite(raw, change_arrays=array_tweak), r"checksum mismatch"),
+    "array dtype": (lambda raw: rewrite(raw, change_arrays=array_dtype), r"entry M has dtype float32"),
+    "array shape": (lambda raw: rewrite(raw, change_arrays=array_shape), r"checksum mismatch|shape"),
+    "bad meta json": (None, r"corrupted metadata"),
+}
+
+
+def bad_meta_json(raw):
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["meta"] = np.frombuffer(b"{not json", dtype=np.uint8)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_file_is_rejected(tmp_path, name):
+    make, pattern = BAD_FILES[name]
+    make = make or bad_meta_json
+    raw = saved_bytes(tmp_path)
+    path = tmp_path / "bad.npz"
+    path.write_bytes(make(raw))
+    keep, _, _ = filled(seed=3)
+    before = keep.state_dict()
+    with pytest.raises(ValueError, match=pattern) as info:
+        richness.Moments.load(path)
+    assert str(path) in str(info.value)  # the message names the file
+    assert states_equal(keep.state_dict(), before)
+
+
+def test_every_single_byte_flip_is_rejected(tmp_path):
+    # A sweep over the whole file: wherever a byte flips, load raises ValueError
+    # (never another exception) or, for a flip in zip header fields that carry no
+    # data (timestamps, the local zip64 extra field), loads the identical state.
+    raw = saved_bytes(tmp_path)
+    good = richness.Moments.load(tmp_path / "good.npz").state_dict()
+    path = tmp_path / "flip.npz"
+    rejected = 0
+    for mask in (0x01, 0xFF):
+        for pos in range(mask % 7, len(raw), 7):
+            b = bytearray(raw)
+            b[pos] ^= mask
+            path.write_bytes(bytes(b))
+            try:
+                state = richness.Moments.load(path).state_dict()
+            except ValueError as e:
+                assert str(path) in str(e)
+                rejected += 1
+                continue
+            assert states_equal(state, good), (pos, mask)
+    assert rejected > len(raw) // 2  # most bytes matter
+
+
+def test_file_middle_byte_flip(tmp_path):
+    raw = saved_bytes(tmp_path)
+    b = bytearray(raw)
+    b[len(b) // 2] ^= 0xFF
+    path = tmp_path / "mid.npz"
+    path.write_bytes(bytes(b))
+    good = richness.Moments.load(tmp_path / "good.npz").state_dict()
+    try:
+        state = richness.Moments.load(path).state_dict()
+    except ValueError as e:
+        assert "corrupted" in str(e) or "not a richness state" in str(e)
+    else:
+        assert states_equal(state, good)
+
+
+def test_every_payload_byte_flip_is_rejected(tmp_path):
+    # Inside any member's stored data, every flip is caught (zip CRC or the SHA-256).
+    raw = saved_bytes(tmp_path)
+    path = tmp_path / "flip.npz"
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        names = zf.namelist()
+    for name in names:
+        start, end = member_payload(raw, name)
+        for pos in range(start, end, 7):
+            b = bytearray(raw)
+            b[pos] ^= 0x10
+            path.write_bytes(bytes(b))
+            with pytest.raises(ValueError, match=r"corrupted|checksum|not a richness state"):
+                richness.Moments.load(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ValueError, match=r"cannot read"):
+        richness.Moments.load(tmp_path / "nope.npz")
+
+
+def test_directory_instead_of_file(tmp_path):
+    with pytest.raises(ValueError, match=r"cannot read"):
+        richness.Moments.load(tmp_path)
