@@ -32,10 +32,10 @@ class Report:
     rtol: the eigenvalue cut used; precision: of the products that formed the
         state; centered: whether the spectrum is of the centered operator.
     dlr_rtol_range: DLR with rtol / 10 and rtol * 10 (how much the rank cut matters).
-    participation_ratio: (sum rho)^2 / sum rho^2, the effective feature dimension
-        used by the finite-sample reference.
-    dlr_isotropic: DLR that isotropic features of the same n, participation
-        ratio and logit rank would give (the lazy end at this n, p, C).
+    active_features: features whose variance exceeds rtol times the largest
+        (dead units excluded): the p of the finite-sample reference.
+    dlr_isotropic: DLR that isotropic features of the same n, number of active
+        features and logit rank would give (the lazy end at this n, p, C).
     dlr_normalized: dlr / dlr_isotropic: about 1 for lazy (isotropic-like),
         0 for rich, comparable across p, C and n (docs/READING_DLR.md).
     dlr_stderr, dlr_interval, dlr_jackknife: delete-one-group jackknife standard
@@ -62,7 +62,7 @@ class Report:
     precision: str = "fp64"
     centered: bool = True
     dlr_rtol_range: Optional[tuple] = None
-    participation_ratio: Optional[float] = None
+    active_features: Optional[int] = None
     dlr_isotropic: Optional[float] = None
     dlr_normalized: Optional[float] = None
     dlr_stderr: Optional[float] = None

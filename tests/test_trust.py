@@ -1,0 +1,198 @@
+"""Trustworthy numbers: jackknife error bars, the finite-sample reference,
+rank-cut sensitivity, many outputs in p-space (SPEC.md, "Finite samples" and
+"Many outputs")."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import richness
+from reference import dlr_naive
+
+
+def population_dlr(Sigma, W):
+    """DLR of the population: features ~ N(0, Sigma), outputs W phi."""
+    B = Sigma @ W.T
+    A = W @ Sigma @ W.T
+    return 1 - np.trace(B @ np.linalg.solve(A, B.T)) / (np.linalg.norm(Sigma) * np.sqrt(W.shape[0]))
+
+
+def test_jackknife_interval_covers_population_value():
+    rng = np.random.default_rng(7)
+    p, C = 6, 2
+    L = rng.normal(size=(p, p))
+    Sigma = L @ L.T / p + 0.1 * np.eye(p)
+    W = rng.normal(size=(C, p))
+    pop = population_dlr(Sigma, W)
+    chol = np.linalg.cholesky(Sigma)
+    draws, covered, errors, ses = 120, 0, [], []
+    for _ in range(draws):
+        m = richness.Moments(groups=10)
+        for _ in range(20):
+            X = rng.normal(size=(60, p)) @ chol.T
+            m.update(X, X @ W.T)
+        rep = m.compute(uncertainty=True)
+        lo, hi = rep.dlr_interval
+        covered += lo <= pop <= hi
+        errors.append(rep.dlr - pop)
+        ses.append(rep.dlr_stderr)
+    assert covered / draws >= 0.90
+    # The standard error estimates the actual spread of DLR across draws.
+    assert 0.6 < np.mean(ses) / np.std(errors) < 1.5
+
+
+def test_groups_do_not_change_the_answer():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(900, 12)) + 5.0
+    F = X @ rng.normal(size=(12, 3))
+    y = rng.integers(0, 4, 900)
+    whole = richness.Moments()
+    grouped = richness.Moments(groups=4)
+    seeded = richness.Moments(groups=3, group_seed=0)
+    for chunk in np.array_split(np.arange(900), 9):
+        for m in (whole, grouped, seeded):
+            m.update(X[chunk], F[chunk], labels=y[chunk])
+    a = whole.state_dict()
+    for m in (grouped, seeded):
+        b = m.state_dict()
+        assert b["n"] == a["n"] == m.n
+        for key in ("mean", "M", "B", "A", "class_sums"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-12, atol=1e-9)
+        assert abs(m.compute().dlr - whole.compute().dlr) < 1e-12
+
+
+def test_rejected_batch_leaves_grouped_state_and_rotation_unchanged():
+    rng = np.random.default_rng(2)
+    m = richness.Moments(groups=3)
+    for _ in range(4):
+        x = rng.normal(size=(20, 5))
+        m.update(x, x[:, :2])
+    before = [part.get_state() for part in m._parts]
+    bad = rng.normal(size=(20, 5))
+    bad[3, 1] = np.nan
+    with pytest.raises(ValueError, match="1 non-finite"):
+        m.update(bad, bad[:, :2])
+    after = [part.get_state() for part in m._parts]
+    for s0, s1 in zip(before, after):
+        for key in ("mean", "M", "B", "A"):
+            assert np.array_equal(s0[key], s1[key])
+    assert m._next_group == 4 % 3
+
+
+def test_uncertainty_needs_groups_and_filled_groups():
+    x = np.random.default_rng(3).normal(size=(50, 4))
+    m = richness.Moments()
+    m.update(x, x[:, :2])
+    with pytest.raises(ValueError, match="groups"):
+        m.compute(uncertainty=True)
+    g = richness.Moments(groups=5)
+    g.update(x, x[:, :2])
+    with pytest.raises(ValueError, match="group sizes"):
+        g.compute(uncertainty=True)
+
+
+@pytest.mark.parametrize("p,C,n", [(64, 4, 20000), (64, 16, 256), (128, 64, 256), (32, 4, 64), (96, 8, 2000)])
+def test_isotropic_reference_matches_monte_carlo(p, C, n):
+    rng = np.random.default_rng(p * 1000 + n)
+    values, refs = [], []
+    for _ in range(6):
+        X = rng.normal(size=(n, p))
+        W = rng.normal(size=(C, p))
+        rep = richness.Moments()
+        rep.update(X)
+        r = rep.compute(head=(W, None))
+        values.append(r.dlr)
+        refs.append(r.dlr_isotropic)
+        # for isotropic features the normalised value reads "lazy"
+        assert abs(r.dlr_normalized - 1.0) < 0.08
+    # Wishart moments give the expectation; its error is a ratio-of-means one.
+    assert abs(np.mean(values) - np.mean(refs)) < 0.01 + 3 * np.std(values)
+
+
+def test_spec_finite_sample_values():
+    # SPEC.md, "Finite samples": p = 512, C = 10, isotropic: 0.686 at n = 128,
+    # 0.844 at n = 2048, 0.860 in the limit.
+    from richness._finish import isotropic_dlr
+
+    assert abs(isotropic_dlr(128, 512, 10) - 0.686) < 0.01
+    assert abs(isotropic_dlr(2048, 512, 10) - 0.844) < 0.002
+    assert abs(isotropic_dlr(10**9, 512, 10) - (1 - np.sqrt(10 / 512))) < 1e-4
+
+
+def test_normalized_dlr_is_near_zero_for_collapse():
+    rng = np.random.default_rng(4)
+    K, p = 5, 40
+    Q, _ = np.linalg.qr(rng.normal(size=(p, K)))
+    means = 5 * (np.eye(K) - 1.0 / K) @ Q.T  # simplex ETF: SPEC's DLR = 0 case
+    y = np.repeat(np.arange(K), 400)
+    X = means[y] + 0.01 * rng.normal(size=(len(y), p))
+    W = means - means.mean(0)
+    m = richness.Moments()
+    m.update(X)
+    r = m.compute(head=(W, None))
+    assert r.dlr_normalized < 0.01
+
+
+def test_rank_cut_sensitivity_is_reported():
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(3000, 20))
+    W = rng.normal(size=(4, 20))
+    F = X @ W.T
+    # a fifth output that is nearly a copy of the first: its extra variance sits
+    # just below the fp64 cut of 1e-10 a_max
+    F = np.column_stack([F, F[:, 0] + 3e-5 * np.std(F) * rng.normal(size=3000)])
+    m = richness.Moments()
+    m.update(X, F)
+    r = m.compute()
+    lo, hi = r.dlr_rtol_range
+    want_lo, _ = dlr_naive(X, F, rtol=r.rtol / 10)
+    want_hi, _ = dlr_naive(X, F, rtol=r.rtol * 10)
+    assert abs(lo - want_lo) < 1e-6 and abs(hi - want_hi) < 1e-6
+    assert abs(lo - hi) > 0.01
+    assert any("rank cut" in w for w in r.warnings)
+    clean = richness.Moments()
+    clean.update(X, X @ W.T)
+    rc = clean.compute()
+    assert rc.dlr_rtol_range[0] == rc.dlr_rtol_range[1] == rc.dlr
+    assert not any("rank cut" in w for w in rc.warnings)
+
+
+def test_many_outputs_p_space_equals_direct_formula():
+    rng = np.random.default_rng(6)
+    n, p, C = 2500, 24, 60  # C > p: the head path works in p-space
+    X = rng.normal(size=(n, p)) @ rng.normal(size=(p, p)) + 1.0
+    W = rng.normal(size=(C, p))
+    F = X @ W.T
+    m = richness.Moments()
+    m.update(X, F)
+    streamed = m.compute()
+    head = m.compute(head=(W, None))
+    want, r = dlr_naive(X, F)
+    assert head.rank == streamed.rank == r == p
+    assert abs(head.dlr - want) < 1e-9
+    assert abs(streamed.dlr - want) < 1e-9
+    np.testing.assert_allclose(head.utilization, streamed.utilization, rtol=0, atol=1e-9)
+    # low-rank head: C > p but the span has rank 3
+    W3 = rng.normal(size=(C, 3)) @ rng.normal(size=(3, p))
+    want3, r3 = dlr_naive(X, X @ W3.T)
+    h3 = m.compute(head=(W3, None))
+    assert h3.rank == r3 == 3
+    assert abs(h3.dlr - want3) < 1e-9
+
+
+def test_many_outputs_in_bounded_memory():
+    rng = np.random.default_rng(8)
+    p, C = 256, 32768
+    m = richness.Moments()
+    for _ in range(4):
+        m.update(rng.normal(size=(2048, p)).astype(np.float32))
+    W = rng.normal(size=(C, p)).astype(np.float32)
+    tracemalloc.start()
+    r = m.compute(head=(W, None))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    # A C x C float64 matrix would be 8.6 GB; W itself is 67 MB in float64.
+    assert peak < 400e6
+    assert r.rank == p and 0.0 <= r.dlr < 0.05
+    assert r.utilization[-1] == pytest.approx(1.0, abs=1e-6)
