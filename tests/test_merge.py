@@ -1,0 +1,140 @@
+"""merge: growing label ranges, empty sides, merging a state with itself."""
+
+import numpy as np
+import pytest
+
+import richness
+from reference import dlr_naive, nc1_naive, one_hot, states_equal
+
+
+def chunk(seed, n, labels_upto, p=5, C=3):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, p)) @ rng.normal(size=(p, p)) + seed
+    F = X @ rng.normal(size=(p, C)) + np.sin(X[:, :C])
+    y = rng.integers(0, labels_upto, size=n)
+    T = rng.normal(size=(n, 2))
+    return X, F, y, T
+
+
+def moments_of(*chunks, **kw):
+    m = richness.Moments(**kw)
+    for X, F, y, T in chunks:
+        m.update(X, F, labels=y, targets=T)
+    return m
+
+
+def assert_close_states(a, b, rtol=1e-12):
+    for key in ("n", "p", "c", "t", "k", "num_classes", "precision"):
+        assert a[key] == b[key], key
+    assert np.array_equal(a["class_counts"], b["class_counts"])
+    for key in ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_sums"):
+        scale = max(np.abs(b[key]).max(initial=0.0), 1.0)
+        assert np.abs(a[key] - b[key]).max(initial=0.0) <= rtol * scale, key
+
+
+def test_merge_grows_label_range():
+    c1, c2 = chunk(1, 80, 3), chunk(2, 60, 6)  # labels 0..2 and 0..5
+    a, b = moments_of(c1), moments_of(c2)
+    assert a.state_dict()["k"] == 3 and b.state_dict()["k"] == 6
+    whole = moments_of(c1, c2)
+    ab = moments_of(c1)
+    ab.merge(b)
+    ba = moments_of(c2)
+    ba.merge(a)
+    for merged in (ab, ba):
+        st = merged.state_dict()
+        assert st["k"] == 6
+        assert_close_states(st, whole.state_dict())
+    X = np.vstack([c1[0], c2[0]])
+    y = np.concatenate([c1[2], c2[2]])
+    rep = ab.compute()
+    assert abs(rep.nc1 - nc1_naive(X, y)) < 1e-10 * rep.nc1
+    counts = np.bincount(y, minlength=6)
+    assert np.array_equal(ab.state_dict()["class_counts"], counts)
+    np.testing.assert_allclose(ab.state_dict()["class_sums"], one_hot(y, 6).T @ X, rtol=1e-13, atol=1e-10)
+
+
+def test_merge_with_fixed_num_classes():
+    c1, c2 = chunk(3, 50, 2), chunk(4, 50, 4)
+    a = moments_of(c1, num_classes=4)
+    b = moments_of(c2)  # grows: k = 4
+    a.merge(b)
+    assert a.state_dict()["k"] == 4 and a.num_classes == 4
+    assert_close_states(a.state_dict(), moments_of(c1, c2, num_classes=4).state_dict())
+
+
+@pytest.mark.parametrize("how", ["new", "reset", "fixed classes"])
+def test_merge_into_empty(how):
+    c = chunk(5, 70, 4)
+    src = moments_of(c)
+    if how == "new":
+        dst = richness.Moments()
+    elif how == "reset":
+        dst = moments_of(chunk(6, 20, 2, p=7, C=1))  # other widths before the reset
+        dst.reset()
+    else:
+        dst = richness.Moments(num_classes=6)
+    dst.merge(src)
+    want = moments_of(c, num_classes=6) if how == "fixed classes" else src
+    assert states_equal(dst.state_dict(), want.state_dict())
+    # the source is untouched and the two are independent afterwards
+    assert states_equal(src.state_dict(), moments_of(c).state_dict())
+    dst.update(*c[:2], labels=c[2], targets=c[3])
+    assert src.n == 70 and dst.n == 140
+
+
+def test_merge_empty_into_filled_is_a_no_op():
+    c = chunk(7, 40, 3)
+    m = moments_of(c)
+    before = m.state_dict()
+    m.merge(richness.Moments())
+    empty_after_reset = moments_of(chunk(8, 10, 2))
+    empty_after_reset.reset()
+    m.merge(empty_after_reset)
+    assert states_equal(m.state_dict(), before)
+
+
+def test_merge_self_doubles_the_samples():
+    c = chunk(9, 90, 4)
+    m = moments_of(c)
+    twice = moments_of(c, c)
+    m.merge(m)
+    assert m.n == 180
+    assert_close_states(m.state_dict(), twice.state_dict())
+    st = m.state_dict()
+    # duplicating every sample: same mean, twice the scatter, same DLR
+    np.testing.assert_allclose(st["M"], 2 * moments_of(c).state_dict()["M"], rtol=1e-14)
+    X, F = c[0], c[1]
+    assert abs(m.compute().dlr - dlr_naive(np.vstack([X, X]), np.vstack([F, F]))[0]) < 1e-12
+
+
+def test_merge_keeps_the_coarser_precision():
+    c = chunk(10, 60, 3)
+    a = moments_of(c)
+    b = richness.Moments()
+    X, F, y, T = chunk(11, 40, 3)
+    b.update(X.astype(np.float32), F.astype(np.float32), labels=y, targets=T.astype(np.float32))
+    a.merge(b)
+    assert a.compute().precision == "fp32"
+    ref, _ = dlr_naive(np.vstack([c[0], X.astype(np.float32)]), np.vstack([c[1], F.astype(np.float32)]))
+    assert abs(a.compute().dlr - ref) < 1e-6
+
+
+def test_merge_matches_reference_with_far_apart_means():
+    # Chan's correction term carries the between-part scatter: parts with very
+    # different means must merge to the pooled covariance.
+    rng = np.random.default_rng(12)
+    parts = [rng.normal(size=(30, 4)) + 1e3 * rng.normal(size=4) for _ in range(4)]
+    outs = [P @ rng.normal(size=(4, 2)) for P in parts]
+    ms = []
+    for P, Fp in zip(parts, outs):
+        m = richness.Moments()
+        m.update(P, Fp)
+        ms.append(m)
+    total = ms[0]
+    for m in ms[1:]:
+        total.merge(m)
+    X, F = np.vstack(parts), np.vstack(outs)
+    Xc = X - X.mean(axis=0)
+    np.testing.assert_allclose(total.state_dict()["M"], Xc.T @ Xc, rtol=1e-11)
+    assert abs(total.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
