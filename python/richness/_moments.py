@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _adapt, _finish, _io
+from . import _adapt, _finish, _io, _uncertainty
 from ._core import CpuMoments
 from ._report import Report
 
@@ -41,13 +41,25 @@ class Moments:
             inputs; ``"tf32"`` and ``"bf16"`` are CUDA-only modes. The state is
             float64 at rest whatever the mode.
 
+        groups: keep the samples in ``groups`` sub-states (k >= 2), so that
+            ``compute(uncertainty=True)`` gives a delete-one-group jackknife
+            standard error at the cost of k merges, never a second pass. Each
+            ``update`` (and each ``merge``) goes whole to one group: in turn, or
+            at random when ``group_seed`` is given. Costs k times the memory.
+        group_seed: seed for the random assignment of updates to groups.
+
     ``update`` adds a batch; ``merge`` adds another state; ``compute`` finishes
     a ``Report`` without touching the state. Invalid input raises and leaves
     the state exactly as it was.
     """
 
     def __init__(self, num_classes: Optional[int] = None, *, device: Optional[str] = None,
-                 precision: Optional[str] = None) -> None:
+                 precision: Optional[str] = None, groups: Optional[int] = None,
+                 group_seed: Optional[int] = None) -> None:
+        if groups is not None and (not isinstance(groups, (int, np.integer)) or groups < 2):
+            raise ValueError(f"groups must be an integer >= 2 or None, got {groups!r}")
+        if group_seed is not None and groups is None:
+            raise ValueError("group_seed needs groups=k")
         if num_classes is not None and (not isinstance(num_classes, (int, np.integer)) or num_classes < 1):
             raise ValueError(f"num_classes must be a positive integer or None, got {num_classes!r}")
         if precision is not None and precision not in _adapt.PRECISIONS:
@@ -64,9 +76,13 @@ class Moments:
         self.num_classes = None if num_classes is None else int(num_classes)
         self.precision = precision
         self._device = device
-        self._impl = None
+        self._impl = None  # the whole state (without groups)
+        self._parts = None  # the group sub-states (with groups)
+        self._groups = None if groups is None else int(groups)
+        self._next_group = 0
+        self._group_rng = None if group_seed is None else np.random.default_rng(group_seed)
         if device is not None:
-            self._impl = self._make_backend(device)
+            self._create(device)
 
     # -- backend --------------------------------------------------------------
 
@@ -81,14 +97,47 @@ class Moments:
         """Where the state lives: ``"cpu"``, ``"cuda:N"``, or None before the first batch."""
         return self._device
 
-    def _backend_for(self, device: str):
-        if self._impl is None:
-            self._device = device
+    def _create(self, device: str) -> None:
+        self._device = device
+        if self._groups is None:
             self._impl = self._make_backend(device)
+        else:
+            self._parts = [self._make_backend(device) for _ in range(self._groups)]
+
+    @property
+    def _started(self) -> bool:
+        return self._impl is not None or self._parts is not None
+
+    def _sink(self, device: str):
+        """The backend the next update or merge goes to (one group, in turn)."""
+        if not self._started:
+            self._create(device)
         elif device != self._device:
             raise ValueError(f"this Moments lives on {self._device} but the batch is on {device}; "
                              "move the batch or use a Moments on that device")
-        return self._impl
+        if self._parts is None:
+            return self._impl
+        return self._parts[self._pick_group()]
+
+    def _pick_group(self) -> int:
+        if self._group_rng is not None:
+            return int(self._group_rng.integers(self._groups))
+        return self._next_group
+
+    def _advance_group(self) -> None:
+        # Called only after a successful update, so a rejected batch leaves the
+        # rotation (and so the state) exactly as it was.
+        if self._parts is not None and self._group_rng is None:
+            self._next_group = (self._next_group + 1) % self._groups
+
+    def _whole(self):
+        """A backend holding all samples (the groups merged: k merges)."""
+        if self._parts is None:
+            return self._impl
+        total = self._make_backend(self._device)
+        for part in self._parts:
+            total.merge(part)
+        return total
 
     # -- accumulation ---------------------------------------------------------
 
@@ -103,7 +152,7 @@ class Moments:
         devices = {m.device for m in parts}
         if len(devices) > 1:
             raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
-        impl = self._backend_for(fx.device)
+        impl = self._sink(fx.device)
         precision = self.precision
         if precision is None:
             floats = [m.dtype for m in (fx, ox, tx) if m is not None]
@@ -114,22 +163,22 @@ class Moments:
             impl.update(*args)
         else:
             impl.update(*args, _current_stream(fx.owner))
+        self._advance_group()
 
     def merge(self, other: "Moments") -> None:
         """Add another state (Chan et al. pairwise merge; exact up to rounding)."""
         if not isinstance(other, Moments):
             raise TypeError(f"merge expects a Moments, got {type(other).__name__}")
-        if other._impl is None or other.n == 0:
+        if not other._started or other.n == 0:
             return
-        if self._impl is None:
-            self._device = other._device
-            self._impl = self._make_backend(other._device)
-        if other is self or type(other._impl) is not type(self._impl):
+        source = other._whole()
+        sink = self._sink(self._device if self._started else other._device)
+        if source is sink or type(source) is not type(sink):
             tmp = self._make_backend(self._device)
-            tmp.set_state(other._impl.get_state())
-            self._impl.merge(tmp)
-        else:
-            self._impl.merge(other._impl)
+            tmp.set_state(source.get_state())
+            source = tmp
+        sink.merge(source)
+        self._advance_group()
 
     def all_reduce(self, group: Any = None) -> None:
         """Merge the states of all ranks of ``group`` (torch.distributed, gloo or
@@ -142,18 +191,22 @@ class Moments:
 
     def reset(self) -> None:
         """Forget all samples (widths are free again; num_classes is kept)."""
-        if self._impl is not None:
-            self._impl.reset()
+        for impl in self._parts or [self._impl]:
+            if impl is not None:
+                impl.reset()
+        self._next_group = 0
 
     @property
     def n(self) -> int:
         """Number of samples accumulated."""
+        if self._parts is not None:
+            return sum(int(part.n) for part in self._parts)
         return 0 if self._impl is None else int(self._impl.n)
 
     # -- finishing ------------------------------------------------------------
 
     def compute(self, *, head: Any = None, test: Optional["Moments"] = None, rtol: Optional[float] = None,
-                centered: bool = True) -> Report:
+                centered: bool = True, uncertainty: bool = False) -> Report:
         """Finish a ``Report`` (float64); the state is not modified.
 
         Args:
@@ -165,6 +218,9 @@ class Moments:
             rtol: eigenvalue cut; default by product precision (SPEC.md).
             centered: spectrum of the centered operator (default) or the
                 paper's v1 uncentered one.
+            uncertainty: add ``dlr_stderr``, ``dlr_interval`` (95%) and the
+                bias-corrected ``dlr_jackknife`` from a delete-one-group
+                jackknife; needs ``Moments(groups=k)``.
         """
         W = _adapt.weights_of(head)[0] if head is not None else None
         test_state = None
@@ -172,22 +228,53 @@ class Moments:
             if not isinstance(test, Moments):
                 raise TypeError(f"test must be a Moments, got {type(test).__name__}")
             test_state = test.state_dict()
-        return _finish.finish(self._finish_state(), W=W, test=test_state, rtol=rtol, centered=centered)
+        if uncertainty and self._groups is None:
+            raise ValueError("uncertainty=True needs the samples kept in groups: use Moments(groups=k), k >= 2")
+        report = _finish.finish(self._finish_state(), W=W, test=test_state, rtol=rtol, centered=centered)
+        if uncertainty:
+            if report.dlr is None:
+                raise ValueError("uncertainty needs outputs or a head: DLR is undefined without them")
+            _uncertainty.add_jackknife(report, self._leave_one_out_states(), W)
+        return report
+
+    def _leave_one_out_states(self) -> list:
+        """The k states without one group each, from prefix and suffix merges
+        (3k merges in all, exact: no subtraction of moments)."""
+        k = self._groups
+        sizes = [int(part.n) for part in self._parts]
+        if min(sizes) < 1:
+            raise ValueError(f"uncertainty needs every group filled; group sizes are {sizes} "
+                             f"(make at least {k} updates, or use fewer groups)")
+        prefix = [self._make_backend(self._device)]
+        for part in self._parts[:-1]:
+            nxt = self._make_backend(self._device)
+            nxt.merge(prefix[-1])
+            nxt.merge(part)
+            prefix.append(nxt)
+        out = [None] * k
+        suffix = self._make_backend(self._device)
+        for i in range(k - 1, -1, -1):
+            loo = self._make_backend(self._device)
+            loo.merge(prefix[i])
+            loo.merge(suffix)
+            out[i] = loo.get_state()
+            suffix.merge(self._parts[i])
+        return out
 
     # -- persistence ----------------------------------------------------------
 
     def _finish_state(self) -> dict:
         """``state_dict()``, except that a CUDA state stays on its device as
         float64 torch tensors, so that ``compute`` finishes there."""
-        if self._device in (None, "cpu") or self._impl is None:
+        if self._device in (None, "cpu") or not self._started:
             return self.state_dict()
-        return _device_state(self._impl, self._device)
+        return _device_state(self._whole(), self._device)
 
     def state_dict(self) -> dict:
         """A float64 numpy copy of the state (symmetric matrices filled)."""
-        if self._impl is None:
+        if not self._started:
             return CpuMoments(-1 if self.num_classes is None else self.num_classes).get_state()
-        return self._impl.get_state()
+        return self._whole().get_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the state with ``state`` (validated first; on error nothing changes)."""
@@ -213,10 +300,15 @@ class Moments:
         for key in _io.FLOATS:
             if not np.isfinite(np.asarray(state[key], dtype=np.float64)).all():
                 raise ValueError(f"state entry {key!r} contains NaN or Inf")
-        target = self._impl if self._impl is not None else self._make_backend(self._device or "cpu")
-        target.set_state(dict(state))
-        self._impl = target
-        self._device = self._device or "cpu"
+        device = self._device or "cpu"
+        target = self._make_backend(device)
+        target.set_state(dict(state))  # validates; raises before anything changes
+        self._device = device
+        if self._groups is None:
+            self._impl = target
+        else:  # a loaded state is one block: the jackknife needs later updates
+            self._parts = [target] + [self._make_backend(device) for _ in range(self._groups - 1)]
+            self._next_group = 1 % self._groups
         self.num_classes = None if dims["num_classes"] < 0 else dims["num_classes"]
 
     def save(self, path: "os.PathLike | str") -> None:
@@ -233,10 +325,10 @@ class Moments:
         return m
 
     def __repr__(self) -> str:
-        if self._impl is None or self.n == 0:
+        if not self._started or self.n == 0:
             return "Moments(empty)"
-        st = self._impl
-        return f"Moments(n={self.n}, p={st.p}, device={self._device!r})"
+        groups = "" if self._groups is None else f", groups={self._groups}"
+        return f"Moments(n={self.n}, p={self._whole().p}, device={self._device!r}{groups})"
 
 
 def _device_state(impl: Any, device: str) -> dict:
