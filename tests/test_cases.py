@@ -264,3 +264,64 @@ def test_richer_features_give_lower_dlr():
         ref.append(dlr_naive(X, X @ W.T)[0])
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-12)
     assert all(a > b for a, b in zip(got, got[1:]))
+
+
+# -- many outputs (C > p) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 1e-6)])
+def test_more_outputs_than_features(dtype, tol):
+    # The output span is the centered feature span (rank p): P projects onto it.
+    rng = np.random.default_rng(13)
+    n, p, C = 300, 10, 120
+    X = (rng.normal(size=(n, p)) @ (np.eye(p) + 0.3 * rng.normal(size=(p, p)) / np.sqrt(p)) + 2.0).astype(dtype)
+    W, b = rng.normal(size=(C, p)), rng.normal(size=C)
+    F = X.astype(np.float64) @ W.T + b
+    ref, r = dlr_naive(X, F)
+    assert r == p
+    m = richness.Moments()
+    m.update(X)
+    rep = m.compute(head=(W, b))
+    assert rep.rank == p
+    assert abs(rep.dlr - ref) < tol
+    ms = richness.Moments()
+    ms.update(X, F.astype(dtype))
+    rep_s = ms.compute()
+    assert rep_s.rank == p
+    assert abs(rep_s.dlr - dlr_naive(X, F.astype(dtype))[0]) < tol
+
+
+# -- the rank cut -------------------------------------------------------------------------------
+
+def test_rtol_sets_the_rank_and_matches_reference():
+    rng = np.random.default_rng(14)
+    n, p = 400, 8
+    X = rng.normal(size=(n, p))
+    F = X[:, :4] * np.array([1.0, 1.0, 1.0, 1e-4])  # last logit: variance ratio 1e-8
+    m = richness.Moments()
+    m.update(X, F)
+    keep = m.compute()
+    assert keep.rank == 4
+    assert abs(keep.dlr - dlr_naive(X, F, rtol=1e-10)[0]) < 1e-12
+    cut = m.compute(rtol=1e-6)
+    assert cut.rank == 3 and cut.rtol == 1e-6
+    ref_cut, r = dlr_naive(X, F, rtol=1e-6)
+    assert r == 3 and abs(cut.dlr - ref_cut) < 1e-12
+    assert abs(richness.dlr(X, F, rtol=1e-6) - ref_cut) < 1e-12
+    # the kept direction carries almost no output variance but counts fully in the
+    # projector (SPEC: what makes DLR sensitive to the cut)
+    assert abs(cut.dlr - keep.dlr) > 0.05
+    ev = keep.logit_eigenvalues
+    Fc = F - F.mean(axis=0)
+    np.testing.assert_allclose(ev, np.sort(np.linalg.eigvalsh(Fc.T @ Fc))[::-1], rtol=1e-9)
+
+
+def test_warning_when_an_eigenvalue_is_near_the_cut():
+    rng = np.random.default_rng(15)
+    X = rng.normal(size=(300, 6))
+    F = X[:, :3] * np.array([1.0, 1.0, 3e-3])  # ratio 9e-6 against the fp64 cut 1e-10: far
+    m = richness.Moments()
+    m.update(X, F)
+    assert not any("rank cut" in w for w in m.compute().warnings)
+    near = m.compute(rtol=3e-6)  # within a decade of 9e-6
+    assert near.rank == 3
+    assert any("rank cut" in w for w in near.warnings)

@@ -195,3 +195,48 @@ def test_empty_batch_adds_nothing():
     m.update(X[:0], F[:0], labels=y[:0])
     assert states_equal(m.state_dict(), before)
     assert m.n == X.shape[0]
+
+
+# -- large batches (the row passes split over threads) --------------------------------------------
+
+def test_large_batch_threaded_passes():
+    from richness import _core
+
+    rng = np.random.default_rng(11)
+    n, p = 12000, 24
+    X = (1e4 + 1e-2 * rng.normal(size=(n, p))).astype(np.float32)  # centering precision at scale
+    W = rng.normal(size=(3, p))
+    Xd = X.astype(np.float64)
+    threads = _core.blas_get_num_threads()
+    try:
+        states = []
+        for t in sorted({1, max(threads, 2)}):
+            _core.blas_set_num_threads(t)
+            m = richness.Moments()
+            m.update(X)
+            states.append(m.state_dict())
+            np.testing.assert_allclose(m.state_dict()["mean"], Xd.mean(axis=0), rtol=1e-15)
+            from reference import dlr_thin
+            assert abs(m.compute(head=W).dlr - dlr_thin(Xd, Xd @ W.T)[0]) < 1e-6
+            # a strided view gives the identical state at the same thread count
+            big = np.zeros((n, p + 3), dtype=np.float32)
+            big[:, 1:-2] = X
+            mv = richness.Moments()
+            mv.update(big[:, 1:-2])
+            assert states_equal(mv.state_dict(), m.state_dict())
+            bad = X.copy()
+            bad[n - 1, 0] = np.nan
+            bad[n // 2, 3] = np.inf
+            with pytest.raises(ValueError, match=r"contain 2 non-finite values"):
+                m.update(bad)
+        a, b = states[0], states[-1]
+        assert np.abs(a["M"] - b["M"]).max() <= 1e-6 * np.abs(a["M"]).max()
+    finally:
+        _core.blas_set_num_threads(threads)
+
+
+def test_same_batches_give_bit_identical_states():
+    X, F, y = data(12, n=5000, p=16)
+    a = state_of((X, F, y), (X[:100], F[:100], y[:100]))
+    b = state_of((X, F, y), (X[:100], F[:100], y[:100]))
+    assert states_equal(a.state_dict(), b.state_dict())
