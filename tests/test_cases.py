@@ -325,3 +325,16 @@ def test_warning_when_an_eigenvalue_is_near_the_cut():
     near = m.compute(rtol=3e-6)  # within a decade of 9e-6
     assert near.rank == 3
     assert any("rank cut" in w for w in near.warnings)
+
+
+def test_single_output():
+    # One logit (a binary classifier's margin), given as a 1-D vector.
+    rng = np.random.default_rng(16)
+    X = correlated_features(rng, 250, 7)
+    f = np.tanh(X @ rng.normal(size=7))
+    m = richness.Moments()
+    m.update(X, f)
+    rep = m.compute()
+    ref, r = dlr_naive(X, f[:, None])
+    assert rep.rank == r == 1
+    assert abs(rep.dlr - ref) < 1e-12

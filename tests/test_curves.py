@@ -341,3 +341,29 @@ def test_report_to_dict_is_json_ready():
     np.testing.assert_array_equal(np.array(d["eigenvalues"]), rep.eigenvalues)
     np.testing.assert_array_equal(np.array(d["quality"]), rep.quality)
     assert "DLR" in str(rep)
+
+
+def test_nc1_float32_large_mean():
+    # Class sums are raw float64 sums; a large common mean must not spoil NC1.
+    rng = np.random.default_rng(38)
+    K, p = 4, 6
+    means = rng.normal(size=(K, p))
+    y = rng.integers(0, K, size=1200)
+    X32 = (1e4 + means[y] + 0.3 * rng.normal(size=(1200, p))).astype(np.float32)
+    m = richness.Moments()
+    m.update(X32, labels=y)
+    got = m.compute().nc1
+    want = nc1_naive(X32, y)
+    assert abs(got - want) < 1e-4 * want
+
+
+def test_quality_prefers_float_targets_over_labels():
+    # SPEC: quality uses the task; with both streamed, the float targets are the task.
+    rng = np.random.default_rng(39)
+    X, y = labelled_data(rng, 200, 5, 3)
+    T = np.cos(X[:, :2])
+    m = richness.Moments()
+    m.update(X, labels=y, targets=T)
+    rep = m.compute()
+    np.testing.assert_allclose(rep.quality, training_curve(X, T), rtol=0, atol=1e-12)
+    assert abs(rep.nc1 - nc1_naive(X, y)) < 1e-10 * rep.nc1

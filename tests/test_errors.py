@@ -300,3 +300,23 @@ def test_load_state_dict_round_trip():
     other.load_state_dict(m.state_dict())
     assert states_equal(other.state_dict(), m.state_dict())
     assert other.compute().dlr == m.compute().dlr
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, N - 1), st.integers(0, P - 1),
+                          st.sampled_from([np.nan, np.inf, -np.inf])), min_size=1, max_size=12),
+       st.sampled_from([np.float64, np.float32, np.float16]))
+def test_nonfinite_count_is_exact(cells, dtype):
+    bad = X.astype(dtype)
+    for i, j, v in cells:
+        bad[i, j] = v
+    count = len({(i, j) for i, j, _ in cells})
+    m = started()
+    before = m.state_dict()
+    word = "value" if count == 1 else "values"
+    with pytest.raises(ValueError, match=rf"features contain {count} non-finite {word}\b"):
+        m.update(bad, F, labels=Y)
+    assert states_equal(m.state_dict(), before)
