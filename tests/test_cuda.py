@@ -1,0 +1,339 @@
+"""CUDA backend against the CPU backend against the float64 n x n reference.
+
+Skips cleanly without torch, without a CUDA GPU, or without the compiled
+richness._cuda module (build with RICHNESS_CUDA=ON; benchmarks/gpu_check.py
+does it on a GPU machine).
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+try:
+    from richness import _cuda  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the build
+    pytest.skip(f"richness._cuda not built ({e})", allow_module_level=True)
+
+import richness
+from reference import dlr_naive, nc1_naive, simplex_etf
+
+DEV = "cuda:0"
+# SPEC.md / issue 3: DLR tolerance by product precision.
+TOL = {"fp64": 1e-12, "fp32": 1e-6, "tf32": 1e-3, "bf16": 5e-3}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64}
+
+
+def features(rng, n, p, mean=3.0):
+    """Well-conditioned correlated features (spectrum 0.25..4, rotated), so that
+    no logit eigenvalue sits near the coarsest rank cut (bf16: 1e-2)."""
+    Q, _ = np.linalg.qr(rng.normal(size=(p, p)))
+    return (rng.normal(size=(n, p)) * np.linspace(0.5, 2.0, p)) @ Q + mean
+
+
+@functools.lru_cache(maxsize=None)
+def problem(dtype_name, n=2048, p=48, C=8, seed=0):
+    """X, F on the GPU in `dtype_name`, their float64 values, W, b, and the
+    n x n reference DLR of the streamed outputs and of the head."""
+    rng = np.random.default_rng(seed)
+    X64 = features(rng, n, p)
+    W, b = rng.normal(size=(C, p)), rng.normal(size=C)
+    F64 = X64 @ W.T + b + 0.5 * rng.normal(size=(n, C))
+    dt = TORCH_DTYPES[dtype_name]
+    X = torch.from_numpy(X64).to(DEV, dt)
+    F = torch.from_numpy(F64).to(DEV, dt)
+    Xv = X.double().cpu().numpy()  # the values the package sees
+    Fv = F.double().cpu().numpy()
+    want, r = dlr_naive(Xv, Fv)
+    want_head, _ = dlr_naive(Xv, Xv @ W.T + b)
+    return X, F, Xv, Fv, W, b, want, want_head, r
+
+
+CASES = [(d, p) for d in ("float32", "float16", "bfloat16") for p in ("fp32", "tf32", "bf16")]
+CASES += [("float64", "fp64"), ("float64", "fp32")]
+
+
+@pytest.mark.parametrize("dtype_name,precision", CASES)
+def test_dlr_gpu_vs_cpu_vs_reference(dtype_name, precision):
+    X, F, Xv, Fv, W, b, want, want_head, r = problem(dtype_name)
+    tol = TOL[precision]
+    gpu = richness.Moments(device="cuda", precision=precision)
+    gpu_head = richness.Moments(device="cuda", precision=precision)
+    for chunk in torch.arange(X.shape[0]).chunk(5):
+        gpu.update(X[chunk], F[chunk])
+        gpu_head.update(X[chunk])
+    rep = gpu.compute()
+    assert rep.precision == precision and rep.rank == r
+    assert isinstance(rep.eigenvalues, np.ndarray) and isinstance(rep.dlr, float)
+    assert abs(rep.dlr - want) < tol, (rep.dlr, want)
+    assert abs(gpu_head.compute(head=(W, b)).dlr - want_head) < tol
+
+    # The CPU backend on the same values (fp64 or fp32 products).
+    cpu = richness.Moments(device="cpu", precision="fp64" if precision == "fp64" else "fp32")
+    cpu.update(X.cpu(), F.cpu())
+    assert abs(cpu.compute().dlr - rep.dlr) < tol
+    # Device finishing == host finishing of the same state.
+    host = richness._finish.finish(gpu.state_dict())
+    assert abs(host.dlr - rep.dlr) < 1e-10
+    np.testing.assert_allclose(host.eigenvalues, rep.eigenvalues, rtol=1e-8, atol=1e-12 * rep.eigenvalues[0])
+
+
+def test_fp32_large_mean_small_spread():
+    # SPEC.md: mean 1e4, spread 1e-2 in float32 must give DLR to 1e-6.
+    rng = np.random.default_rng(3)
+    n, p, C = 4096, 16, 4
+    X64 = 1e4 + 1e-2 * features(rng, n, p, mean=0.0)
+    X = torch.from_numpy(X64).to(DEV, torch.float32)
+    Xv = X.double().cpu().numpy()
+    W = rng.normal(size=(C, p))
+    F = (torch.from_numpy(Xv @ W.T + 1e-3 * rng.normal(size=(n, C)))).to(DEV, torch.float32)
+    want, _ = dlr_naive(Xv, F.double().cpu().numpy())
+    m = richness.Moments(device="cuda", precision="fp32")
+    for chunk in torch.arange(n).chunk(3):
+        m.update(X[chunk], F[chunk])
+    assert abs(m.compute().dlr - want) < 1e-6
+
+
+def test_state_matches_cpu_backend_float64():
+    rng = np.random.default_rng(4)
+    n, p, C, K, T = 1500, 24, 5, 6, 3
+    X = features(rng, n, p)
+    F = X @ rng.normal(size=(p, C)) + rng.normal(size=(n, C))
+    y = rng.integers(0, K, n)
+    Tg = rng.normal(size=(n, T))
+    cpu = richness.Moments(K)
+    cpu.update(X, F, y, Tg)
+    gpu = richness.Moments(K, device="cuda")
+    t = lambda a: torch.from_numpy(a).to(DEV)  # noqa: E731
+    for chunk in np.array_split(np.arange(n), 4):
+        gpu.update(t(X[chunk]), t(F[chunk]), t(y[chunk]), t(Tg[chunk]))
+    a, b = cpu.state_dict(), gpu.state_dict()
+    assert b["precision"] == "fp64" and b["n"] == n
+    for key in ("n", "p", "c", "t", "k", "num_classes"):
+        assert a[key] == b[key], key
+    np.testing.assert_array_equal(a["class_counts"], b["class_counts"])
+    for key in ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_sums"):
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-11, atol=1e-11 * np.abs(a[key]).max(), err_msg=key)
+    ra, rb = cpu.compute(), gpu.compute()
+    assert abs(ra.dlr - rb.dlr) < 1e-12
+    assert abs(ra.nc1 - rb.nc1) < 1e-9 * max(1.0, abs(ra.nc1))
+    np.testing.assert_allclose(rb.quality, ra.quality, atol=1e-10)
+    np.testing.assert_allclose(rb.utilization, ra.utilization, atol=1e-10)
+    assert abs(rb.nc1 - nc1_naive(X, y)) < 1e-9 * max(1.0, rb.nc1)
+
+
+@pytest.mark.parametrize("num_classes", [None, 7])
+def test_labels_growing_and_fixed(num_classes):
+    rng = np.random.default_rng(5)
+    X = features(rng, 600, 12)
+    y = rng.integers(0, 7, 600)
+    y[:300] = np.minimum(y[:300], 3)  # the class range grows after the first batches
+    cpu = richness.Moments(num_classes)
+    gpu = richness.Moments(num_classes, device="cuda")
+    for chunk in np.array_split(np.arange(600), 3):
+        cpu.update(X[chunk], labels=y[chunk])
+        gpu.update(torch.from_numpy(X[chunk]).to(DEV), labels=torch.from_numpy(y[chunk]).to(DEV, torch.int32))
+    a, b = cpu.state_dict(), gpu.state_dict()
+    assert a["k"] == b["k"]
+    np.testing.assert_array_equal(a["class_counts"], b["class_counts"])
+    np.testing.assert_allclose(b["class_sums"], a["class_sums"], rtol=1e-12)
+
+
+def test_neural_collapse_zero_on_gpu():
+    rng = np.random.default_rng(6)
+    K, p = 5, 8
+    means = simplex_etf(K, p, rng, scale=5.0)
+    y = np.repeat(np.arange(K), 40)
+    X = means[y] + 2.0
+    Wh = rng.normal(size=(K, K)) @ means
+    F = X @ Wh.T
+    m = richness.Moments(K, device="cuda", precision="fp32")
+    m.update(torch.from_numpy(X).to(DEV, torch.float32), torch.from_numpy(F).to(DEV, torch.float32),
+             torch.from_numpy(y).to(DEV))
+    rep = m.compute()
+    assert rep.rank == K - 1
+    assert rep.dlr < 1e-6
+
+
+@pytest.mark.parametrize("precision", ["fp64", "fp32"])
+def test_batch_split_and_merge_invariance(precision):
+    rng = np.random.default_rng(7)
+    n, p, C = 3000, 20, 4
+    X64 = features(rng, n, p)
+    F64 = X64 @ rng.normal(size=(p, C)) + rng.normal(size=(n, C))
+    dt = torch.float64 if precision == "fp64" else torch.float32
+    X, F = torch.from_numpy(X64).to(DEV, dt), torch.from_numpy(F64).to(DEV, dt)
+    tol = TOL[precision]
+    states = []
+    for splits in (1, 7, 64):
+        m = richness.Moments(device="cuda", precision=precision)
+        for chunk in torch.arange(n).chunk(splits):
+            m.update(X[chunk], F[chunk])
+        states.append(m)
+    parts = [richness.Moments(device="cuda", precision=precision) for _ in range(3)]
+    for i, chunk in enumerate(torch.arange(n).chunk(9)):
+        parts[i % 3].update(X[chunk], F[chunk])
+    merged_a = richness.Moments(device="cuda")
+    for part in parts:
+        merged_a.merge(part)
+    merged_b = richness.Moments(device="cuda")
+    for part in reversed(parts):
+        merged_b.merge(part)
+    ref = states[0].state_dict()
+    scale = np.abs(ref["M"]).max()
+    for m in states[1:] + [merged_a, merged_b]:
+        st = m.state_dict()
+        assert st["n"] == n
+        np.testing.assert_allclose(st["M"], ref["M"], atol=(1e-12 if precision == "fp64" else 1e-5) * scale)
+        np.testing.assert_allclose(st["mean"], ref["mean"], rtol=1e-12, atol=1e-12)
+        assert abs(m.compute().dlr - states[0].compute().dlr) < tol
+
+
+def test_state_moves_between_backends(tmp_path):
+    rng = np.random.default_rng(8)
+    X = features(rng, 800, 10)
+    F = X @ rng.normal(size=(10, 3)) + rng.normal(size=(800, 3))
+    y = rng.integers(0, 4, 800)
+    gpu = richness.Moments(4, device="cuda")
+    gpu.update(torch.from_numpy(X).to(DEV), torch.from_numpy(F).to(DEV), torch.from_numpy(y).to(DEV))
+    gpu.save(tmp_path / "g.npz")
+    cpu = richness.Moments.load(tmp_path / "g.npz")
+    assert cpu.device == "cpu"
+    assert abs(cpu.compute().dlr - gpu.compute().dlr) < 1e-12
+    back = richness.Moments.load(tmp_path / "g.npz", device="cuda")
+    assert back.device == "cuda:0"
+    a, b = gpu.state_dict(), back.state_dict()
+    for key in ("M", "B", "A", "class_sums", "mean"):
+        np.testing.assert_array_equal(a[key], b[key])
+    # CPU + GPU merge both ways equals one state over both halves.
+    both = richness.Moments(4)
+    both.update(np.vstack([X, X + 1]), np.vstack([F, F]), np.concatenate([y, y]))
+    other = richness.Moments(4)
+    other.update(X + 1, F, y)
+    g2 = richness.Moments.load(tmp_path / "g.npz", device="cuda")
+    g2.merge(other)
+    c2b = richness.Moments(4)
+    c2b.merge(other)
+    c2b.merge(gpu)
+    for m in (g2, c2b):
+        np.testing.assert_allclose(m.state_dict()["M"], both.state_dict()["M"], rtol=1e-10)
+
+
+def test_nonfinite_batch_skipped_and_raised_later():
+    rng = np.random.default_rng(9)
+    X = torch.from_numpy(features(rng, 512, 8)).to(DEV, torch.float32)
+    F = X[:, :3] * 2 + 1
+    m = richness.Moments(3, device="cuda")
+    y = torch.from_numpy(rng.integers(0, 3, 512)).to(DEV)
+    m.update(X[:256], F[:256], y[:256])
+    before = m.state_dict()
+    bad = X[256:].clone()
+    bad[3, 2] = float("nan")
+    bad[7, 0] = float("inf")
+    bad[9, 5] = float("-inf")
+    m.update(bad, F[256:], y[256:])  # returns at once: the check runs on the device
+    with pytest.raises(ValueError, match="3 non-finite"):
+        _ = m.n
+    after = m.state_dict()  # the error was reported once; the state is as before the bad batch
+    for key in ("M", "B", "A", "mean", "out_mean", "class_sums"):
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+    np.testing.assert_array_equal(after["class_counts"], before["class_counts"])
+    assert after["n"] == 256
+    # labels out of range (num_classes=3) are caught the same way
+    yb = y[256:].clone()
+    yb[0] = 3
+    yb[1] = -1
+    m.update(X[256:], F[256:], yb)
+    with pytest.raises(ValueError, match="labels out of range: 2 labels"):
+        m.compute()
+    m.update(X[256:], F[256:], y[256:])  # still usable
+    assert m.n == 512
+
+
+def test_host_validation_raises_at_once():
+    m = richness.Moments(device="cuda")
+    X = torch.randn(10, 4, device=DEV)
+    m.update(X)
+    with pytest.raises(ValueError, match="columns"):
+        m.update(torch.randn(10, 5, device=DEV))
+    with pytest.raises(ValueError, match="outputs"):
+        m.update(X, torch.randn(10, 2, device=DEV))
+    with pytest.raises(TypeError):
+        m.update(X.to(torch.int32))
+    assert m.n == 10
+
+
+def test_update_on_side_stream_is_ordered():
+    # Each batch is produced on a side stream behind a long spin: an update
+    # that ran on any other stream would read the buffer before it is written.
+    rng = np.random.default_rng(10)
+    n, p = 4096, 32
+    X64 = features(rng, 2 * n, p)
+    src = torch.from_numpy(X64).to(DEV, torch.float32)
+    want = richness.Moments(precision="fp32")
+    want.update(src.cpu())
+    m = richness.Moments(device="cuda", precision="fp32")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    bufs = [torch.zeros(n, p, device=DEV) for _ in range(2)]
+    torch.cuda.synchronize()
+    for i, (s, buf) in enumerate(zip((s1, s2), bufs)):
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(20_000_000)
+            buf.copy_(src[i * n:(i + 1) * n])
+            m.update(buf)
+    np.testing.assert_allclose(m.state_dict()["M"], want.state_dict()["M"], rtol=1e-5,
+                               atol=1e-6 * np.abs(want.state_dict()["M"]).max())
+    assert m.n == 2 * n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_update_captures_in_cuda_graph(precision):
+    # A host synchronisation inside update would abort the capture.
+    rng = np.random.default_rng(11)
+    n, p, C, K = 1024, 64, 10, 10
+    X = torch.from_numpy(features(rng, n, p)).to(DEV, torch.float32)
+    F = X @ torch.randn(p, C, device=DEV) + torch.randn(n, C, device=DEV)
+    y = torch.from_numpy(rng.integers(0, K, n)).to(DEV)
+    m = richness.Moments(K, device="cuda", precision=precision)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m.update(X, F, y)  # warm-up: allocates the state and scratch
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        m.update(X, F, y)
+    for _ in range(3):
+        g.replay()
+    assert m.n == 4 * n
+    ref = richness.Moments(K, device="cuda", precision=precision)
+    for _ in range(4):
+        ref.update(X, F, y)
+    np.testing.assert_allclose(m.state_dict()["M"], ref.state_dict()["M"], rtol=1e-6,
+                               atol=1e-6 * np.abs(ref.state_dict()["M"]).max())
+    assert abs(m.compute().dlr - ref.compute().dlr) < TOL[precision]
+
+
+@pytest.mark.parametrize("algo,block", [("syrk", 512), ("gemm", 512), ("block_rows", 16), ("tiles", 16)])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_product_algorithms_agree(algo, block, precision):
+    X, F, Xv, Fv, W, b, want, want_head, r = problem("float32")
+    m = richness.Moments(device="cuda", precision=precision)
+    m.update(X[:8], F[:8])
+    m._impl.set_product(algo, block)
+    m.update(X[8:], F[8:])
+    assert abs(m.compute().dlr - want) < TOL[precision]
+
+
+def test_repeated_compute_does_not_change_state():
+    X, F, *_ = problem("float32")
+    m = richness.Moments(device="cuda")
+    m.update(X, F)
+    a = m.compute()
+    b = m.compute()
+    assert a.dlr == b.dlr
+    np.testing.assert_array_equal(a.eigenvalues, b.eigenvalues)
