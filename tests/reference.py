@@ -6,6 +6,22 @@ Nothing here imports richness: these are the numbers the package must match.
 import numpy as np
 
 
+def _pin_numpy_blas():
+    """One thread for numpy's own BLAS: the oracle's matrices are small, and two
+    spinning BLAS thread pools (numpy's and the package's) on a 2-core machine
+    starve each other (a 0.01 s reference took 1 s). The package's BLAS is left alone."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # threadpoolctl comes with scikit-learn (test extras)
+        return
+    for lib in ThreadpoolController().lib_controllers:
+        if "numpy" in lib.filepath:
+            lib.set_num_threads(1)
+
+
+_pin_numpy_blas()
+
+
 def center_rows(X):
     X = np.asarray(X, dtype=np.float64)
     return X - X.mean(axis=0, keepdims=True)
