@@ -289,6 +289,10 @@ class Moments:
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"state entry {key!r} must be an integer, got {type(v).__name__}")
             dims[key] = int(v)
+        if not isinstance(state["precision"], str):
+            raise TypeError(f"state entry 'precision' must be a string, got {type(state['precision']).__name__}")
+        if state["precision"] not in _adapt.PRECISIONS:
+            raise ValueError(f"state entry 'precision' is {state['precision']!r}, expected one of {_adapt.PRECISIONS}")
         for key, axes in _STATE_SHAPES.items():
             want = tuple(max(dims[a], 0) for a in axes)
             got = np.shape(state[key])
@@ -320,8 +324,11 @@ class Moments:
         """Read a state written by ``save``; rejects truncated, corrupted or
         foreign files and unknown versions with a ValueError naming the file."""
         state = _io.load_state(path)
-        m = cls(None if state["num_classes"] < 0 else int(state["num_classes"]), device=device or "cpu")
-        m.load_state_dict(state)
+        m = cls(device=device or "cpu")
+        try:  # the archive is intact; its entries may still not form a valid state
+            m.load_state_dict(state)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{os.fspath(path)}: not a valid richness state ({e})") from None
         return m
 
     def __repr__(self) -> str:
