@@ -320,3 +320,13 @@ def test_nonfinite_count_is_exact(cells, dtype):
     with pytest.raises(ValueError, match=rf"features contain {count} non-finite {word}\b"):
         m.update(bad, F, labels=Y)
     assert states_equal(m.state_dict(), before)
+
+
+def test_state_dict_precision_must_be_a_known_name():
+    m = started()
+    good = m.state_dict()
+    with pytest.raises(TypeError, match=r"'precision' must be a string"):
+        m.load_state_dict(mutated(good, precision=1))
+    with pytest.raises(ValueError, match=r"'precision' is 'fp8'"):
+        m.load_state_dict(mutated(good, precision="fp8"))
+    assert states_equal(m.state_dict(), good)

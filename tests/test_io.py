@@ -213,6 +213,20 @@ BAD_FILES = {
     "array dtype": (lambda raw: rewrite(raw, change_arrays=array_dtype), r"entry M has dtype float32"),
     "array shape": (lambda raw: rewrite(raw, change_arrays=array_shape), r"checksum mismatch|shape"),
     "bad meta json": (None, r"corrupted metadata"),
+    # intact archives whose entries do not form a valid state
+    "meta n not an integer": (lambda raw: rewrite(raw, set_("n", "120")), r"not a valid richness state.*'n'"),
+    "meta n negative": (lambda raw: rewrite(raw, set_("n", -3)), r"not a valid richness state.*n is negative"),
+    "meta n disagrees with class counts": (lambda raw: rewrite(raw, set_("n", 121)),
+                                           r"not a valid richness state.*class counts do not add up"),
+    "meta p disagrees with arrays": (lambda raw: rewrite(raw, set_("p", 6)), r"not a valid richness state.*shape"),
+    "meta num_classes not an integer": (lambda raw: rewrite(raw, set_("num_classes", "x")),
+                                        r"not a valid richness state.*num_classes"),
+    "meta num_classes too small": (lambda raw: rewrite(raw, set_("num_classes", 2)),
+                                   r"not a valid richness state.*more classes than num_classes"),
+    "meta unknown precision": (lambda raw: rewrite(raw, set_("precision", "fp8")),
+                               r"not a valid richness state.*precision"),
+    "meta precision null": (lambda raw: rewrite(raw, set_("precision", None)),
+                            r"not a valid richness state.*precision"),
 }
 
 
