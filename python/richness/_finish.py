@@ -295,11 +295,11 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
 
     test_quality = test_utilization = test_norms = None
     if test is not None:
+        nt = int(test["n"])
+        if nt < 2:  # first: an empty test state has no width (p = -1) to compare
+            raise ValueError(f"the test state needs at least 2 samples, got n = {nt}")
         if int(test["p"]) != p:
             raise ValueError(f"test state has {test['p']} features, the training state {p}")
-        nt = int(test["n"])
-        if nt < 2:
-            raise ValueError(f"the test state needs at least 2 samples, got n = {nt}")
 
         def test_curve(g):
             # <e_k, g_j>_test = v_k^T B_test[:, j] / (n_test sqrt(rho_k)), rho_k from training.
