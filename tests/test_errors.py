@@ -203,6 +203,8 @@ def test_bad_compute_arguments():
     tiny.update(X[:1], F[:1])
     with pytest.raises(ValueError, match=r"test state needs at least 2 samples"):
         m.compute(test=tiny)
+    with pytest.raises(ValueError, match=r"test state needs at least 2 samples, got n = 0"):
+        m.compute(test=richness.Moments())
     assert states_equal(m.state_dict(), before)
     assert states_equal(other.state_dict(), before_other)
 
