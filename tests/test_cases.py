@@ -179,7 +179,7 @@ def test_float32_large_mean_small_spread():
 
 # -- duplicated logits --------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_duplicated_logits_rank(dtype):
     rng = np.random.default_rng(4)
     n, p, C = 500, 12, 5

@@ -332,3 +332,23 @@ def test_state_dict_precision_must_be_a_known_name():
     with pytest.raises(ValueError, match=r"'precision' is 'fp8'"):
         m.load_state_dict(mutated(good, precision="fp8"))
     assert states_equal(m.state_dict(), good)
+
+
+def test_state_dict_is_a_copy():
+    m = started()
+    st = m.state_dict()
+    keep = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in st.items()}
+    st["M"][:] = 0.0
+    st["mean"][:] = np.nan
+    st["class_counts"][:] = 0
+    assert states_equal(m.state_dict(), keep)
+
+
+def test_reset_keeps_num_classes():
+    m = richness.Moments(num_classes=3)
+    m.update(X, labels=Y)
+    m.reset()
+    assert m.n == 0 and m.num_classes == 3
+    with pytest.raises(ValueError, match=r"labels out of range: label 3 .*num_classes=3"):
+        m.update(X, labels=np.full(N, 3))
+    assert m.n == 0
