@@ -367,3 +367,23 @@ def test_quality_prefers_float_targets_over_labels():
     rep = m.compute()
     np.testing.assert_allclose(rep.quality, training_curve(X, T), rtol=0, atol=1e-12)
     assert abs(rep.nc1 - nc1_naive(X, y)) < 1e-10 * rep.nc1
+
+
+def test_curves_with_more_outputs_than_features():
+    # C > p: the head path that works in p-space (SPEC.md, Many outputs).
+    rng = np.random.default_rng(40)
+    p, C = 6, 40
+    X = rng.normal(size=(300, p)) * np.geomspace(3, 0.3, p) + 1.0
+    Xt = rng.normal(size=(200, p)) * 1.5
+    W, b = rng.normal(size=(C, p)), rng.normal(size=C)
+    train, test = richness.Moments(), richness.Moments()
+    train.update(X)
+    test.update(Xt)
+    rep = train.compute(head=(W, b), test=test)
+    np.testing.assert_allclose(rep.utilization, training_curve(X, X @ W.T + b), rtol=0, atol=1e-12)
+    want, _ = heldout_reference(X, Xt, Xt @ W.T + b)
+    np.testing.assert_allclose(rep.test_utilization, want, rtol=1e-10)
+    assert abs(rep.utilization[-1] - 1.0) < 1e-12
+    Fc = X @ W.T - (X @ W.T).mean(axis=0)
+    top = np.sort(np.linalg.eigvalsh(Fc.T @ Fc))[::-1][:p]
+    np.testing.assert_allclose(rep.logit_eigenvalues[:p], top, rtol=1e-9)
