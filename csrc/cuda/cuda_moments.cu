@@ -381,11 +381,15 @@ CudaMoments::~CudaMoments() {
   if (prev >= 0) cudaSetDevice(prev);
 }
 
-void CudaMoments::free_all() {
+void CudaMoments::free_state() {
   for (void* p : {(void*)s_.hdr, (void*)s_.mean, (void*)s_.M, (void*)s_.out_mean, (void*)s_.B, (void*)s_.A,
                   (void*)s_.tgt_mean, (void*)s_.Bt, (void*)s_.At, (void*)s_.class_counts, (void*)s_.class_sums})
     if (p) cudaFree(p);
   s_ = DeviceState();
+}
+
+void CudaMoments::free_all() {
+  free_state();
   for (Buf* b : {&xs_, &fs_, &ts_, &Mb_, &Bb_, &Ab_, &Btb_, &Atb_, &mu_, &nu_, &tau_, &partial_, &tiles_}) {
     if (b->ptr) cudaFree(b->ptr);
     *b = Buf();
@@ -790,7 +794,7 @@ int64_t CudaMoments::n() {
 void CudaMoments::reset() {
   DeviceGuard g(device_);
   CUDA_CHECK(cudaDeviceSynchronize());
-  free_all();
+  free_state();  // scratch is kept: it grows to fit whatever comes next
   p_ = c_ = t_ = k_ = -1;
   precision_ = Precision::fp64;
   have_last_stream_ = false;

@@ -126,6 +126,7 @@ class CudaMoments {
 
   void ensure(Buf& b, size_t bytes);
   void free_all();
+  void free_state();
   void shape(int64_t p, int64_t c, int64_t t, int64_t k);
   void grow_classes(int64_t k, cudaStream_t stream);
   void sync_and_check();  // waits for the device; raises and clears pending errors
