@@ -246,14 +246,25 @@ __global__ void add_classes(double* sums, long long* counts, const double* osums
   }
 }
 
-// Full symmetric row-major copy of a column-major lower triangle.
+// Full symmetric row-major copy of a column-major lower triangle, by 32 x 32
+// tiles through shared memory (reads and writes coalesced). A tile of the
+// lower region (bi >= bj) writes itself and its mirror; t[a][b] holds the
+// value at (bi + b, bj + a), valid where bi + b >= bj + a.
 __global__ void symmetrize(const double* __restrict__ lower, long long n, double* __restrict__ out) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  for (long long j = blockIdx.y; j <= i && j < n; j += gridDim.y) {
-    const double v = lower[j * n + i];
-    out[i * n + j] = v;
-    out[j * n + i] = v;
+  __shared__ double t[32][33];
+  const long long bi = (long long)blockIdx.x * 32, bj = (long long)blockIdx.y * 32;
+  if (bi < bj) return;
+  const int tx = threadIdx.x;
+  for (int ty = threadIdx.y; ty < 32; ty += blockDim.y) {
+    const long long i = bi + tx, j = bj + ty;
+    t[ty][tx] = (i < n && j < n) ? lower[j * n + i] : 0.0;
+  }
+  __syncthreads();
+  for (int ty = threadIdx.y; ty < 32; ty += blockDim.y) {
+    const long long i = bi + ty, j = bj + tx;  // out[i, j], coalesced along j
+    if (i < n && j < n) out[i * n + j] = (i >= j) ? t[tx][ty] : t[ty][tx];
+    const long long i2 = bi + tx, j2 = bj + ty;  // the mirror out[j2, i2], coalesced along i2
+    if (i2 < n && j2 < n) out[j2 * n + i2] = (i2 >= j2) ? t[ty][tx] : t[tx][ty];
   }
 }
 
@@ -901,7 +912,8 @@ void CudaMoments::export_to(const Targets& o) {
   };
   auto sym = [](double* dst, const double* src, int64_t n) {
     if (n <= 0 || !dst) return;
-    symmetrize<<<dim3((unsigned)((n + 255) / 256), grid_y(n)), 256>>>(src, n, dst);
+    const unsigned tiles = (unsigned)((n + 31) / 32);
+    symmetrize<<<dim3(tiles, tiles), dim3(32, 8)>>>(src, n, dst);
     LAUNCH_CHECK("symmetrize");
   };
   const int64_t C = std::max<int64_t>(c_, 0), T = std::max<int64_t>(t_, 0), K = std::max<int64_t>(k_, 0);
