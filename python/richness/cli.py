@@ -1,17 +1,390 @@
-"""Command line: ``richness demo`` and ``richness info``."""
+"""Command line: ``richness demo | eval | plot | info`` (also ``python -m richness``).
+
+User errors (a missing file, a wrong shape, a bad key) print one line naming
+the file and the problem and exit with code 2, without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import mmap
+import os
 import sys
 import time
-from typing import Optional
+import zipfile
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 
 class UserError(Exception):
     """An error in what the user asked for: one line, exit code 2."""
+
+
+# -- array files ----------------------------------------------------------------
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16,
+              "U32": np.uint32, "U64": np.uint64}
+_PAGE = mmap.PAGESIZE
+
+
+class ArrayFile:
+    """A 1-D or 2-D array in a ``.npy``, ``.npz`` or ``.safetensors`` file,
+    memory-mapped and read in row chunks. Pages behind the cursor are dropped
+    (madvise/posix_fadvise DONTNEED): file-backed pages of a mapping count in
+    the resident set, so a plain memmap of a 5 GB file would end up resident."""
+
+    def __init__(self, spec: str, default_key: Optional[str] = None) -> None:
+        path, key = spec, None
+        if not os.path.exists(spec) and ":" in spec:
+            path, key = spec.rsplit(":", 1)
+        self.path, self.key = path, key or default_key
+        self.label = path if key is None else f"{path}:{key}"
+        if not os.path.exists(path):
+            raise UserError(f"{path}: no such file")
+        if os.path.isdir(path):
+            raise UserError(f"{path}: is a directory, expected a .npy, .npz or .safetensors file")
+        self.bf16 = False
+        self.array: Optional[np.ndarray] = None
+        self._mm = None
+        self._fd = None
+        self._released = 0
+        low = path.lower()
+        try:
+            if low.endswith(".npy"):
+                if key is not None:
+                    raise UserError(f"{self.label}: a .npy file holds one array; drop ':{key}'")
+                self._open_npy(path, 0)
+            elif low.endswith(".npz"):
+                self._open_npz(path)
+            elif low.endswith(".safetensors"):
+                self._open_safetensors(path)
+            else:
+                raise UserError(f"{path}: unknown file type; use .npy, .npz or .safetensors")
+        except UserError:
+            raise
+        except (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError) as e:
+            raise UserError(f"{self.label}: cannot read ({e})") from None
+        if len(self.shape) not in (1, 2):
+            raise UserError(f"{self.label}: expected a 1-D or 2-D array, got shape {self.shape}")
+
+    # file formats
+    def _map(self, path: str, offset: int, dtype: np.dtype, shape: tuple, fortran: bool = False) -> None:
+        count = int(np.prod(shape)) if shape else 1
+        size = os.path.getsize(path)
+        if offset + count * dtype.itemsize > size:
+            raise UserError(f"{self.label}: truncated file ({size} bytes, the header promises "
+                            f"{offset + count * dtype.itemsize})")
+        self.shape, self.dtype = tuple(int(s) for s in shape), dtype
+        if count == 0:
+            self.array = np.zeros(shape, dtype)
+            return
+        self._fd = os.open(path, os.O_RDONLY)
+        self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        self._offset = offset
+        a = np.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
+        self.array = a.reshape(shape, order="F" if fortran else "C")
+        self.fortran = fortran
+
+    def _open_npy(self, path: str, base: int) -> None:
+        with open(path, "rb") as f:
+            f.seek(base)
+            try:
+                version = np.lib.format.read_magic(f)
+                shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                                         else np.lib.format.read_array_header_2_0(f))
+            except ValueError as e:
+                raise UserError(f"{self.label}: not a .npy array ({e})") from None
+            if dtype.hasobject:
+                raise UserError(f"{self.label}: object arrays are not supported")
+            self._map(path, f.tell(), dtype, shape, fortran)
+
+    def _open_npz(self, path: str) -> None:
+        with zipfile.ZipFile(path) as z:
+            names = [n[:-4] for n in z.namelist() if n.endswith(".npy")]
+            key = self.key
+            if key is None:
+                if len(names) != 1:
+                    raise UserError(f"{path}: holds {len(names)} arrays ({', '.join(names)}); name one as {path}:KEY")
+                key = names[0]
+            if key not in names:
+                raise UserError(f"{path}: no array {key!r}; it has {', '.join(names) or 'none'}")
+            self.key, self.label = key, f"{path}:{key}"
+            info = z.getinfo(key + ".npy")
+        if info.compress_type != zipfile.ZIP_STORED:
+            # compressed members cannot be mapped: read this one into memory
+            with np.load(path, allow_pickle=False) as z:
+                self.array = np.asarray(z[key])
+            self.shape, self.dtype = self.array.shape, self.array.dtype
+            return
+        with open(path, "rb") as f:
+            f.seek(info.header_offset)
+            head = f.read(30)
+            if head[:4] != b"PK\x03\x04":
+                raise UserError(f"{path}: corrupted zip entry for {key!r}")
+            nlen = int.from_bytes(head[26:28], "little")
+            elen = int.from_bytes(head[28:30], "little")
+        self._open_npy(path, info.header_offset + 30 + nlen + elen)
+
+    def _open_safetensors(self, path: str) -> None:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise UserError(f"{path}: truncated safetensors file")
+            n = int.from_bytes(raw, "little")
+            if n > 100_000_000 or n > os.path.getsize(path) - 8:
+                raise UserError(f"{path}: not a safetensors file (header length {n})")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise UserError(f"{path}: not a safetensors file (bad header)") from None
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        key = self.key
+        if key is None:
+            if len(tensors) != 1:
+                raise UserError(f"{path}: holds {len(tensors)} tensors ({', '.join(tensors)}); name one as {path}:KEY")
+            key = next(iter(tensors))
+        if key not in tensors:
+            raise UserError(f"{path}: no tensor {key!r}; it has {', '.join(tensors) or 'none'}")
+        self.key, self.label = key, f"{path}:{key}"
+        t = tensors[key]
+        if t.get("dtype") not in _ST_DTYPES:
+            raise UserError(f"{self.label}: unsupported dtype {t.get('dtype')!r}")
+        self.bf16 = t["dtype"] == "BF16"
+        start, stop = t["data_offsets"]
+        dtype = np.dtype(_ST_DTYPES[t["dtype"]]).newbyteorder("<")
+        shape = tuple(t["shape"])
+        if int(np.prod(shape)) * dtype.itemsize != stop - start:
+            raise UserError(f"{self.label}: data offsets do not match shape {shape}")
+        self._map(path, 8 + n + start, dtype, shape)
+
+    # reading
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    def check_float(self, what: str) -> None:
+        if not (self.bf16 or self.dtype.kind == "f"):
+            raise UserError(f"{self.label}: {what} must be floating point, got {self.dtype}")
+
+    def chunk(self, a: int, b: int) -> np.ndarray:
+        x = self.array[a:b]
+        if self.bf16:  # bfloat16 bits -> float32
+            x = (x.astype(np.uint32) << 16).view(np.float32)
+        return x
+
+    def release(self, b: int) -> None:
+        """Drop the mapped pages of rows before ``b`` from memory."""
+        if self._mm is None or getattr(self, "fortran", False):
+            return
+        rowbytes = self.dtype.itemsize * (int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1)
+        end = (self._offset + b * rowbytes) // _PAGE * _PAGE
+        if end <= self._released:
+            return
+        start = self._released
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (AttributeError, OSError, ValueError):
+            pass
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+        self._released = end
+
+
+def _open(spec: Optional[str], bundle: Optional[str], key: str) -> Optional[ArrayFile]:
+    """An explicit file, else ``key`` inside the bundle (.npz / .safetensors) when it has it."""
+    if spec is not None:
+        return ArrayFile(spec)
+    if bundle is None:
+        return None
+    if not bundle.lower().endswith((".npz", ".safetensors")):
+        return None
+    if key not in _bundle_keys(bundle):
+        return None
+    return ArrayFile(f"{bundle}:{key}")
+
+
+def _bundle_keys(path: str) -> List[str]:
+    try:
+        if path.lower().endswith(".npz"):
+            with zipfile.ZipFile(path) as z:
+                return [n[:-4] for n in z.namelist() if n.endswith(".npy")]
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+    except (OSError, zipfile.BadZipFile, ValueError, UnicodeDecodeError):
+        raise UserError(f"{path}: cannot read (not a valid {os.path.splitext(path)[1]} file)") from None
+
+
+def _bar(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="sample", unit_scale=True, desc=desc, dynamic_ncols=True, file=sys.stderr)
+
+
+def _stream(feats: ArrayFile, outs: Optional[ArrayFile], labels: Optional[ArrayFile], targets: Optional[ArrayFile],
+            *, chunk: int, precision: Optional[str], num_classes: Optional[int], progress: bool, desc: str):
+    from . import Moments
+
+    feats.check_float("features")
+    if len(feats.shape) != 2:
+        raise UserError(f"{feats.label}: features must be 2-D (samples, features), got shape {feats.shape}")
+    if outs is not None:
+        outs.check_float("outputs")
+    if targets is not None:
+        targets.check_float("targets")
+    if labels is not None:
+        if labels.dtype.kind not in "iu" or labels.bf16:
+            raise UserError(f"{labels.label}: labels must be integers, got {labels.dtype}")
+        if len(labels.shape) != 1:
+            raise UserError(f"{labels.label}: labels must be 1-D (one class per sample), got shape {labels.shape}")
+    for other in (outs, labels, targets):
+        if other is not None and other.rows != feats.rows:
+            raise UserError(f"{other.label}: has {other.rows} rows but {feats.label} has {feats.rows}")
+    if feats.rows < 2:
+        raise UserError(f"{feats.label}: need at least 2 samples, got {feats.rows}")
+    try:
+        m = Moments(num_classes, precision=precision)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    bar = _bar(feats.rows, progress, desc)
+    try:
+        for a in range(0, feats.rows, chunk):
+            b = min(a + chunk, feats.rows)
+            args = [feats.chunk(a, b), outs.chunk(a, b) if outs else None, labels.chunk(a, b) if labels else None,
+                    targets.chunk(a, b) if targets else None]
+            try:
+                m.update(*args)
+            except (ValueError, TypeError) as e:
+                msg = str(e)
+                src = feats
+                for word, f in (("labels", labels), ("outputs", outs), ("targets", targets)):
+                    if f is not None and msg.startswith(word):
+                        src = f
+                raise UserError(f"{src.label}: rows {a}..{b - 1}: {msg}") from None
+            for f in (feats, outs, labels, targets):
+                if f is not None:
+                    f.release(b)
+            if bar is not None:
+                bar.update(b - a)
+    finally:
+        if bar is not None:
+            bar.close()
+    return m
+
+
+def _head_weights(spec: Optional[str]):
+    if spec is None:
+        return None
+    f = ArrayFile(spec)
+    f.check_float("head weights")
+    if len(f.shape) != 2:
+        raise UserError(f"{f.label}: head weights must be 2-D (outputs, features), got shape {f.shape}")
+    return np.array(f.array, dtype=np.float64) if not f.bf16 else f.chunk(0, f.rows).astype(np.float64)
+
+
+def eval_cmd(args: argparse.Namespace) -> int:
+    if args.chunk < 1:
+        raise UserError(f"--chunk must be a positive number of rows, got {args.chunk}")
+    bundle = args.features
+    feats = ArrayFile(args.features, default_key="features" if bundle.lower().endswith((".npz", ".safetensors"))
+                      and "features" in _bundle_keys(bundle) else None)
+    outs = _open(args.outputs, bundle, "outputs")
+    labels = _open(args.labels, bundle, "labels")
+    targets = _open(args.targets, bundle, "targets")
+    W = _head_weights(args.head)
+    if W is not None and W.shape[1] != feats.shape[1]:
+        raise UserError(f"{args.head}: head weights have {W.shape[1]} input columns but {feats.label} has "
+                        f"{feats.shape[1]} features")
+    if outs is None and W is None:
+        print(f"richness: note: no outputs or --head given for {feats.label}: spectrum and curves only, no DLR",
+              file=sys.stderr)
+    progress = not args.no_progress
+    m = _stream(feats, outs, labels, targets, chunk=args.chunk, precision=args.precision,
+                num_classes=args.num_classes, progress=progress, desc="richness eval")
+    test = None
+    if args.test_features is not None:
+        tb = args.test_features
+        tfeats = ArrayFile(tb, default_key="features" if tb.lower().endswith((".npz", ".safetensors"))
+                           and "features" in _bundle_keys(tb) else None)
+        if tfeats.shape[1:] != feats.shape[1:]:
+            raise UserError(f"{tfeats.label}: has {tfeats.shape[1:]} features per sample, the training set "
+                            f"{feats.shape[1:]}")
+        test = _stream(tfeats, _open(args.test_outputs, tb, "outputs") if outs is not None else None,
+                       _open(args.test_labels, tb, "labels") if labels is not None else None,
+                       _open(args.test_targets, tb, "targets") if targets is not None else None,
+                       chunk=args.chunk, precision=args.precision, num_classes=args.num_classes, progress=progress,
+                       desc="richness eval (held-out)")
+    try:
+        rep = m.compute(head=W, test=test, rtol=args.rtol)
+    except ValueError as e:
+        raise UserError(f"{feats.label}: {e}") from None
+    if args.save:
+        m.save(args.save)
+    if args.save_test and test is not None:
+        test.save(args.save_test)
+    if args.json:
+        print(json.dumps(rep.to_dict()))
+    else:
+        print(rep)
+        _print_curves(rep)
+        if args.save:
+            print(f"state saved to {args.save}")
+    return 0
+
+
+def _print_curves(rep) -> None:
+    k = rep.rank or 10
+    k = min(k, rep.eigenvalues.shape[0])
+    parts = []
+    if rep.utilization is not None:
+        parts.append(f"utilization Pi_hat({k}) {rep.utilization[k - 1]:.3f}")
+    if rep.quality is not None:
+        parts.append(f"quality Pi*({k}) {rep.quality[k - 1]:.3f}")
+    if rep.test_utilization is not None:
+        parts.append(f"held-out Pi_hat({k}) {rep.test_utilization[k - 1]:.3f}")
+    if rep.test_quality is not None:
+        parts.append(f"held-out Pi*({k}) {rep.test_quality[k - 1]:.3f}")
+    if parts:
+        print("   ".join(parts))
+
+
+def plot_cmd(args: argparse.Namespace) -> int:
+    from . import Moments, plot
+
+    path = args.input
+    if not os.path.exists(path):
+        raise UserError(f"{path}: no such file")
+    out = args.output or os.path.splitext(path)[0] + "_richness"
+    low = path.lower()
+    try:
+        if low.endswith((".jsonl", ".json", ".csv")):
+            paths = plot.history(plot.read_log(path), out, title=args.title or os.path.basename(path))
+        elif low.endswith(".npz"):
+            m = Moments.load(path)
+            test = Moments.load(args.test) if args.test else None
+            W = _head_weights(args.head)
+            rep = m.compute(head=W, test=test)
+            paths = plot.curves(rep, out, title=args.title or f"{os.path.basename(path)}: DLR "
+                                + ("n/a" if rep.dlr is None else f"{rep.dlr:.3f}") + f", n = {rep.n}")
+        else:
+            raise UserError(f"{path}: unknown input; give a saved state (.npz) or a Monitor log (.jsonl/.csv)")
+    except ValueError as e:
+        msg = str(e)
+        raise UserError(msg if msg.startswith(path) or (args.test and msg.startswith(args.test)) else f"{path}: {msg}") \
+            from None
+    for p in paths:
+        print(p)
+    return 0
 
 
 def _load_digits(seed: int):
@@ -39,13 +412,14 @@ def _train_mlp(X, y, Xte, *, width: int, steps: int, train_features: bool, seed:
     """A 2-layer ReLU network, full-batch gradient descent with momentum on
     cross-entropy. train_features=False freezes the first layer (lazy)."""
     rng = np.random.default_rng(seed)
+    X = X.astype(np.float32)  # float32 training: twice as fast, the measurement stays float64
     n, d = X.shape
     k = int(y.max()) + 1
-    W1 = rng.normal(size=(d, width)) * np.sqrt(2.0 / d)
-    b1 = np.zeros(width)
-    W2 = rng.normal(size=(width, k)) * np.sqrt(1.0 / width)
-    b2 = np.zeros(k)
-    Y = np.eye(k)[y]
+    W1 = (rng.normal(size=(d, width)) * np.sqrt(2.0 / d)).astype(np.float32)
+    b1 = np.zeros(width, np.float32)
+    W2 = (rng.normal(size=(width, k)) * np.sqrt(1.0 / width)).astype(np.float32)
+    b2 = np.zeros(k, np.float32)
+    Y = np.eye(k, dtype=np.float32)[y]
     params = [W1, b1, W2, b2]
     vel = [np.zeros_like(q) for q in params]
     for _ in range(steps):
@@ -67,43 +441,118 @@ def _train_mlp(X, y, Xte, *, width: int, steps: int, train_features: bool, seed:
             params[i] += vel[i]
 
     def forward(A):
+        A = np.asarray(A, dtype=np.float64)
         H = np.maximum(A @ W1 + b1, 0.0)
         return H, H @ W2 + b2
 
-    return forward, (W2.T, b2)
+    return forward, (W2.T.astype(np.float64), b2.astype(np.float64))
+
+
+def _train_mse(X, y, *, alpha: float, width: int, steps: int, seed: int, lr: float = 0.05):
+    """Target-downscaled training (Chizat et al.'s laziness knob): squared error
+    toward centered one-hot targets divided by ``alpha``, on the change of the
+    network since initialisation, f - f_0. Larger alpha: the weights need to
+    move less, training is lazier. Returns forward(A) -> (features, f - f_0)."""
+    rng = np.random.default_rng(seed)
+    n, d = X.shape
+    k = int(y.max()) + 1
+    P0 = [(rng.normal(size=(d, width)) * np.sqrt(2.0 / d)).astype(np.float32), np.zeros(width, np.float32),
+          (rng.normal(size=(width, k)) * np.sqrt(1.0 / width)).astype(np.float32), np.zeros(k, np.float32)]
+    P = [q.copy() for q in P0]
+    Y = ((np.eye(k)[y] - 1.0 / k) / alpha).astype(np.float32)
+    Xf = X.astype(np.float32)  # float32 training; forward() below evaluates in float64
+
+    def net(A, Q):
+        H = np.maximum(A @ Q[0] + Q[1], 0.0)
+        return H, H @ Q[2] + Q[3]
+
+    F0 = net(Xf, P0)[1]
+    vel = [np.zeros_like(q) for q in P]
+    for _ in range(steps):
+        Z = Xf @ P[0] + P[1]
+        H = np.maximum(Z, 0.0)
+        G = (H @ P[2] + P[3] - F0 - Y) / n
+        GZ = (G @ P[2].T) * (Z > 0)
+        for i, g in enumerate((Xf.T @ GZ, GZ.sum(0), H.T @ G, G.sum(0))):
+            vel[i] = 0.9 * vel[i] - lr * g
+            P[i] += vel[i]
+
+    def forward(A):
+        A = np.asarray(A, dtype=np.float64)
+        H, F = net(A, [q.astype(np.float64) for q in P])
+        return H, F - net(A, [q.astype(np.float64) for q in P0])[1]
+
+    return forward
+
+
+def _measure(forward, Xtr, ytr, Xte, yte):
+    from . import Moments
+
+    Htr, Ftr = forward(Xtr)
+    Hte, Fte = forward(Xte)
+    m = Moments(num_classes=10)
+    m.update(Htr, Ftr, labels=ytr)
+    test = Moments(num_classes=10)
+    test.update(Hte, Fte, labels=yte)
+    return m.compute(test=test), float((Fte.argmax(1) == yte).mean())
 
 
 def demo(args: argparse.Namespace) -> int:
-    from . import Moments
-
     t0 = time.time()
+    if args.steps < 1:
+        raise UserError(f"--steps must be positive, got {args.steps}")
     data = _load_digits(args.seed) or _synthetic(args.seed)
     X, y, source = data
     split = int(0.7 * len(y))
     Xtr, ytr, Xte, yte = X[:split], y[:split], X[split:], y[split:]
     print(f"data: {source}; {len(ytr)} train / {len(yte)} test samples")
     print("network: 64 -> 256 ReLU -> 10, full-batch gradient descent with momentum, cross-entropy\n")
-    rows = []
+    rows, reports = [], {}
     for name, train_features in (("full training (rich)", True), ("last layer only (lazy)", False)):
         forward, head = _train_mlp(Xtr, ytr, Xte, width=256, steps=args.steps, train_features=train_features,
                                    seed=args.seed)
-        Htr, Ftr = forward(Xtr)
-        Hte, Fte = forward(Xte)
-        m = Moments(num_classes=10)
-        m.update(Htr, Ftr, labels=ytr)
-        test = Moments(num_classes=10)
-        test.update(Hte, Fte, labels=yte)
-        rep = m.compute(test=test)
-        rep_head = m.compute(head=head)
-        assert abs(rep.dlr - rep_head.dlr) < 1e-8
-        acc = float((Fte.argmax(1) == yte).mean())
-        util_c = rep.utilization[9]
-        rows.append((name, rep.dlr, rep.nc1, acc, rep.effective_dim, util_c))
+        rep, acc = _measure(forward, Xtr, ytr, Xte, yte)
+        from . import Moments
+
+        Htr, _ = forward(Xtr)
+        mh = Moments(num_classes=10)
+        mh.update(Htr, labels=ytr)
+        assert abs(rep.dlr - mh.compute(head=head).dlr) < 1e-8  # linear head: streamed == shortcut
+        reports[name] = rep
+        rows.append((name, rep.dlr, rep.nc1, acc, rep.effective_dim, rep.utilization[9]))
     print(f"{'setting':<24} {'DLR':>7} {'NC1':>8} {'test acc':>9} {'eff. dim':>9} {'Pi_hat(C)':>10}")
     for name, d, nc, acc, eff, u in rows:
         print(f"{name:<24} {d:7.3f} {nc:8.3f} {acc:9.3f} {eff:9.1f} {u:10.3f}")
-    print(f"\nDLR: 0 = rich (features collapse onto the learned functions), 1 = lazy (kernel regime).")
-    print(f"isotropic reference 1 - sqrt(C/p) = {1 - np.sqrt(10 / 256):.3f}; done in {time.time() - t0:.1f} s")
+
+    alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else []
+    sweep = []
+    if alphas:
+        print(f"\ntarget-downscaled sweep: squared error toward y / alpha on f - f_0 (larger alpha = lazier)")
+        print(f"{'alpha':>8} {'DLR':>7} {'NC1':>8} {'test acc':>9} {'eff. dim':>9}")
+        for a in alphas:
+            if not a > 0:
+                raise UserError(f"--alphas: every alpha must be positive, got {a}")
+            rep, acc = _measure(_train_mse(Xtr, ytr, alpha=a, width=256, steps=args.steps, seed=args.seed),
+                                Xtr, ytr, Xte, yte)
+            sweep.append((a, rep.dlr, rep.nc1, acc))
+            print(f"{a:8g} {rep.dlr:7.3f} {rep.nc1:8.3f} {acc:9.3f} {rep.effective_dim:9.1f}")
+    print("\nDLR: 0 = rich (features collapse onto the learned functions), 1 = lazy (kernel regime).")
+    print(f"isotropic reference 1 - sqrt(C/p) = {1 - np.sqrt(10 / 256):.3f}")
+    if not args.no_plots:
+        try:
+            from . import plot
+
+            paths = plot.curves(reports, os.path.join(args.out, "curves"),
+                                title="digits, 64-256-10 MLP: rich vs lazy (dashed: held-out)")
+            if sweep:
+                a, d, nc, acc = zip(*sweep)
+                paths += plot.sweep(a, {"DLR (0 = rich, 1 = lazy)": d, "NC1": nc, "test accuracy": acc},
+                                    os.path.join(args.out, "sweep"), xlabel="alpha (targets y / alpha)",
+                                    title="target-downscaled sweep")
+            print("plots: " + ", ".join(paths))
+        except ImportError as e:
+            print(f"plots skipped: {e}")
+    print(f"done in {time.time() - t0:.1f} s")
     return 0
 
 
@@ -118,17 +567,63 @@ def info(args: argparse.Namespace) -> int:
         print(f"CUDA backend: {_cuda.info()}")
     except ImportError as e:
         print(f"CUDA backend: not available ({e})")
+    try:
+        import torch
+
+        cuda = torch.version.cuda or "no CUDA"
+        archs = ", ".join(torch.cuda.get_arch_list()) if torch.cuda.is_available() else "none (no GPU visible)"
+        print(f"torch {torch.__version__} ({cuda}), {torch.get_num_threads()} threads; GPU architectures: {archs}")
+    except ImportError:
+        print('torch: not installed (evaluate/Monitor need pip install "richness[torch]")')
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="richness", description="Measure how rich or lazy training was (DLR).")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="rich vs lazy networks on built-in data, with a DLR table")
+
+    d = sub.add_parser("demo", help="rich vs lazy networks on built-in data, a target-downscaled sweep, plots")
     d.add_argument("--steps", type=int, default=400, help="training steps per network")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--alphas", default="0.1,0.3,1,10",
+                   help="comma-separated target scales of the sweep ('' to skip it)")
+    d.add_argument("--out", default="richness-demo", help="folder for the plots")
+    d.add_argument("--no-plots", action="store_true")
     d.set_defaults(func=demo)
-    i = sub.add_parser("info", help="version and backends")
+
+    e = sub.add_parser("eval", help="DLR, spectrum and curves from saved features/outputs/labels",
+                       description="Stream arrays from .npy / .npz / .safetensors files (FILE or FILE:KEY) in "
+                                   "chunks. A .npz/.safetensors bundle with arrays named features, outputs, labels, "
+                                   "targets supplies them all.")
+    e.add_argument("features", help="features (samples x p): FILE or FILE:KEY, or a bundle")
+    e.add_argument("--outputs", help="outputs / logits (samples x C)")
+    e.add_argument("--labels", help="integer class labels (samples,)")
+    e.add_argument("--targets", help="float regression targets (samples,) or (samples x T)")
+    e.add_argument("--head", help="linear head weights W (C x p): DLR without streaming outputs")
+    e.add_argument("--test-features", help="held-out features (Nystrom-extended curves)")
+    e.add_argument("--test-outputs")
+    e.add_argument("--test-labels")
+    e.add_argument("--test-targets")
+    e.add_argument("--num-classes", type=int, default=None)
+    e.add_argument("--precision", choices=["fp64", "fp32"], default=None,
+                   help="precision of the products (default: fp64 for float64 files, else fp32)")
+    e.add_argument("--rtol", type=float, default=None, help="eigenvalue cut (default by precision)")
+    e.add_argument("--chunk", type=int, default=8192, help="rows per chunk (default 8192)")
+    e.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    e.add_argument("--save", help="write the training state (.npz) for `richness plot` or later merges")
+    e.add_argument("--save-test", help="write the held-out state (.npz)")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=eval_cmd)
+
+    pl = sub.add_parser("plot", help="curves from a saved state, or DLR over steps from a Monitor log")
+    pl.add_argument("input", help="a state saved by `richness eval --save` / Moments.save, or a .jsonl/.csv log")
+    pl.add_argument("--test", help="held-out state (.npz) for the dashed held-out curves")
+    pl.add_argument("--head", help="linear head weights (C x p) when the state has no outputs")
+    pl.add_argument("-o", "--output", help="output prefix (writes PREFIX.png and PREFIX.svg)")
+    pl.add_argument("--title")
+    pl.set_defaults(func=plot_cmd)
+
+    i = sub.add_parser("info", help="version, backends, BLAS, GPU architectures")
     i.set_defaults(func=info)
     return p
 
@@ -140,3 +635,6 @@ def main(argv: Optional[list] = None) -> int:
     except UserError as e:
         print(f"richness: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("richness: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,180 @@
+"""Pictures of a Report or a Monitor log (matplotlib, optional dependency).
+
+``curves`` draws the interpretability curves of SPEC.md: cumulative quality
+Pi*(k) and utilization Pi_hat(k) (training solid, held-out dashed) and the
+relative eigenvalues rho_k / rho_1. ``history`` draws DLR (and NC1) over
+training steps from ``Monitor`` records. Both write PNG and SVG.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from ._report import Report
+
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError('richness plots need matplotlib: pip install "richness[demo]"') from None
+    return plt
+
+
+def _save(fig: Any, prefix: "str | os.PathLike") -> List[str]:
+    prefix = os.fspath(prefix)
+    for ext in (".png", ".svg"):
+        if prefix.endswith(ext):
+            prefix = prefix[: -len(ext)]
+    folder = os.path.dirname(os.path.abspath(prefix))
+    os.makedirs(folder, exist_ok=True)
+    paths = [prefix + ".png", prefix + ".svg"]
+    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    _plt().close(fig)
+    return paths
+
+
+def curves(reports: Union[Report, Mapping[str, Report]], prefix: "str | os.PathLike", *,
+           title: Optional[str] = None) -> List[str]:
+    """Pi*(k), Pi_hat(k) and rho_k/rho_1 of one report or several (a dict
+    label -> Report, drawn in one figure); writes ``prefix.png`` and
+    ``prefix.svg`` and returns their paths."""
+    plt = _plt()
+    if isinstance(reports, Report):
+        reports = {"": reports}
+    if not reports:
+        raise ValueError("curves needs at least one report")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    ax_q, ax_u, ax_r = axes
+    held_out = False
+    for i, (label, rep) in enumerate(reports.items()):
+        c = _COLORS[i % len(_COLORS)]
+        kmax = max(int(rep.feature_rank), 1)
+        k = np.arange(1, kmax + 1)
+        name = f"{label} " if label else ""
+        dlr = "n/a" if rep.dlr is None else f"{rep.dlr:.3f}"
+        for ax, train, test in ((ax_q, rep.quality, rep.test_quality), (ax_u, rep.utilization, rep.test_utilization)):
+            if train is not None:
+                ax.plot(k, train[:kmax], color=c, lw=2, label=f"{name}train (DLR {dlr})")
+            if test is not None:
+                held_out = True
+                ax.plot(k, test[:kmax], color=c, lw=2, ls="--", label=f"{name}held-out")
+        ax_r.plot(k, np.clip(rep.relative_eigenvalues[:kmax], 1e-300, None), color=c, lw=2,
+                  label=f"{name}eff. dim {rep.effective_dim:.1f}")
+    ax_q.set_title("cumulative quality Pi*(k): targets")
+    ax_u.set_title("cumulative utilization Pi_hat(k): outputs")
+    ax_r.set_title("relative eigenvalues")
+    for ax in (ax_q, ax_u):
+        ax.set_xscale("log")
+        ax.set_xlabel("k (top-k feature eigenfunctions)")
+        ax.set_ylabel("fraction of variance explained")
+        if not held_out:
+            ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8, loc="upper left")
+        else:
+            ax.text(0.5, 0.5, "not available\n(no labels/targets)" if ax is ax_q else "not available\n(no outputs/head)",
+                    ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax_r.set_xscale("log")
+    ax_r.set_yscale("log")
+    ax_r.set_xlabel("k")
+    ax_r.set_ylabel("rho_k / rho_1")
+    ax_r.grid(alpha=0.3, which="both")
+    ax_r.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, prefix)
+
+
+def read_log(path: "str | os.PathLike") -> List[Dict[str, Any]]:
+    """Monitor records from a ``.jsonl`` or ``.csv`` log (ValueError naming the
+    file and line when it cannot be read)."""
+    path = os.fspath(path)
+    recs = []
+    try:
+        with open(path, newline="") as f:
+            if path.endswith(".csv"):
+                for i, row in enumerate(csv.DictReader(f), start=2):
+                    try:
+                        recs.append({k: (None if v in ("", None) else (v if k == "mode" else float(v)))
+                                     for k, v in row.items()})
+                    except ValueError:
+                        raise ValueError(f"{path}: line {i} is not a Monitor record") from None
+            else:
+                for i, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        recs.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        raise ValueError(f"{path}: line {i} is not JSON") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    if not recs or not all(isinstance(r, dict) and "step" in r and "dlr" in r for r in recs):
+        raise ValueError(f"{path}: not a Monitor log (records need 'step' and 'dlr')")
+    return recs
+
+
+def history(records: Union[Sequence[Mapping[str, Any]], "str | os.PathLike"], prefix: "str | os.PathLike", *,
+            title: Optional[str] = None) -> List[str]:
+    """DLR over training steps (and NC1 on a log axis when present) from
+    Monitor records or a log file; writes ``prefix.png`` and ``prefix.svg``."""
+    plt = _plt()
+    if isinstance(records, (str, os.PathLike)):
+        records = read_log(records)
+    steps = np.array([float(r["step"]) for r in records])
+    dlr = np.array([np.nan if r.get("dlr") is None else float(r["dlr"]) for r in records])
+    nc1 = np.array([np.nan if r.get("nc1") is None else float(r["nc1"]) for r in records])
+    has_nc1 = bool(np.isfinite(nc1).any())
+    fig, axes = plt.subplots(1, 2 if has_nc1 else 1, figsize=(11 if has_nc1 else 6, 4))
+    axes = np.atleast_1d(axes)
+    axes[0].plot(steps, dlr, "o-", color=_COLORS[0], lw=2, ms=3)
+    axes[0].set_xlabel("training step")
+    axes[0].set_ylabel("DLR (0 = rich, 1 = lazy)")
+    axes[0].set_ylim(0, 1)
+    axes[0].set_title("dynamical low-rank measure")
+    axes[0].grid(alpha=0.3)
+    if has_nc1:
+        axes[1].plot(steps, nc1, "o-", color=_COLORS[1], lw=2, ms=3)
+        axes[1].set_yscale("log")
+        axes[1].set_xlabel("training step")
+        axes[1].set_ylabel("NC1 (lower = more collapsed)")
+        axes[1].set_title("neural collapse NC1")
+        axes[1].grid(alpha=0.3, which="both")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, prefix)
+
+
+def sweep(x: Iterable[float], series: Mapping[str, Iterable[float]], prefix: "str | os.PathLike", *,
+          xlabel: str, title: Optional[str] = None, logx: bool = True) -> List[str]:
+    """Values over a swept parameter (one line per series), PNG and SVG."""
+    plt = _plt()
+    x = np.asarray(list(x), dtype=float)
+    fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4))
+    axes = np.atleast_1d(axes)
+    for i, (ax, (name, ys)) in enumerate(zip(axes, series.items())):
+        ax.plot(x, np.asarray(list(ys), dtype=float), "o-", color=_COLORS[i % len(_COLORS)], lw=2)
+        if logx:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3, which="both")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, prefix)
