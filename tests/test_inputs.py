@@ -240,3 +240,30 @@ def test_same_batches_give_bit_identical_states():
     a = state_of((X, F, y), (X[:100], F[:100], y[:100]))
     b = state_of((X, F, y), (X[:100], F[:100], y[:100]))
     assert states_equal(a.state_dict(), b.state_dict())
+
+
+def test_negative_strides_and_read_only():
+    X, F, y = data(13)
+    m = richness.Moments()
+    Xr, Fr = X[::-1], F[::-1, ::-1]
+    Xr.setflags(write=False)
+    m.update(Xr, Fr, labels=y[::-1])
+    ref, _ = dlr_naive(X, F)
+    assert abs(m.compute().dlr - ref) < 1e-12
+    np.testing.assert_allclose(m.state_dict()["mean"], X.mean(axis=0), rtol=1e-14)
+    assert np.array_equal(m.state_dict()["class_counts"], np.bincount(y, minlength=4))
+
+
+def test_one_feature_and_one_sample_batches():
+    rng = np.random.default_rng(14)
+    x = rng.normal(size=(50, 1)) + 7.0
+    f = np.hstack([2 * x, np.sin(x)])
+    m = richness.Moments()
+    for i in range(50):  # one sample per update
+        m.update(x[i:i + 1], f[i:i + 1])
+    ref, r = dlr_naive(x, f)
+    rep = m.compute()
+    assert rep.rank == r == 2
+    assert abs(rep.dlr - ref) < 1e-12
+    xc = x - x.mean()
+    assert abs(m.state_dict()["M"][0, 0] - np.sum(xc * xc)) < 1e-12 * np.sum(xc * xc)
