@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
 try:
     from richness import _cuda  # noqa: F401
+    _why = None
 except ImportError as e:  # pragma: no cover - depends on the build
-    pytest.skip(f"richness._cuda not built ({e})", allow_module_level=True)
+    _cuda, _why = None, f"richness._cuda not built ({e})"
+GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU or _cuda is None, reason=_why or "no CUDA GPU")
 
 import richness
 from reference import dlr_naive, nc1_naive, simplex_etf
@@ -58,6 +59,7 @@ CASES += [("float64", "fp64"), ("float64", "fp32")]
 
 
 @pytest.mark.parametrize("dtype_name,precision", CASES)
+@needs_gpu
 def test_dlr_gpu_vs_cpu_vs_reference(dtype_name, precision):
     X, F, Xv, Fv, W, b, want, want_head, r = problem(dtype_name)
     tol = TOL[precision]
@@ -82,6 +84,7 @@ def test_dlr_gpu_vs_cpu_vs_reference(dtype_name, precision):
     np.testing.assert_allclose(host.eigenvalues, rep.eigenvalues, rtol=1e-8, atol=1e-12 * rep.eigenvalues[0])
 
 
+@needs_gpu
 def test_fp32_large_mean_small_spread():
     # SPEC.md: mean 1e4, spread 1e-2 in float32 must give DLR to 1e-6.
     rng = np.random.default_rng(3)
@@ -98,6 +101,7 @@ def test_fp32_large_mean_small_spread():
     assert abs(m.compute().dlr - want) < 1e-6
 
 
+@needs_gpu
 def test_state_matches_cpu_backend_float64():
     rng = np.random.default_rng(4)
     n, p, C, K, T = 1500, 24, 5, 6, 3
@@ -127,6 +131,7 @@ def test_state_matches_cpu_backend_float64():
 
 
 @pytest.mark.parametrize("num_classes", [None, 7])
+@needs_gpu
 def test_labels_growing_and_fixed(num_classes):
     rng = np.random.default_rng(5)
     X = features(rng, 600, 12)
@@ -143,6 +148,7 @@ def test_labels_growing_and_fixed(num_classes):
     np.testing.assert_allclose(b["class_sums"], a["class_sums"], rtol=1e-12)
 
 
+@needs_gpu
 def test_neural_collapse_zero_on_gpu():
     rng = np.random.default_rng(6)
     K, p = 5, 8
@@ -160,6 +166,7 @@ def test_neural_collapse_zero_on_gpu():
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
+@needs_gpu
 def test_batch_split_and_merge_invariance(precision):
     rng = np.random.default_rng(7)
     n, p, C = 3000, 20, 4
@@ -193,6 +200,7 @@ def test_batch_split_and_merge_invariance(precision):
         assert abs(m.compute().dlr - states[0].compute().dlr) < tol
 
 
+@needs_gpu
 def test_state_moves_between_backends(tmp_path):
     rng = np.random.default_rng(8)
     X = features(rng, 800, 10)
@@ -224,6 +232,7 @@ def test_state_moves_between_backends(tmp_path):
         np.testing.assert_allclose(m.state_dict()["M"], want, rtol=1e-10, atol=1e-12 * np.abs(want).max())
 
 
+@needs_gpu
 def test_nonfinite_batch_skipped_and_raised_later():
     rng = np.random.default_rng(9)
     X = torch.from_numpy(features(rng, 512, 8)).to(DEV, torch.float32)
@@ -255,6 +264,7 @@ def test_nonfinite_batch_skipped_and_raised_later():
     assert m.n == 512
 
 
+@needs_gpu
 def test_host_validation_raises_at_once():
     m = richness.Moments(device="cuda")
     X = torch.randn(10, 4, device=DEV)
@@ -268,6 +278,7 @@ def test_host_validation_raises_at_once():
     assert m.n == 10
 
 
+@needs_gpu
 def test_update_on_side_stream_is_ordered():
     # Each batch is produced on a side stream behind a long spin: an update
     # that ran on any other stream would read the buffer before it is written.
@@ -292,6 +303,7 @@ def test_update_on_side_stream_is_ordered():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@needs_gpu
 def test_update_captures_in_cuda_graph(precision):
     # A host synchronisation inside update would abort the capture.
     rng = np.random.default_rng(11)
@@ -321,6 +333,7 @@ def test_update_captures_in_cuda_graph(precision):
 
 @pytest.mark.parametrize("algo,block", [("syrk", 512), ("gemm", 512), ("block_rows", 16), ("tiles", 16)])
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@needs_gpu
 def test_product_algorithms_agree(algo, block, precision):
     X, F, Xv, Fv, W, b, want, want_head, r = problem("float32")
     m = richness.Moments(device="cuda", precision=precision)
@@ -330,6 +343,7 @@ def test_product_algorithms_agree(algo, block, precision):
     assert abs(m.compute().dlr - want) < TOL[precision]
 
 
+@needs_gpu
 def test_repeated_compute_does_not_change_state():
     X, F, *_ = problem("float32")
     m = richness.Moments(device="cuda")
@@ -338,3 +352,9 @@ def test_repeated_compute_does_not_change_state():
     b = m.compute()
     assert a.dlr == b.dlr
     np.testing.assert_array_equal(a.eigenvalues, b.eigenvalues)
+
+
+@pytest.mark.skipif(GPU, reason="checks the error where no GPU is usable")
+def test_cuda_device_without_gpu_raises_clearly():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        richness.Moments(device="cuda")

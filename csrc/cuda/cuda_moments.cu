@@ -475,7 +475,12 @@ void CudaMoments::set_product(Product algo, int block) {
 void CudaMoments::order_after_last(cudaStream_t stream) {
   // Successive updates on different streams write the same state: the new
   // stream waits (on the device) for the work queued on the previous one.
-  if (have_last_stream_ && last_stream_ != stream) {
+  // While `stream` is being captured into a CUDA graph, touching another
+  // stream would break the capture: the graph's replays are ordered by the
+  // caller, who warmed up (and so last used) the state on the capture stream.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (have_last_stream_ && last_stream_ != stream && capture == cudaStreamCaptureStatusNone) {
     CUDA_CHECK(cudaEventRecord(order_event_, last_stream_));
     CUDA_CHECK(cudaStreamWaitEvent(stream, order_event_, 0));
   }
