@@ -305,9 +305,6 @@ def eval_cmd(args: argparse.Namespace) -> int:
     if W is not None and W.shape[1] != feats.shape[1]:
         raise UserError(f"{args.head}: head weights have {W.shape[1]} input columns but {feats.label} has "
                         f"{feats.shape[1]} features")
-    if outs is None and W is None:
-        print(f"richness: note: no outputs or --head given for {feats.label}: spectrum and curves only, no DLR",
-              file=sys.stderr)
     progress = not args.no_progress
     m = _stream(feats, outs, labels, targets, chunk=args.chunk, precision=args.precision,
                 num_classes=args.num_classes, progress=progress, desc="richness eval")
@@ -328,6 +325,9 @@ def eval_cmd(args: argparse.Namespace) -> int:
         rep = m.compute(head=W, test=test, rtol=args.rtol)
     except ValueError as e:
         raise UserError(f"{feats.label}: {e}") from None
+    if outs is None and W is None:
+        print(f"richness: note: no outputs or --head given for {feats.label}: spectrum and curves only, no DLR",
+              file=sys.stderr)
     if args.save:
         m.save(args.save)
     if args.save_test and test is not None:
