@@ -473,7 +473,11 @@ void validate_batch(const State& s, const Batch& b) {
   }
 }
 
-static void check_labels(const Matrix& y, int64_t num_classes) {
+// Without num_classes the class arrays grow to the largest label; a stray
+// huge label would silently allocate gigabytes of class sums, so growth past
+// 1 GiB of them needs num_classes to be given.
+static void check_labels(const Matrix& y, int64_t num_classes, int64_t p) {
+  const int64_t growth_cap = std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
   for (int64_t i = 0; i < y.rows; ++i) {
     const int64_t v = label_at(y, i);
     if (v < 0 || (num_classes >= 0 && v >= num_classes)) {
@@ -481,6 +485,12 @@ static void check_labels(const Matrix& y, int64_t num_classes) {
       os << "labels out of range: label " << v << " at row " << i;
       if (num_classes >= 0) os << " (num_classes=" << num_classes << ")";
       else os << " (labels must be >= 0)";
+      throw std::invalid_argument(os.str());
+    }
+    if (num_classes < 0 && v >= growth_cap) {
+      std::ostringstream os;
+      os << "label " << v << " at row " << i << " would grow the class sums past 1 GiB (" << growth_cap
+         << " classes at p=" << p << "); pass num_classes to Moments if this many classes is intended";
       throw std::invalid_argument(os.str());
     }
   }
@@ -499,7 +509,7 @@ void CpuMoments::update(const Batch& b, Precision precision) {
   means_checked(b.features, "features", means.features);
   if (b.outputs) means_checked(*b.outputs, "outputs", means.outputs);
   if (b.targets) means_checked(*b.targets, "targets", means.targets);
-  if (b.labels) check_labels(*b.labels, state_.num_classes);
+  if (b.labels) check_labels(*b.labels, state_.num_classes, b.features.cols);
   if (precision == Precision::fp64) update_typed<double>(b, means, precision, scratch_d_);
   else update_typed<float>(b, means, precision, scratch_f_);
 }

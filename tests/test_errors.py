@@ -352,3 +352,23 @@ def test_reset_keeps_num_classes():
     with pytest.raises(ValueError, match=r"labels out of range: label 3 .*num_classes=3"):
         m.update(X, labels=np.full(N, 3))
     assert m.n == 0
+
+
+def test_huge_label_without_num_classes_is_refused_before_allocating():
+    import numpy as np
+
+    import richness
+
+    m = richness.Moments()
+    x = np.random.default_rng(0).normal(size=(3, 64))
+    m.update(x, labels=np.array([0, 1, 2]))
+    before = m.state_dict()
+    with pytest.raises(ValueError, match=r"label 100000000 at row 1 would grow the class sums past 1 GiB"):
+        m.update(x, labels=np.array([0, 10**8, 2]))
+    after = m.state_dict()
+    assert after["k"] == before["k"] == 3
+    assert np.array_equal(after["class_sums"], before["class_sums"])
+    # with num_classes given, a large class count is the user's choice
+    big = richness.Moments(num_classes=3_000_000)
+    big.update(np.ones((2, 1)) * [[1.0], [2.0]], labels=np.array([0, 2_999_999]))
+    assert big.state_dict()["class_counts"][2_999_999] == 1

@@ -129,8 +129,10 @@ def saved_bytes(tmp_path):
     return path.read_bytes()
 
 
-def rewrite(raw, change_meta=None, change_arrays=None):
-    """Rebuild an archive after editing its meta document and/or arrays."""
+def rewrite(raw, change_meta=None, change_arrays=None, resign=False):
+    """Rebuild an archive after editing its meta document and/or arrays.
+    resign=True recomputes the checksum, as a buggy writer would: the file is
+    then intact, and what is tested is the validation behind the checksum."""
     with np.load(io.BytesIO(raw), allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
     meta = json.loads(arrays.pop("meta").tobytes().decode())
@@ -138,6 +140,10 @@ def rewrite(raw, change_meta=None, change_arrays=None):
         change_meta(meta)
     if change_arrays:
         change_arrays(arrays)
+    if resign:
+        from richness._io import _digest
+
+        meta["sha256"] = _digest(arrays, meta)
     buf = io.BytesIO()
     np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
     return buf.getvalue()
@@ -161,6 +167,10 @@ def flip_middle(raw):
     b = bytearray(raw)
     b[(start + end) // 2] ^= 0xFF
     return bytes(b)
+
+
+def resign(raw, change_meta):
+    return rewrite(raw, change_meta, resign=True)
 
 
 def drop(key):
@@ -213,19 +223,20 @@ BAD_FILES = {
     "array dtype": (lambda raw: rewrite(raw, change_arrays=array_dtype), r"entry M has dtype float32"),
     "array shape": (lambda raw: rewrite(raw, change_arrays=array_shape), r"checksum mismatch|shape"),
     "bad meta json": (None, r"corrupted metadata"),
+    "meta n edited": (lambda raw: rewrite(raw, set_("n", 121)), r"checksum mismatch"),
     # intact archives whose entries do not form a valid state
-    "meta n not an integer": (lambda raw: rewrite(raw, set_("n", "120")), r"not a valid richness state.*'n'"),
-    "meta n negative": (lambda raw: rewrite(raw, set_("n", -3)), r"not a valid richness state.*n is negative"),
-    "meta n disagrees with class counts": (lambda raw: rewrite(raw, set_("n", 121)),
+    "meta n not an integer": (lambda raw: resign(raw, set_("n", "120")), r"not a valid richness state.*'n'"),
+    "meta n negative": (lambda raw: resign(raw, set_("n", -3)), r"not a valid richness state.*n is negative"),
+    "meta n disagrees with class counts": (lambda raw: resign(raw, set_("n", 121)),
                                            r"not a valid richness state.*class counts do not add up"),
-    "meta p disagrees with arrays": (lambda raw: rewrite(raw, set_("p", 6)), r"not a valid richness state.*shape"),
-    "meta num_classes not an integer": (lambda raw: rewrite(raw, set_("num_classes", "x")),
+    "meta p disagrees with arrays": (lambda raw: resign(raw, set_("p", 6)), r"not a valid richness state.*shape"),
+    "meta num_classes not an integer": (lambda raw: resign(raw, set_("num_classes", "x")),
                                         r"not a valid richness state.*num_classes"),
-    "meta num_classes too small": (lambda raw: rewrite(raw, set_("num_classes", 2)),
+    "meta num_classes too small": (lambda raw: resign(raw, set_("num_classes", 2)),
                                    r"not a valid richness state.*more classes than num_classes"),
-    "meta unknown precision": (lambda raw: rewrite(raw, set_("precision", "fp8")),
+    "meta unknown precision": (lambda raw: resign(raw, set_("precision", "fp8")),
                                r"not a valid richness state.*precision"),
-    "meta precision null": (lambda raw: rewrite(raw, set_("precision", None)),
+    "meta precision null": (lambda raw: resign(raw, set_("precision", None)),
                             r"not a valid richness state.*precision"),
 }
 

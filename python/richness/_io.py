@@ -24,8 +24,10 @@ FLOATS = ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_sums
 INTS = ("class_counts",)
 
 
-def _digest(arrays: dict) -> str:
+def _digest(arrays: dict, scalars: dict) -> str:
+    """SHA-256 over the scalar fields and every array (key, shape, bytes)."""
     h = hashlib.sha256()
+    h.update(json.dumps({k: scalars[k] for k in SCALARS}, sort_keys=True).encode())
     for key in FLOATS + INTS:
         a = np.ascontiguousarray(arrays[key])
         h.update(key.encode())
@@ -40,7 +42,7 @@ def save_state(state: dict, path: "os.PathLike | str") -> None:
     path = os.fspath(path)
     arrays = {k: np.asarray(state[k]) for k in FLOATS + INTS}
     meta = {"format": FORMAT, "version": VERSION, **{k: state[k] for k in SCALARS},
-            "sha256": _digest(arrays)}
+            "sha256": _digest(arrays, state)}
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".richness-", suffix=".tmp", dir=folder)
     try:
@@ -101,7 +103,7 @@ def load_state(path: "os.PathLike | str") -> dict:
             raise bad(f"entry {k} has dtype {data[k].dtype}, expected float64")
     if data["class_counts"].dtype != np.int64:
         raise bad(f"entry class_counts has dtype {data['class_counts'].dtype}, expected int64")
-    if _digest(data) != meta["sha256"]:
+    if _digest(data, meta) != meta["sha256"]:
         raise bad("checksum mismatch: the file is corrupted")
     state = {k: meta[k] for k in SCALARS}
     state.update({k: data[k] for k in FLOATS + INTS})
