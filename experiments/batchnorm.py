@@ -26,9 +26,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     torch = C.setup(args)
     started = time.time()
     if args.quick:
-        cfg = dict(n_train=300, n_test=200, vgg=[4, "M", 8, "M"], feat=32, epochs=1, batch=50, lr=0.02)
+        cfg = dict(n_train=200, n_test=100, vgg=[4, "M", 8, "M"], feat=32, epochs=1, batch=50, lr=0.02)
     else:
-        cfg = dict(n_train=3000, n_test=1000, vgg=[16, 16, "M", 32, 32, "M", 64, 64, "M"], feat=128, epochs=6,
+        cfg = dict(n_train=2000, n_test=1000, vgg=[16, 16, "M", 32, 32, "M", 64, 64, "M"], feat=128, epochs=5,
                    batch=64, lr=0.02)
     x_tr, y_tr, x_te, y_te = C.mnist(cfg["n_train"], cfg["n_test"], seed=args.seed, device=args.device, image=True)
     runs = []

@@ -33,7 +33,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="tiny settings for CI (< 30 s); numbers are not science")
     ap.add_argument("--device", default="cpu", help="torch device: cpu or cuda (scales nothing by itself)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the machine is shared: keep it small)")
+    ap.add_argument("--tag", default="", help="suffix of the result files (<name>_<tag>.json) for extra runs")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default 1 with --quick, else 2; the machine is shared: keep it small)")
     return ap
 
 
@@ -44,6 +46,8 @@ def setup(args: argparse.Namespace) -> Any:
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     if args.device == "cpu":
+        if args.threads is None:
+            args.threads = 1 if args.quick else 2
         torch.set_num_threads(max(1, args.threads))
     elif not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device here")
@@ -256,10 +260,16 @@ def write_json(args: argparse.Namespace, name: str, payload: Dict[str, Any], sta
     payload["args"] = {k: v for k, v in vars(args).items() if k != "out"}
     payload["machine"] = machine()
     payload["seconds"] = round(time.time() - started, 1)
-    path = os.path.join(args.out, f"{name}.json")
+    path = os.path.join(args.out, f"{stem(args, name)}.json")
     with open(path, "w") as fh:
         json.dump(payload, fh, indent=1, allow_nan=False)
     return path
+
+
+def stem(args: argparse.Namespace, name: str) -> str:
+    """File name of a result: ``name`` or ``name_tag``."""
+    tag = getattr(args, "tag", "")
+    return f"{name}_{tag}" if tag else name
 
 
 def pyplot():
@@ -273,7 +283,7 @@ def pyplot():
 
 
 def save_figure(fig: Any, args: argparse.Namespace, name: str) -> str:
-    path = os.path.join(args.out, f"{name}.png")
+    path = os.path.join(args.out, f"{stem(args, name)}.png")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot().close(fig)

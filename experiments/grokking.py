@@ -46,18 +46,22 @@ def transformer(P: int, d: int, heads: int, ff: int, layers: int = 2):
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ap = C.parser(__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=None, help="training steps (default: 40 quick, see cfg full)")
-    ap.add_argument("--P", type=int, default=None, help="the modulus (a prime; default 17 quick, 97 full)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default: 30 quick, 100 full)")
+    ap.add_argument("--P", type=int, default=None, help="the modulus (a prime; default 13 quick, 97 full)")
     ap.add_argument("--frac", type=float, default=None, help="training fraction of the P^2 pairs")
     ap.add_argument("--every", type=int, default=None, help="measure every this many steps")
+    ap.add_argument("--d", type=int, default=None, help="model width (features p = d)")
+    ap.add_argument("--ff", type=int, default=None, help="MLP width of each block")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--wd", type=float, default=None, help="AdamW weight decay")
     args = ap.parse_args(argv)
     torch = C.setup(args)
     started = time.time()
     if args.quick:
-        cfg = dict(P=17, d=32, heads=4, ff=64, frac=0.5, lr=3e-3, wd=1.0, steps=40, every=20)
+        cfg = dict(P=13, d=32, heads=4, ff=64, frac=0.5, lr=3e-3, wd=1.0, steps=30, every=15)
     else:
-        cfg = dict(P=97, d=128, heads=4, ff=512, frac=0.4, lr=1e-3, wd=1.0, steps=2500, every=100)
-    for key in ("steps", "P", "frac", "every"):
+        cfg = dict(P=97, d=128, heads=4, ff=512, frac=0.4, lr=1e-3, wd=1.0, steps=100, every=10)
+    for key in ("steps", "P", "frac", "every", "d", "ff", "lr", "wd"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     P = cfg["P"]

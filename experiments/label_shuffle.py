@@ -31,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     torch = C.setup(args)
     started = time.time()
     if args.quick:
-        cfg = dict(n_train=300, n_test=200, width=128, epochs=6, batch=50, lr=2e-3)
+        cfg = dict(n_train=200, n_test=200, width=64, epochs=3, batch=50, lr=2e-3)
     else:
         cfg = dict(n_train=2000, n_test=1000, width=512, epochs=120, batch=100, lr=1e-3)
     cfg["arch"] = args.arch

@@ -24,7 +24,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     torch = C.setup(args)
     started = time.time()
     if args.quick:
-        cfg = dict(n_train=500, n_test=200, width=64, epochs=2, batch=100, lrs=[0.01, 0.1, 1.0])
+        cfg = dict(n_train=300, n_test=200, width=32, epochs=2, batch=100, lrs=[0.01, 0.1, 1.0])
     else:
         cfg = dict(n_train=4000, n_test=1000, width=256, epochs=8, batch=100,
                    lrs=[0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0])

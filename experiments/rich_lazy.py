@@ -33,7 +33,8 @@ def run_one(torch: Any, arch: str, mode: str, data: tuple, cfg: Dict[str, Any], 
         for p in model.body.parameters():
             p.requires_grad_(False)
     opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=0.9)
-    losses = C.train_epochs(model, xt, y_tr, epochs=cfg["epochs"], batch=cfg["batch"], opt=opt,
+    epochs = cfg["epochs"] if arch == "mlp" else cfg["cnn_epochs"]
+    losses = C.train_epochs(model, xt, y_tr, epochs=epochs, batch=cfg["batch"], opt=opt,
                             loss_fn=torch.nn.functional.cross_entropy, seed=seed)
     report = C.measure(model, xt, y_tr)
     res = C.summary(report, 10)
@@ -49,9 +50,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     torch = C.setup(args)
     started = time.time()
     if args.quick:
-        cfg = dict(n_train=600, n_test=300, width=64, cnn_width=4, epochs=2, batch=100, lr=0.05, archs=["mlp"])
+        cfg = dict(n_train=400, n_test=200, width=48, cnn_width=4, epochs=2, cnn_epochs=1, batch=100, lr=0.05,
+                   archs=["mlp"])
     else:
-        cfg = dict(n_train=4000, n_test=1000, width=256, cnn_width=16, epochs=15, batch=128, lr=0.05,
+        cfg = dict(n_train=4000, n_test=1000, width=256, cnn_width=16, epochs=15, cnn_epochs=5, batch=128, lr=0.05,
                    archs=["mlp", "cnn"])
     data = C.mnist(cfg["n_train"], cfg["n_test"], seed=args.seed, device=args.device)
     runs = [run_one(torch, arch, mode, data, cfg, args.seed, args.device)

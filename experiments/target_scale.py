@@ -33,7 +33,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     torch = C.setup(args)
     started = time.time()
     if args.quick:
-        cfg = dict(n_train=500, n_test=200, width=64, epochs=2, batch=100, lr=0.1, alphas=[1, 4, 32])
+        cfg = dict(n_train=300, n_test=200, width=32, epochs=2, batch=100, lr=0.1, alphas=[1, 4, 32])
     else:
         cfg = dict(n_train=4000, n_test=1000, width=256, epochs=20, batch=100, lr=0.1,
                    alphas=[1, 2, 4, 8, 16, 32])
