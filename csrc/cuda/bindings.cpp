@@ -218,4 +218,5 @@ PYBIND11_MODULE(_cuda, m) {
       .def_property_readonly("device", &CudaMoments::device);
 
   m.def("device_info", &richness::cuda::device_info, py::arg("device") = 0);
+  m.def("info", &richness::cuda::backend_info, "What was built and which GPU is usable; never raises.");
 }

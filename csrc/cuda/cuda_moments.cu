@@ -1042,5 +1042,27 @@ std::string device_info(int device) {
   return os.str();
 }
 
+std::string backend_info() {
+  std::ostringstream os;
+#ifndef RICHNESS_CUDA_ARCHS
+#define RICHNESS_CUDA_ARCHS "?"
+#endif
+  os << "built for " << RICHNESS_CUDA_ARCHS << " with cuBLAS " << CUBLAS_VER_MAJOR << "." << CUBLAS_VER_MINOR << "."
+     << CUBLAS_VER_PATCH << "; ";
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    os << "no usable GPU (" << (e != cudaSuccess ? cudaGetErrorString(e) : "no device") << ")";
+    cudaGetLastError();
+    return os.str();
+  }
+  try {
+    os << count << " GPU" << (count == 1 ? "" : "s") << "; GPU 0: " << device_info(0);
+  } catch (const std::exception& ex) {
+    os << "GPU 0 unusable: " << ex.what();
+  }
+  return os.str();
+}
+
 }  // namespace cuda
 }  // namespace richness

@@ -139,6 +139,8 @@ class CudaMoments {
 
 // "NVIDIA H200 (sm_90), driver 13.0, runtime 13.0, cuBLAS 130100"
 std::string device_info(int device);
+// Never raises: what was built, and the GPU if one is usable (for `richness info`).
+std::string backend_info();
 
 }  // namespace cuda
 }  // namespace richness
