@@ -571,6 +571,15 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
     long long mx = -1;
     CUDA_CHECK(cudaMemcpyAsync(&mx, &h->max_label, sizeof(long long), cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
+    // Same cap as the CPU backend: a stray huge label must not allocate
+    // gigabytes of class sums.
+    const int64_t growth_cap = std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
+    if (mx >= growth_cap) {
+      std::ostringstream os;
+      os << "label " << mx << " would grow the class sums past 1 GiB (" << growth_cap << " classes at p=" << p
+         << "); pass num_classes to Moments if this many classes is intended";
+      throw std::invalid_argument(os.str());
+    }
     grow_classes(mx + 1, stream);
   }
 
