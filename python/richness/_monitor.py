@@ -23,8 +23,10 @@ import os
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
+import numpy as np
+
 from . import _finish
-from ._evaluate import (HeadFinder, blas_threads_like_torch, check_tokens, collect, label_kwargs,
+from ._evaluate import (HeadFinder, check_tokens, collect, label_kwargs,
                         require_torch, resolve_head, select_rows)
 from ._moments import Moments
 
@@ -191,7 +193,6 @@ class Monitor:
         self._capture: Optional[Capture] = None
         self._finder: Optional[HeadFinder] = None
         self._model_hook = None
-        self._threads = None
         self._closed = False
         self._t0 = time.time()
         if self.probe is None:
@@ -200,8 +201,10 @@ class Monitor:
             else:
                 self._finder = HeadFinder(model)
                 self._model_hook = model.register_forward_hook(self._on_model_output)
-        self._threads = blas_threads_like_torch()
-        self._threads.__enter__()
+        from . import _core
+
+        self._blas_old = _core.blas_get_num_threads()
+        self._blas_now = self._blas_old
 
     # -- hooks ----------------------------------------------------------------
 
@@ -272,12 +275,34 @@ class Monitor:
             self._window_labels = has
         elif self._window_labels != has:
             raise ValueError("Monitor.step got labels on some steps of a window and none on others")
+        self._set_blas_threads(feats)
         if isinstance(self._head, torch.nn.Linear):
             self._moments.update(feats, **lk)
         else:
             if outs is None:
                 raise ValueError(f"the head {type(self._head).__name__} did not return a tensor")
             self._moments.update(feats, outs, **lk)
+
+    def _set_blas_threads(self, feats: Any) -> None:
+        """One BLAS thread for a small update, torch's count for a large one.
+
+        A training batch is a small product (128 x 512 features: 34M
+        multiply-adds, half a millisecond on one core). A second pool of BLAS
+        threads next to torch's gains little there and costs much: OpenBLAS
+        workers spin after each call and steal the cores torch's next kernels
+        need. Above 2^27 multiply-adds the pool pays for itself again. Never
+        more threads than torch uses (no oversubscription)."""
+        import torch
+
+        from . import _core
+
+        if feats.device.type != "cpu":
+            return
+        work = feats.shape[0] * feats.shape[-1] ** 2
+        want = 1 if work < 2 ** 27 else max(1, torch.get_num_threads())
+        if want != self._blas_now:
+            _core.blas_set_num_threads(want)
+            self._blas_now = want
 
     # -- emission -------------------------------------------------------------
 
@@ -303,15 +328,19 @@ class Monitor:
         try:
             if m.n < 2:
                 return None
+            import torch
+
             st = m.state_dict()  # the one host sync
             rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[st["precision"]]
+            # Finish with torch float64 CPU tensors (zero-copy views of the state):
+            # the math then runs on torch's own thread pool, the one training
+            # uses, instead of waking numpy's BLAS threads every emission.
+            st = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in st.items()}
             dlr = rank = nc1 = None
             try:
-                import torch
-
                 W = None
                 if isinstance(self._head, torch.nn.Linear):
-                    W = self._head.weight.detach().to("cpu", torch.float64).numpy()
+                    W = self._head.weight.detach().to("cpu", torch.float64)
                 dlr, rank = _finish.dlr_of_state(st, W, rtol)
             except ValueError:
                 pass  # constant features or outputs: DLR undefined, reported as None
@@ -351,8 +380,11 @@ class Monitor:
             self._model_hook.remove()
         for s in self._sinks:
             s.close()
-        if self._threads is not None:
-            self._threads.__exit__(None, None, None)
+        if self._blas_now != self._blas_old:
+            from . import _core
+
+            _core.blas_set_num_threads(self._blas_old)
+            self._blas_now = self._blas_old
 
     def __enter__(self) -> "Monitor":
         return self
