@@ -177,18 +177,30 @@ def test_hooks_removed_and_modes_restored_after_exception():
     assert hook_count(model) == 0
 
 
-def test_blas_threads_follow_torch_and_are_restored():
-    model, X, y = make()
+def test_blas_threads_never_exceed_torch_and_are_restored(monkeypatch):
     seen = []
-    model.fc.register_forward_hook(lambda m, a, o: seen.append(_core.blas_get_num_threads()))
+    orig = richness.Moments.update
+
+    def spy(self, feats, *args, **kwargs):
+        seen.append((int(feats.shape[0]), _core.blas_get_num_threads()))
+        return orig(self, feats, *args, **kwargs)
+
+    monkeypatch.setattr(richness.Moments, "update", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 3))
+    X = torch.randn(700, 8)
     before = _core.blas_get_num_threads()
     old = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        richness.evaluate(model, loader(X), progress=False)
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            seen.clear()
+            richness.evaluate(model, loader(X, bs=600), progress=False)
+            # 600 x 512^2 multiply-adds is above the small-product cut: torch's count;
+            # the last 100 rows are below it: one thread
+            assert seen == [(600, t), (100, 1)]
     finally:
         torch.set_num_threads(old)
-    assert seen and set(seen) == {1}
     assert _core.blas_get_num_threads() == before
 
 

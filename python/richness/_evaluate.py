@@ -38,27 +38,49 @@ def require_tqdm(what: str):
 
 # -- threads ------------------------------------------------------------------
 
-@contextlib.contextmanager
-def blas_threads_like_torch():
-    """Run the core's BLAS with as many threads as torch's intra-op pool.
+class BlasThreads:
+    """The core's BLAS thread count for each update, restored on exit.
 
-    The core links its own OpenBLAS; left at its default it starts one thread
-    per core regardless of ``torch.set_num_threads``, and the two pools then
-    fight for the same cores. The previous setting is restored on exit.
+    Never more threads than torch's intra-op pool (``torch.get_num_threads()``):
+    the core links its own OpenBLAS, which left alone starts one thread per
+    core regardless of ``torch.set_num_threads``. And one thread for small
+    products (below 2^27 multiply-adds, e.g. a 128 x 512 training batch: half
+    a millisecond on one core): there a second pool gains little and costs
+    much, because OpenBLAS workers spin after each call and steal the cores
+    torch's next kernels need. The bench_monitor benchmark measures this.
     """
-    import torch
 
-    from . import _core
+    SMALL = 2 ** 27
 
-    old = _core.blas_get_num_threads()
-    want = max(1, int(torch.get_num_threads()))
-    if want != old:
-        _core.blas_set_num_threads(want)
-    try:
-        yield
-    finally:
-        if want != old:
-            _core.blas_set_num_threads(old)
+    def __init__(self) -> None:
+        from . import _core
+
+        self._core = _core
+        self.old = _core.blas_get_num_threads()
+        self.now = self.old
+
+    def set_for(self, feats: Any) -> None:
+        """Pick the count for an update of ``feats`` (rows x p) on the CPU."""
+        import torch
+
+        if getattr(feats, "device", None) is not None and feats.device.type != "cpu":
+            return
+        work = int(feats.shape[0]) * int(feats.shape[-1]) ** 2
+        want = 1 if work < self.SMALL else max(1, int(torch.get_num_threads()))
+        if want != self.now:
+            self._core.blas_set_num_threads(want)
+            self.now = want
+
+    def restore(self) -> None:
+        if self.now != self.old:
+            self._core.blas_set_num_threads(self.old)
+            self.now = self.old
+
+    def __enter__(self) -> "BlasThreads":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
 
 
 # -- head discovery -----------------------------------------------------------
@@ -427,7 +449,7 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
     head_mod = None
     with_labels: Optional[bool] = None
     try:
-        with torch.no_grad(), eval_mode(model), blas_threads_like_torch():
+        with torch.no_grad(), eval_mode(model), BlasThreads() as threads:
             if resolved is not None:
                 head_mod = resolved[1]
                 capture = Capture(head_mod)
@@ -455,6 +477,7 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
                     with_labels = bool(lk)
                 elif with_labels != bool(lk):
                     raise ValueError("some batches carry labels and others do not; use batch_fn to make them agree")
+                threads.set_for(feats)
                 if _is_linear(head_mod):
                     moments.update(feats, **lk)
                 else:
@@ -509,7 +532,8 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
         rtol: eigenvalue cut (default by precision, SPEC.md).
 
     Runs under ``torch.no_grad()``; hooks are removed on exit, also after an
-    exception; the core's BLAS uses ``torch.get_num_threads()`` threads.
+    exception; the core's BLAS uses at most ``torch.get_num_threads()``
+    threads (one for small batches; see ``BlasThreads``).
     """
     moments, head_mod = collect(model, loader, head=head, device=device, precision=precision, progress=progress,
                                 batch_fn=batch_fn, tokens=tokens, allow_empty=distributed)

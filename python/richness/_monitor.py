@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import numpy as np
 
 from . import _finish
-from ._evaluate import (HeadFinder, check_tokens, collect, label_kwargs,
+from ._evaluate import (BlasThreads, HeadFinder, check_tokens, collect, label_kwargs,
                         require_torch, resolve_head, select_rows)
 from ._moments import Moments
 
@@ -201,10 +201,7 @@ class Monitor:
             else:
                 self._finder = HeadFinder(model)
                 self._model_hook = model.register_forward_hook(self._on_model_output)
-        from . import _core
-
-        self._blas_old = _core.blas_get_num_threads()
-        self._blas_now = self._blas_old
+        self._threads = BlasThreads()  # restored by close()
 
     # -- hooks ----------------------------------------------------------------
 
@@ -275,34 +272,13 @@ class Monitor:
             self._window_labels = has
         elif self._window_labels != has:
             raise ValueError("Monitor.step got labels on some steps of a window and none on others")
-        self._set_blas_threads(feats)
+        self._threads.set_for(feats)
         if isinstance(self._head, torch.nn.Linear):
             self._moments.update(feats, **lk)
         else:
             if outs is None:
                 raise ValueError(f"the head {type(self._head).__name__} did not return a tensor")
             self._moments.update(feats, outs, **lk)
-
-    def _set_blas_threads(self, feats: Any) -> None:
-        """One BLAS thread for a small update, torch's count for a large one.
-
-        A training batch is a small product (128 x 512 features: 34M
-        multiply-adds, half a millisecond on one core). A second pool of BLAS
-        threads next to torch's gains little there and costs much: OpenBLAS
-        workers spin after each call and steal the cores torch's next kernels
-        need. Above 2^27 multiply-adds the pool pays for itself again. Never
-        more threads than torch uses (no oversubscription)."""
-        import torch
-
-        from . import _core
-
-        if feats.device.type != "cpu":
-            return
-        work = feats.shape[0] * feats.shape[-1] ** 2
-        want = 1 if work < 2 ** 27 else max(1, torch.get_num_threads())
-        if want != self._blas_now:
-            _core.blas_set_num_threads(want)
-            self._blas_now = want
 
     # -- emission -------------------------------------------------------------
 
@@ -380,11 +356,7 @@ class Monitor:
             self._model_hook.remove()
         for s in self._sinks:
             s.close()
-        if self._blas_now != self._blas_old:
-            from . import _core
-
-            _core.blas_set_num_threads(self._blas_old)
-            self._blas_now = self._blas_old
+        self._threads.restore()
 
     def __enter__(self) -> "Monitor":
         return self
