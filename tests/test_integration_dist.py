@@ -82,6 +82,15 @@ def _worker(rank, world, port, out_path):
         loader = torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler)
         rep = richness.evaluate(model, loader, progress=False, distributed=True)
         res["evaluate"] = {"dlr": rep.dlr, "n": rep.n, "nc1": rep.nc1}
+        # Monitor(distributed=True): each rank's window merged at emission
+        torch.manual_seed(5)
+        net = _model()
+        xs = torch.tensor(X[:256]).reshape(4, 2, 32, P)[:, rank]  # step s: rank r takes rows of block (s, r)
+        with richness.Monitor(net, every=2, window=2, distributed=True) as mon:
+            for s in range(4):
+                net(xs[s])
+                mon.step(labels=torch.tensor(y[:256]).reshape(4, 2, 32)[s, rank])
+        res["monitor"] = mon.history
         # torchmetrics under DDP: compute() syncs the packed states
         try:
             from richness.torchmetrics import DLR
@@ -154,6 +163,21 @@ def test_evaluate_distributed_sampler(dist_results):
     assert got["n"] == N
     assert abs(got["dlr"] - want) < 1e-10
     assert abs(got["nc1"] - nc1_naive(H, y)) < 1e-8 * max(1.0, nc1_naive(H, y))
+
+
+def test_monitor_distributed_window(dist_results):
+    X, _, y, _ = _data()
+    torch.manual_seed(5)
+    net = _model()
+    recs = dist_results["monitor"]
+    assert [r["step"] for r in recs] == [2, 4]
+    for r, rows in zip(recs, (slice(0, 128), slice(128, 256))):
+        with torch.no_grad():
+            H = net[1](net[0](torch.tensor(X[rows]))).numpy()
+            Fm = net(torch.tensor(X[rows])).numpy()
+        assert r["n"] == 128
+        assert abs(r["dlr"] - dlr_naive(H, Fm)[0]) < 1e-10
+        assert abs(r["nc1"] - nc1_naive(H, y[rows])) < 1e-8 * r["nc1"]
 
 
 def test_torchmetrics_ddp_sync_is_exact(dist_results):

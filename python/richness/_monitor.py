@@ -150,6 +150,10 @@ class Monitor:
         tokens: token selection for 3-D head inputs (see ``richness.evaluate``).
         batch_fn: adapts probe-loader batches (see ``richness.evaluate``).
         rtol: eigenvalue cut (default by precision, SPEC.md).
+        prefix: TensorBoard tag prefix.
+        distributed: merge the window (or probe) state of all ranks
+            (``Moments.all_reduce``) at each emission, so every rank emits the
+            global value; every rank must call ``step()`` equally often.
 
     Use as a context manager (hooks removed on exit) and call ``step(labels)``
     after every optimizer step; ``history`` holds the emitted records
@@ -166,7 +170,8 @@ class Monitor:
 
     def __init__(self, model: Any, head: Any = None, *, every: int = 100, window: Optional[int] = None,
                  probe: Any = None, log: Any = None, precision: Optional[str] = None, tokens: Any = "all",
-                 batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness") -> None:
+                 batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness",
+                 distributed: bool = False) -> None:
         torch = require_torch("richness.Monitor")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -180,6 +185,7 @@ class Monitor:
         self.model = model
         self.every, self.window = every, window
         self.precision, self.tokens, self.batch_fn, self.rtol = precision, tokens, batch_fn, rtol
+        self.distributed = bool(distributed)
         self.probe = None if probe is None else _probe_batches(probe)
         self.history: List[Dict[str, Any]] = []
         self.steps = 0
@@ -302,6 +308,8 @@ class Monitor:
     def _emit_window(self) -> Optional[dict]:
         m = self._moments
         try:
+            if self.distributed:
+                m.all_reduce()  # collective: all ranks emit at the same step
             if m.n < 2:
                 return None
             import torch
@@ -331,7 +339,9 @@ class Monitor:
         import torch
 
         moments, head = collect(self.model, self.probe, head=self._head, precision=self.precision, progress=False,
-                                batch_fn=self.batch_fn, tokens=self.tokens)
+                                batch_fn=self.batch_fn, tokens=self.tokens, allow_empty=self.distributed)
+        if self.distributed:
+            moments.all_reduce()
         if self._head is None:
             self._head = head
         try:
