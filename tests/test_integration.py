@@ -488,3 +488,24 @@ def test_saved_state_survives_kill_between_saves(tmp_path):
         assert abs(m.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
     leftovers = [f for f in os.listdir(tmp_path) if f != "state.npz"]
     assert all(f.startswith(".richness-") for f in leftovers)  # only a temp file can remain
+
+
+def test_head_found_when_another_linear_runs_after_it():
+    class AuxAfter(MLP):
+        def __init__(self):
+            super().__init__()
+            self.aux = nn.Linear(16, 3)
+
+        def forward(self, x):
+            h = self.body(x)
+            out = self.fc(h)
+            self.aux(h)  # runs after the head; the head's output is still the model's output
+            return out
+
+    torch.manual_seed(2)
+    model = AuxAfter().double()
+    X = torch.randn(90, 8, dtype=torch.float64)
+    rep = richness.evaluate(model, loader(X), progress=False)
+    H, F = acts(model, X)
+    assert rep.n == 90 and abs(rep.dlr - dlr_naive(H, F)[0]) < 1e-12
+    assert hook_count(model) == 0

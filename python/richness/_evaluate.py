@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
 
 from ._moments import Moments
@@ -159,7 +160,7 @@ class HeadFinder:
         import torch.nn as nn
 
         self.model = model
-        self.calls: List[Tuple[str, int]] = []
+        self.calls: List[Tuple[str, Any]] = []
         self.last: Optional[Tuple[str, Any, Any, Any]] = None
         self.handles = []
         for name, mod in model.named_modules():
@@ -168,7 +169,12 @@ class HeadFinder:
 
     def _hook(self, name: str):
         def hook(mod, args, out):
-            self.calls.append((name, id(out)))
+            # a weak reference: a freed output cannot be mistaken for a later
+            # tensor that happens to get its address (id)
+            try:
+                self.calls.append((name, weakref.ref(out)))
+            except TypeError:
+                return
             self.last = (name, mod, args[0] if args else None, out)
         return hook
 
@@ -180,8 +186,8 @@ class HeadFinder:
     def result(self, model_out: Any) -> Tuple[str, Any, Any, Any]:
         """``(name, module, input, output)``; input/output are None when the head
         was not the last Linear called (the caller must run the batch again)."""
-        ids = {id(t) for t in output_tensors(model_out)}
-        found = [name for name, i in self.calls if i in ids]
+        outs = output_tensors(model_out)
+        found = [name for name, ref in self.calls if any(ref() is t for t in outs)]
         last, self.last, self.calls = self.last, None, []
         if not found:
             if last is None:
@@ -191,7 +197,7 @@ class HeadFinder:
                              "post-processed?); pass head= one of: " + candidate_list(self.model))
         name = found[-1]
         mod = dict(self.model.named_modules())[name]
-        if last is not None and last[0] == name and id(last[3]) in ids:
+        if last is not None and last[0] == name and any(last[3] is t for t in outs):
             return name, mod, last[2], last[3]
         return name, mod, None, None
 
