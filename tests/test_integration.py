@@ -308,7 +308,8 @@ def train_with_monitor(mon_kwargs, steps=12, bs=48, seed=0, record_window=None):
     model.drop.p = 0.0
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     grabbed = []
-    h = model.body.register_forward_hook(lambda m, a, o: grabbed.append(o.detach().clone()) if model.training else None)
+    h = model.fc.register_forward_hook(
+        lambda m, a, o: grabbed.append((a[0].detach().clone(), o.detach().clone())) if model.training else None)
     with richness.Monitor(model, **mon_kwargs) as mon:
         for i in range(steps):
             xb, yb = X[i * bs:(i + 1) * bs], y[i * bs:(i + 1) * bs]
@@ -327,16 +328,19 @@ def test_monitor_window_matches_oracle():
     every, window = 4, 2
     feats, labs, checks = [], [], []
 
-    def check(step, H, yb, rec, model):
+    outs = []
+
+    def check(step, HF, yb, rec, model):
         if (step - 1) % every >= every - window:
-            feats.append(H.double().numpy())
+            feats.append(HF[0].double().numpy())
+            outs.append(HF[1].double().numpy())
             labs.append(yb.numpy())
         if step % every == 0:
-            Hw, yw = np.concatenate(feats), np.concatenate(labs)
-            W = model.fc.weight.detach().double().numpy()
-            want, r = dlr_naive(Hw, Hw @ W.T)  # the head's current weights (window mode)
+            Hw, Fw, yw = np.concatenate(feats), np.concatenate(outs), np.concatenate(labs)
+            want, r = dlr_naive(Hw, Fw)  # the outputs of the steps that produced the features
             checks.append((rec, want, r, nc1_naive(Hw, yw), Hw.shape[0]))
             feats.clear()
+            outs.clear()
             labs.clear()
         else:
             assert rec is None
@@ -509,3 +513,19 @@ def test_head_found_when_another_linear_runs_after_it():
     H, F = acts(model, X)
     assert rep.n == 90 and abs(rep.dlr - dlr_naive(H, F)[0]) < 1e-12
     assert hook_count(model) == 0
+
+
+def test_monitor_sequence_model_with_vocabulary_larger_than_features():
+    model, ids, _, _ = lm_setup()  # lm_head: 6 features -> 11 outputs, so the head's weights are used
+    model.train()
+    with richness.Monitor(model, every=2, window=2, tokens="last") as mon:
+        for s in range(2):
+            model(ids[s * 20:(s + 1) * 20])
+            mon.step()
+    H, _ = lm_feats(model, ids)
+    Hl = H[:, -1].numpy()
+    W = model.lm_head.weight.detach().numpy()
+    want, r = dlr_naive(Hl, Hl @ W.T)
+    rec = mon.history[0]
+    assert rec["n"] == 40 and rec["rank"] == r == 6
+    assert abs(rec["dlr"] - want) < 1e-10

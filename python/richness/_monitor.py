@@ -279,12 +279,25 @@ class Monitor:
         elif self._window_labels != has:
             raise ValueError("Monitor.step got labels on some steps of a window and none on others")
         self._threads.set_for(feats)
-        if isinstance(self._head, torch.nn.Linear):
+        if self._uses_weights():
             self._moments.update(feats, **lk)
         else:
             if outs is None:
                 raise ValueError(f"the head {type(self._head).__name__} did not return a tensor")
             self._moments.update(feats, outs, **lk)
+
+    def _uses_weights(self) -> bool:
+        """Window mode streams the head's outputs: they are the function at the
+        step that produced the features (the head's weights at emission time
+        have moved since), and B, A cost b p C + b C^2 / 2 per batch against
+        p^2 C once per emission for the weights. Except for a linear head with
+        more outputs than features (vocabularies): a C x C Gram is out of the
+        question there, and the emission-time weights are used (SPEC.md, many
+        outputs)."""
+        import torch
+
+        head = self._head
+        return isinstance(head, torch.nn.Linear) and head.out_features > head.in_features
 
     # -- emission -------------------------------------------------------------
 
@@ -323,7 +336,7 @@ class Monitor:
             dlr = rank = nc1 = None
             try:
                 W = None
-                if isinstance(self._head, torch.nn.Linear):
+                if self._uses_weights():
                     W = self._head.weight.detach().to("cpu", torch.float64)
                 dlr, rank = _finish.dlr_of_state(st, W, rtol)
             except ValueError:
