@@ -46,7 +46,11 @@ def run_one(torch: Any, arch: str, mode: str, data: tuple, cfg: Dict[str, Any], 
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    args = C.parser(__doc__.splitlines()[0]).parse_args(argv)
+    ap = C.parser(__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=None, help="MLP epochs (default 2 quick, 15 full)")
+    ap.add_argument("--width", type=int, default=None, help="MLP width = p (default 48 quick, 256 full)")
+    ap.add_argument("--archs", default=None, help="comma-separated: mlp,cnn (default mlp quick, both full)")
+    args = ap.parse_args(argv)
     torch = C.setup(args)
     started = time.time()
     if args.quick:
@@ -55,6 +59,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     else:
         cfg = dict(n_train=4000, n_test=1000, width=256, cnn_width=16, epochs=15, cnn_epochs=5, batch=128, lr=0.05,
                    archs=["mlp", "cnn"])
+    if args.epochs is not None:
+        cfg["epochs"] = args.epochs
+    if args.width is not None:
+        cfg["width"] = args.width
+    if args.archs is not None:
+        cfg["archs"] = args.archs.split(",")
     data = C.mnist(cfg["n_train"], cfg["n_test"], seed=args.seed, device=args.device)
     runs = [run_one(torch, arch, mode, data, cfg, args.seed, args.device)
             for arch in cfg["archs"] for mode in ("rich", "lazy")]

@@ -29,7 +29,11 @@ NAME = "target_scale"
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    args = C.parser(__doc__.splitlines()[0]).parse_args(argv)
+    ap = C.parser(__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=None, help="epochs per alpha (default 2 quick, 20 full)")
+    ap.add_argument("--head-init", choices=["zero", "standard"], default="zero",
+                    help="zero (default: f_0 = 0 for every alpha) or PyTorch's default head initialisation")
+    args = ap.parse_args(argv)
     torch = C.setup(args)
     started = time.time()
     if args.quick:
@@ -37,12 +41,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     else:
         cfg = dict(n_train=4000, n_test=1000, width=256, epochs=20, batch=100, lr=0.1,
                    alphas=[1, 2, 4, 8, 16, 32])
+    if args.epochs is not None:
+        cfg["epochs"] = args.epochs
+    cfg["head_init"] = args.head_init
     x_tr, y_tr, x_te, y_te = C.mnist(cfg["n_train"], cfg["n_test"], seed=args.seed, device=args.device)
     onehot = torch.nn.functional.one_hot(y_tr, 10).float()
     runs = []
     for alpha in cfg["alphas"]:
         torch.manual_seed(args.seed)  # the same initial network for every alpha
-        model = C.mlp([784, cfg["width"], cfg["width"]], zero_head=True).to(args.device)
+        model = C.mlp([784, cfg["width"], cfg["width"]], zero_head=args.head_init == "zero").to(args.device)
         init = copy.deepcopy(model)
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
         targets = onehot / alpha
