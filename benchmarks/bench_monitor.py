@@ -32,11 +32,13 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
 
+# name -> (Monitor settings or None for no monitor, pass labels to step())
 CONFIGS = {
-    "off": None,
-    "every=1 (fp32)": dict(every=1, window=1),
-    "every=10, window=10": dict(every=10, window=10),
-    "default (every=100, window=10)": dict(),
+    "off": (None, False),
+    "every=1, no labels": (dict(every=1, window=1), False),
+    "every=1, labels (DLR + NC1)": (dict(every=1, window=1), True),
+    "every=10, window=10, labels": (dict(every=10, window=10), True),
+    "default (every=100, window=10), labels": (dict(), True),
 }
 
 
@@ -55,7 +57,8 @@ def main() -> None:
     data = [(torch.randn(128, 784, generator=g), torch.randint(0, 10, (128,), generator=g)) for _ in range(50)]
     models = {name: make_model() for name in CONFIGS}
     opts = {name: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for name, m in models.items()}
-    mons = {name: (richness.Monitor(models[name], **cfg) if cfg is not None else None) for name, cfg in CONFIGS.items()}
+    mons = {name: (richness.Monitor(models[name], **cfg) if cfg is not None else None)
+            for name, (cfg, _) in CONFIGS.items()}
     times = {name: [] for name in CONFIGS}
     counters = {name: 0 for name in CONFIGS}
 
@@ -69,7 +72,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         if mon is not None:
-            mon.step(labels=y)
+            mon.step(labels=y if CONFIGS[name][1] else None)
         return time.perf_counter() - t0
 
     for name in CONFIGS:  # warm-up (allocators, BLAS threads, first emission)
@@ -100,9 +103,9 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "blas": richness.blas_info(),
             "load_avg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps(info))
-    print(f"{'config':<34} {'steps':>6} {'median ms':>10} {'mean ms':>9} {'overhead (median)':>18} {'(mean)':>8}")
+    print(f"{'config':<40} {'steps':>6} {'median ms':>10} {'mean ms':>9} {'overhead (median)':>18} {'(mean)':>8}")
     for r in rows:
-        print(f"{r['config']:<34} {r['steps']:6d} {r['median_ms']:10.3f} {r['mean_ms']:9.3f} "
+        print(f"{r['config']:<40} {r['steps']:6d} {r['median_ms']:10.3f} {r['mean_ms']:9.3f} "
               f"{100 * r['overhead_median']:17.1f}% {100 * r['overhead_mean']:7.1f}%")
     if args.json:
         with open(args.json, "w") as f:

@@ -529,3 +529,32 @@ def test_monitor_sequence_model_with_vocabulary_larger_than_features():
     rec = mon.history[0]
     assert rec["n"] == 40 and rec["rank"] == r == 6
     assert abs(rec["dlr"] - want) < 1e-10
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_monitor_one_batch_windows_match_oracle_and_moments_path(dtype, tol, monkeypatch):
+    # every=1 with n = 32 rows < p = 64 features: the n x n batch path
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 5)).to(dtype)
+    X = torch.randn(3, 32, 10, dtype=dtype)
+    y = torch.randint(0, 5, (3, 32))
+
+    def run():
+        with richness.Monitor(model, every=1) as mon:
+            for s in range(3):
+                model(X[s])
+                mon.step(labels=y[s])
+        return mon.history
+
+    fast = run()
+    monkeypatch.setattr(richness.Monitor, "_batch_path_fits", lambda self, feats: False)
+    slow = run()
+    for s, (a, b) in enumerate(zip(fast, slow)):
+        with torch.no_grad():
+            H = model[1](model[0](X[s])).double().numpy()
+            F = model(X[s]).double().numpy()
+        want, r = dlr_naive(H, F)
+        assert a["n"] == b["n"] == 32 and a["rank"] == b["rank"] == r
+        assert abs(a["dlr"] - want) < tol and abs(b["dlr"] - want) < tol
+        nc = nc1_naive(H, y[s].numpy())
+        assert abs(a["nc1"] - nc) < tol * 10 * nc and abs(b["nc1"] - nc) < tol * 10 * nc

@@ -194,6 +194,7 @@ class Monitor:
         self._sinks = _make_sinks(log, prefix)
         self._moments = Moments(precision=precision)
         self._pending: list = []
+        self._batch: Optional[tuple] = None  # a one-batch window kept for _batch_record
         self._window_labels: Optional[bool] = None
         self._active = self._is_window_step(1)
         self._capture: Optional[Capture] = None
@@ -278,6 +279,9 @@ class Monitor:
             self._window_labels = has
         elif self._window_labels != has:
             raise ValueError("Monitor.step got labels on some steps of a window and none on others")
+        if self._batch_path_fits(feats):
+            self._batch = (feats, outs, lk.get("labels"))
+            return
         self._threads.set_for(feats)
         if self._uses_weights():
             self._moments.update(feats, **lk)
@@ -285,6 +289,57 @@ class Monitor:
             if outs is None:
                 raise ValueError(f"the head {type(self._head).__name__} did not return a tensor")
             self._moments.update(feats, outs, **lk)
+
+    def _batch_path_fits(self, feats: Any) -> bool:
+        """A window of one batch with fewer rows than features (every=1 with a
+        training batch of 128 and p = 512): its exact moments come cheaper from
+        the n x n Gram, O(n^2 p), than from the p x p update, O(n p^2)."""
+        n, p = int(feats.shape[0]), int(feats.shape[1])
+        return (self.window == 1 and not self.distributed and 2 <= n < p
+                and self.precision in (None, "fp32", "fp64") and self._moments.n == 0)
+
+    def _batch_record(self) -> Optional[dict]:
+        """DLR and NC1 of the one batch in ``self._batch``, on its device.
+
+        Same numbers as the Moments path (SPEC.md feature-space form), with
+        ||M||_F = ||Xc Xc^T||_F, B = Xc^T Fc, A = Fc^T Fc and, for NC1,
+        v^T M v = ||Xc v||^2. The batch mean is taken in float64 and
+        subtracted before the products, which run in float32 unless every input
+        is float64 (the core's rule). The DLR itself is finished by _finish.
+        tests/test_integration.py checks it against the n x n oracle and the
+        Moments path."""
+        import torch
+
+        feats, outs, labels = self._batch
+        self._batch = None
+        weights = self._uses_weights()
+        all64 = feats.dtype == torch.float64 and (weights or outs is None or outs.dtype == torch.float64)
+        prec = self.precision or ("fp64" if all64 else "fp32")
+        pdt = torch.float64 if prec == "fp64" else torch.float32
+        rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[prec]
+        n = int(feats.shape[0])
+        X = feats.detach().to(torch.float64)
+        Xc64 = X - X.mean(dim=0)
+        Xc = Xc64.to(pdt)
+        norm_m = float(torch.linalg.norm((Xc @ Xc.T).to(torch.float64)))  # the host sync of this emission
+        if weights:
+            Fc = Xc @ self._head.weight.detach().to(feats.device, pdt).T
+        else:
+            F = outs.detach().to(torch.float64)
+            Fc = (F - F.mean(dim=0)).to(pdt)
+        B = (Xc.T @ Fc).to(torch.float64)
+        A = (Fc.T @ Fc).to(torch.float64)
+        dlr = rank = None
+        if norm_m > 0.0:
+            try:
+                a, terms = _finish.Functions(B, (A + A.T) / 2).span(None, rtol)
+                dlr, rank = _finish.dlr_from_span(norm_m, a, terms, rtol)
+            except ValueError:
+                pass  # constant outputs: DLR undefined, reported as None
+        nc1 = None
+        if labels is not None and prec in _finish.NC1_RELIABLE:
+            nc1 = _batch_nc1(Xc64, labels.to(feats.device), rtol)
+        return self._record(n, dlr, rank, nc1, None, "window")
 
     def _uses_weights(self) -> bool:
         """Window mode streams the head's outputs: they are the function at the
@@ -319,6 +374,8 @@ class Monitor:
                 "time": round(time.time() - self._t0, 6)}
 
     def _emit_window(self) -> Optional[dict]:
+        if self._batch is not None:
+            return self._batch_record()
         m = self._moments
         try:
             if self.distributed:
@@ -371,6 +428,7 @@ class Monitor:
             return
         self._closed = True
         self._pending = []
+        self._batch = None
         if self._capture is not None:
             self._capture.remove()
         if self._finder is not None:
@@ -407,3 +465,30 @@ class _PendingCapture:
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+def _batch_nc1(Xc: Any, labels: Any, rtol: float) -> Optional[float]:
+    """NC1 of one batch (SPEC.md, Papyan et al.) from its centered float64
+    features ``Xc`` (n x p): class means of Xc are m_k - mu, and
+    v^T M v = ||Xc v||^2 along the K - 1 directions of Sigma_B."""
+    import torch
+
+    n = Xc.shape[0]
+    k = int(labels.max()) + 1
+    counts = torch.bincount(labels, minlength=k).to(torch.float64)
+    sums = torch.zeros(k, Xc.shape[1], dtype=torch.float64, device=Xc.device).index_add_(0, labels, Xc)
+    present = counts > 0
+    K = int(present.sum())
+    if K < 2:
+        return None
+    D = sums[present] / counts[present, None]
+    _, S, Vt = torch.linalg.svd(D, full_matrices=False)
+    keep = S * S > rtol * S[0] * S[0]
+    if not bool(keep.any()):
+        return None
+    Vt = Vt[keep]
+    sb = S[keep] ** 2 / K
+    XV = Xc @ Vt.T
+    dv = D @ Vt.T
+    vwv = ((XV * XV).sum(dim=0) - (counts[present, None] * dv * dv).sum(dim=0)) / n
+    return max(float((vwv / sb).sum()) / K, 0.0)
