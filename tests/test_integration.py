@@ -558,3 +558,18 @@ def test_monitor_one_batch_windows_match_oracle_and_moments_path(dtype, tol, mon
         assert abs(a["dlr"] - want) < tol and abs(b["dlr"] - want) < tol
         nc = nc1_naive(H, y[s].numpy())
         assert abs(a["nc1"] - nc) < tol * 10 * nc and abs(b["nc1"] - nc) < tol * 10 * nc
+
+
+def test_monitor_ignores_no_grad_forwards_and_counts_eval_mode_training():
+    model, X, y = make(n=96, dtype=torch.float32)
+    model.drop.p = 0.0
+    model.eval()  # e.g. fine-tuning with frozen batch-norm statistics: still training steps
+    with richness.Monitor(model, every=2, window=2, head="fc") as mon:
+        for s in range(2):
+            with torch.no_grad():
+                model(X[:5])  # a validation forward: ignored
+            model(X[s * 48:(s + 1) * 48])
+            mon.step(labels=y[s * 48:(s + 1) * 48])
+    H, F = acts(model, X)
+    assert mon.history[0]["n"] == 96
+    assert abs(mon.history[0]["dlr"] - dlr_naive(H, F)[0]) < 1e-5

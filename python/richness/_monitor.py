@@ -156,7 +156,9 @@ class Monitor:
             global value; every rank must call ``step()`` equally often.
 
     Use as a context manager (hooks removed on exit) and call ``step(labels)``
-    after every optimizer step; ``history`` holds the emitted records
+    after every optimizer step. Window mode captures the head's forwards that
+    run with gradients enabled (training steps, whatever the modules' train/eval
+    mode); forwards under ``torch.no_grad()`` (validation) are ignored. ``history`` holds the emitted records
     ``{step, mode, n, dlr, rank, nc1, effective_dim, time}``.
 
     Example::
@@ -213,7 +215,9 @@ class Monitor:
     # -- hooks ----------------------------------------------------------------
 
     def _hook_active(self) -> bool:
-        return self._active and self.model.training
+        import torch
+
+        return self._active and torch.is_grad_enabled()
 
     def _is_window_step(self, j: int) -> bool:
         return (j - 1) % self.every >= self.every - self.window
@@ -455,9 +459,15 @@ class Monitor:
         return f"Monitor(head={self._head_name!r}, every={self.every}, {mode}, steps={self.steps})"
 
 
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
 class _PendingCapture:
-    """Training-mode forward hook on the head: queues (features, outputs) of
-    window steps until ``Monitor.step`` consumes them."""
+    """Forward hook on the head: queues (features, outputs) of the training
+    forwards of window steps until ``Monitor.step`` consumes them."""
 
     def __init__(self, module: Any, mon: Monitor) -> None:
         self.mon = mon
@@ -465,7 +475,8 @@ class _PendingCapture:
 
     def _hook(self, mod, args, out) -> None:
         mon = self.mon
-        if mon._active and mon.model.training and args:
+        # training forwards run with gradients; validation under no_grad is skipped
+        if mon._active and args and _grad_enabled():
             mon._pending.append((args[0].detach(), out.detach() if hasattr(out, "detach") else out))
 
     def remove(self) -> None:
