@@ -28,12 +28,29 @@ after imports. GPU rows are not measured here (benchmarks/gpu_check.py).
 
 from __future__ import annotations
 
+import os
+import sys
+
+
+def _threads_from_argv(default: int = 1) -> int:
+    # Before numpy, torch or richness load their BLAS: thread counts are read at load time.
+    for i, a in enumerate(sys.argv):
+        if a == "--threads" and i + 1 < len(sys.argv):
+            return int(sys.argv[i + 1])
+        if a.startswith("--threads="):
+            return int(a.split("=", 1)[1])
+    return default
+
+
+THREADS = _threads_from_argv()
+if THREADS > 0:  # workers inherit the environment
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_var] = str(THREADS)
+
 import argparse
 import importlib
 import json
-import os
 import subprocess
-import sys
 import time
 import types
 import warnings
@@ -97,8 +114,9 @@ def run_stream_method(method: str, meta: dict, n: int, batch: int = BATCH) -> di
             for x, _ in stream:
                 m.update(x)
         t1 = time.perf_counter()
+        hwm = proc_status_mb("VmHWM")
         d = (m.compute() if method == "richness" else m.compute(head=(W, b))).dlr
-        return {"stream_s": t1 - t0, "finish_s": time.perf_counter() - t1, "dlr": d}
+        return {"stream_s": t1 - t0, "finish_s": time.perf_counter() - t1, "dlr": d, "hwm_stream_mb": hwm}
     if method.startswith("torch"):
         import torch
 
@@ -118,11 +136,12 @@ def run_stream_method(method: str, meta: dict, n: int, batch: int = BATCH) -> di
                 sf += ft.sum(0)
             rows += x.shape[0]
         t1 = time.perf_counter()
+        hwm = proc_status_mb("VmHWM")
         if method == "torch":
             d = dlr_from_raw_sums(rows, sx.numpy(), sf.numpy(), S.numpy(), XF.numpy(), FF.numpy())
         else:
             d = dlr_head_from_raw_sums(rows, sx.numpy(), S.numpy(), W)
-        return {"stream_s": t1 - t0, "finish_s": time.perf_counter() - t1, "dlr": d}
+        return {"stream_s": t1 - t0, "finish_s": time.perf_counter() - t1, "dlr": d, "hwm_stream_mb": hwm}
     if method == "numpy":
         S, XF, FF = np.zeros((p, p), np.float32), np.zeros((p, c), np.float32), np.zeros((c, c), np.float32)
         sx, sf = np.zeros(p, np.float32), np.zeros(c, np.float32)
@@ -136,8 +155,9 @@ def run_stream_method(method: str, meta: dict, n: int, batch: int = BATCH) -> di
             sf += f.sum(0)
             rows += x.shape[0]
         t1 = time.perf_counter()
+        hwm = proc_status_mb("VmHWM")
         d = dlr_from_raw_sums(rows, sx, sf, S, XF, FF)
-        return {"stream_s": t1 - t0, "finish_s": time.perf_counter() - t1, "dlr": d}
+        return {"stream_s": t1 - t0, "finish_s": time.perf_counter() - t1, "dlr": d, "hwm_stream_mb": hwm}
     raise ValueError(method)
 
 
@@ -281,12 +301,15 @@ def _worker(spec: dict) -> dict:
     out["base_mb"] = base
     out["peak_mb"] = proc_status_mb("VmHWM")
     out["peak_above_base_mb"] = out["peak_mb"] - base
+    if "hwm_stream_mb" in out:
+        out["peak_stream_above_base_mb"] = out["hwm_stream_mb"] - base
     return out
 
 
 def in_subprocess(spec: dict, timeout: float = 600) -> dict:
     try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--threads", str(THREADS),
+                            "--worker", json.dumps(spec)],
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {timeout:.0f} s"}
@@ -308,12 +331,15 @@ def _dataset(data_dir: str, name: str, n: int, p: int, c: int, seed: int) -> dic
     return meta
 
 
-def _reference(meta: dict, n: int, cache: dict) -> float:
+def _reference(meta: dict, n: int, cache: dict) -> dict:
+    """Exact float64 DLR of the first n rows, with the cut of float64 products
+    (1e-10) and with the cut the float32 methods use (1e-5, SPEC.md): where an
+    eigenvalue of A lies between the two, the cut changes the answer itself."""
     key = f"{meta['x']}:{n}"
     if key not in cache:
         st = Stream(meta["x"], meta["f"], meta["n"], meta["p"], meta["c"], n, 16384)
         nn, M, B, A = exact_comoments(iter(st))
-        cache[key] = dlr_from_comoments(M, B, A)
+        cache[key] = {"1e-10": dlr_from_comoments(M, B, A, 1e-10), "1e-5": dlr_from_comoments(M, B, A, 1e-5)}
     return cache[key]
 
 
@@ -333,8 +359,12 @@ def _sweep(label, cases, methods, repeats, ref_cache):
             row = {label: value, "n": n, "p": meta["p"], "C": meta["c"], "method": m, "repeats": repeats,
                    "stream_s": median([r["stream_s"] for r in runs]),
                    "finish_s": median([r["finish_s"] for r in runs]),
-                   "dlr": runs[-1]["dlr"], "dlr_ref_fp64": ref, "abs_err": abs(runs[-1]["dlr"] - ref),
+                   "dlr": runs[-1]["dlr"], "dlr_ref_fp64": ref["1e-10"], "dlr_ref_fp64_rtol_1e-5": ref["1e-5"],
+                   # each method against the exact answer at its own cut (naive: an SVD at 1e-10)
+                   "abs_err": abs(runs[-1]["dlr"] - ref["1e-10" if m == "naive" else "1e-5"]),
+                   "abs_err_vs_rtol_1e-10": abs(runs[-1]["dlr"] - ref["1e-10"]),
                    "peak_above_base_mb": mem.get("peak_above_base_mb"), "peak_mb": mem.get("peak_mb"),
+                   "peak_stream_above_base_mb": mem.get("peak_stream_above_base_mb"),
                    "base_mb": mem.get("base_mb"), "mem_error": mem.get("error")}
             row["total_s"] = row["stream_s"] + row["finish_s"]
             rows.append(row)
@@ -678,6 +708,70 @@ def _f(x, spec=".3f"):
     return "-" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, spec)
 
 
+def headlines(res: dict) -> list:
+    """The few ratios the README quotes, read from the results (nothing typed in by hand)."""
+    H = []
+    sc = res.get("scaling") or {}
+    rows = sc.get("n") or []
+    if rows:
+        nmax = max(r["n"] for r in rows)
+        at = {r["method"]: r for r in rows if r["n"] == nmax}
+        if {"richness", "torch", "numpy"} <= set(at):
+            o = at["richness"]
+            H.append(f"Streaming n = {nmax:,} memory-mapped samples (p = {o['p']}, C = {o['C']}): richness "
+                     f"{o['total_s']:.2f} s, torch addmm_ loop {at['torch']['total_s'] / o['total_s']:.2f}x that, "
+                     f"NumPy loop {at['numpy']['total_s'] / o['total_s']:.2f}x; head mode "
+                     f"{at['richness_head']['total_s']:.2f} s against {at['torch_head']['total_s']:.2f} s for a "
+                     f"torch loop over X^T X alone. DLR error {o['abs_err']:.0e} (torch loop, float32 raw sums: "
+                     f"{at['torch']['abs_err']:.0e}).")
+        ours = [r for r in rows if r["method"] == "richness"]
+        naive = [r for r in rows if r["method"] == "naive"]
+        if ours and naive:
+            a, b = min(ours, key=lambda r: r["n"]), max(ours, key=lambda r: r["n"])
+            nv = max(naive, key=lambda r: r["n"])
+            same = next((r for r in ours if r["n"] == nv["n"]), None)
+            H.append(f"Peak memory does not grow with n: {_f(a['peak_above_base_mb'], '.0f')} MB at n = {a['n']:,}, "
+                     f"{_f(b['peak_above_base_mb'], '.0f')} MB at n = {b['n']:,} (above the process after imports). "
+                     f"The n x n formula needs {_f(nv['peak_above_base_mb'], '.0f')} MB and {nv['total_s']:.1f} s at "
+                     f"n = {nv['n']:,}" + (f", where richness takes {same['total_s'] * 1e3:.0f} ms." if same else "."))
+    h = res.get("h2h")
+    if h:
+        ours = [r for r in h["rows"] if r["method"] == "richness"]
+        mini = [r for r in h["rows"] if r["method"] not in ("richness", "ckatorch_base")]
+        base = [r for r in h["rows"] if r["method"] == "ckatorch_base"]
+        if ours and mini:
+            full = [r for r in mini if r["batch"] == h["n"]]
+            H.append(f"CKA libraries (n = {h['n']}, p = {h['p']}, C = {h['C']}): the minibatch estimators are off "
+                     f"by {min(r['abs_err'] for r in mini):.0e} to {max(r['abs_err'] for r in mini):.0e} and move "
+                     f"with the batch size ({min(r['batch'] for r in mini)} to {h['n']}); richness is within "
+                     f"{max(r['abs_err'] for r in ours):.0e} at every batch size, at "
+                     f"{max(r['peak_above_base_mb'] or 0 for r in ours):.0f} MB or less"
+                     + (f" (whole-set batches: {min(r['peak_above_base_mb'] or 0 for r in full):.0f} to "
+                        f"{max(r['peak_above_base_mb'] or 0 for r in full):.0f} MB, "
+                        f"{min(r['time_s'] for r in full):.2f} to {max(r['time_s'] for r in full):.1f} s)" if full else "")
+                     + (f". ckatorch.cka_base (full n x n, float64) gets it right ({base[0]['abs_err']:.0e}) with "
+                        f"{_f(base[0]['peak_above_base_mb'], '.0f')} MB and {base[0]['time_s']:.1f} s"
+                        f" (richness: {ours[-1]['time_s'] * 1e3:.0f} ms)." if base else "."))
+    pr = res.get("precision")
+    if pr:
+        get = {(r["data"], r["mode"]): r for r in pr["rows"]}
+        a = get.get(("mean 0.5, spread 1", "fp32 (float32 inputs)"))
+        b = get.get(("mean 1e4, spread 1e-2", "fp32 (float32 inputs)"))
+        t = get.get(("mean 1e4, spread 1e-2", "torch addmm_ loop, float32 raw sums"))
+        if a and b and t:
+            H.append(f"Precision: fp32 products give DLR to {a['abs_err_vs_fp64_data']:.0e} at "
+                     f"{a['speed_vs_fp64']:.1f}x the speed of fp64; on features with a mean of 1e4 and a spread of "
+                     f"1e-2, {b['abs_err_vs_rounded_inputs']:.0e} against the exact answer for the same float32 "
+                     f"inputs, where the float32 raw-sum loop is off by {t['abs_err_vs_rounded_inputs']:.2f}.")
+    fi = res.get("finish")
+    if fi:
+        big = max(fi["rows"], key=lambda r: r["p"])
+        H.append(f"Finishing at p = {big['p']}, C = {big['C']}: DLR alone {big['dlr_only_head_s'] * 1e3:.0f} ms "
+                 f"(head) / {big['dlr_only_streamed_s'] * 1e3:.0f} ms (streamed); the full report "
+                 f"{big['report_head_s']:.1f} s (its p x p eigendecomposition).")
+    return H
+
+
 def markdown(res: dict, md_path: str, results_dir: str) -> str:
     rel = os.path.relpath(results_dir, os.path.dirname(md_path))
     L = ["## Benchmarks: scaling, head-to-head with CKA libraries, precision, finishing", "",
@@ -685,8 +779,14 @@ def markdown(res: dict, md_path: str, results_dir: str) -> str:
          f"({res['wall_s'] / 60:.1f} min). Data: `{rel}/compare.json`; plots beside it.", "",
          "The machine's 2 cores were shared with other jobs, so absolute times are noisy: ratios come from "
          "the same run, with the methods interleaved in rounds and the median of "
-         f"{res['repeats']} rounds reported. Peak memory is VmHWM of a fresh subprocess per case, above that "
-         "process's resident size after its imports (numpy, plus torch or richness as the method needs).", ""]
+         f"{res['repeats']} rounds reported. "
+         + (f"Every library ran with {res['threads']} BLAS/OpenMP thread(s) (`--threads`; 0 = library defaults): "
+            "on the oversubscribed cores, 2-thread BLAS made the same compute() (p = 256) take 0.16 to 2.6 s "
+            "from call to call, against 0.03 to 0.06 s single-threaded. " if res.get("threads") else
+            "Libraries ran with their default thread counts. ")
+         + "Peak memory is VmHWM of a fresh subprocess per case, above that "
+         "process's resident size after its imports (numpy, plus torch or richness as the method needs).", "",
+         "Headlines (CPU, this run):", ""] + [f"- {h}" for h in headlines(res)] + [""]
     sc = res.get("scaling")
     if sc:
         for label, title in (("n", "n"), ("p", "p"), ("C", "C")):
@@ -704,19 +804,37 @@ def markdown(res: dict, md_path: str, results_dir: str) -> str:
                       "float64 DLR from their raw sums). Naive = the n x n formula in float64, while n <= "
                       f"{NAIVE_MAX_N}.", ""]
             vals = sorted({r[label] for r in rows})
-            L += [f"| {label} | method | stream (s) | finish (s) | total vs richness | peak above base (MB) | "
-                  "abs DLR error vs float64 |", "|---|---|---|---|---|---|---|"]
+            L += [f"| {label} | method | stream (s) | finish (s) | stream vs richness | total vs richness | "
+                  "peak above base, streaming / with finish (MB) | abs DLR error vs float64 |",
+                  "|---|---|---|---|---|---|---|---|"]
             for v in vals:
                 rr = [r for r in rows if r[label] == v]
                 ours = {r["method"]: r for r in rr}
                 for r in rr:
                     twin = ours.get("richness_head" if r["method"].endswith("_head") else "richness")
                     ratio = r["total_s"] / twin["total_s"] if twin else None
+                    sratio = r["stream_s"] / twin["stream_s"] if twin and r["method"] != "naive" else None
                     L.append(f"| {v:,} | {r['method']} | {_f(r['stream_s'])} | {_f(r['finish_s'])} | "
-                             f"{_f(ratio, '.2f')}x | {_f(r['peak_above_base_mb'], '.1f')} | {r['abs_err']:.1e} |")
+                             f"{_f(sratio, '.2f')}x | {_f(ratio, '.2f')}x | {_f(r.get('peak_stream_above_base_mb'), '.1f')} / "
+                             f"{_f(r['peak_above_base_mb'], '.1f')} | {r['abs_err']:.1e} |")
             L += ["", f"![scaling with {label}]({rel}/scaling_{label}.png)", ""]
-        L += ["\"total vs richness\" compares each method with its richness twin: `torch_head` with "
-              "`richness_head` (features only), the others with `richness` (streamed outputs).", ""]
+        big = [r for r in sc.get("C", []) + sc.get("p", []) + sc.get("n", [])
+               if abs(r["dlr_ref_fp64"] - r.get("dlr_ref_fp64_rtol_1e-5", r["dlr_ref_fp64"])) > 1e-6]
+        if big:
+            L += ["Errors are against the exact float64 DLR at the method's own eigenvalue cut (1e-5 for float32 "
+                  "products, 1e-10 for the float64 naive formula). " + "; ".join(
+                      f"At {r['n']:,} x {r['p']} with C = {r['C']} the cut itself moves the exact answer: "
+                      f"{r['dlr_ref_fp64']:.6f} at 1e-10, {r['dlr_ref_fp64_rtol_1e-5']:.6f} at 1e-5"
+                      for r in big if r["method"] == "richness") + " (A has eigenvalues between the two cuts; "
+                  "richness reports this in `Report.warnings` and `dlr_rtol_range`).", ""]
+        L += ["\"vs richness\" divides each method's time by its richness twin's (above 1: richness is faster): "
+              "`torch_head` by `richness_head` (features only), the others by `richness` (streamed outputs). "
+              "richness finishes with `compute()`, the full report, whose p x p eigendecomposition dominates the "
+              "total at large p and small n; the loops finish DLR alone (see the finishing section for DLR alone "
+              "in richness). Memory: richness keeps its state in float64 and centers each batch in a copy before "
+              "the product (SPEC.md), so its streaming peak is about twice the float32 loops' at large p, and "
+              "`compute()` adds p x p float64 work arrays. Every streaming peak includes the resident pages of "
+              "the current memory-mapped batch (b x p x 4 bytes).", ""]
     h = res.get("h2h")
     if h:
         idt = h["identity"]
@@ -779,8 +897,16 @@ def main() -> int:
                     help="where the generated memory-mapped files go (about 3 GB)")
     ap.add_argument("--out", default=None, help="default benchmarks/results (with --quick: DATA/quick)")
     ap.add_argument("--md", default=None, help="default benchmarks/RESULTS_COMPARE.md (with --quick: in --out)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="BLAS/OpenMP threads of every library (0: their defaults). 1 by default: on cores shared "
+                         "with other jobs, multithreaded BLAS made compute() times swing 10-50x")
+    ap.add_argument("--md-only", action="store_true", help="redraw plots and markdown from the saved JSON")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if THREADS > 0:
+        import torch
+
+        torch.set_num_threads(THREADS)
     if args.worker is not None:
         print("RESULT " + json.dumps(_worker(json.loads(args.worker))), flush=True)
         return 0
@@ -790,6 +916,13 @@ def main() -> int:
         args.md = os.path.join(args.out, "RESULTS_COMPARE.md") if args.quick else os.path.join(HERE, "RESULTS_COMPARE.md")
     os.makedirs(args.data, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
+    if args.md_only:
+        with open(os.path.join(args.out, "compare.json")) as fh:
+            res = json.load(fh)
+        made = plots(res, args.out)
+        markdown(res, args.md, args.out)
+        log(f"wrote {args.md}, " + ", ".join(made))
+        return 0
     t_start = time.perf_counter()
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     json_path = os.path.join(args.out, "compare.json")
@@ -798,9 +931,10 @@ def main() -> int:
         with open(json_path) as fh:  # a partial rerun keeps the other sections
             res = json.load(fh)
     res.update({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
-                "repeats": args.repeats, "quick": args.quick,
+                "repeats": args.repeats, "quick": args.quick, "threads": args.threads,
                 "command": "python benchmarks/compare.py" + (" --quick" if args.quick else "")
-                + ("" if args.only == ap.get_default("only") else f" --only {args.only}")})
+                + ("" if args.only == ap.get_default("only") else f" --only {args.only}")
+                + ("" if args.threads == 1 else f" --threads {args.threads}")})
     ref_cache = {}
     log(f"machine: {res['machine']}")
     for name in sections:
