@@ -69,8 +69,8 @@ def dlr_head_from_raw_sums(n: int, sx, S, W, rtol: float = 1e-5) -> float:
     return dlr_from_comoments(M, B, W @ B, rtol)
 
 
-def exact_comoments(batches: Iterator[Tuple[np.ndarray, Optional[np.ndarray]]]) -> Tuple[int, np.ndarray, ...]:
-    """float64 co-moments (n, M, B, A) of a stream, exact to float64 rounding:
+def exact_comoments(batches) -> Tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """float64 co-moments (n, M, B, A) of a stream of (x, f) batches, exact to float64 rounding:
     batch-centered float64 products merged with Chan's formula (a two-pass
     result without holding the data; tests check this form against the n x n oracle)."""
     n = 0

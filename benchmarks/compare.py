@@ -850,7 +850,15 @@ def markdown(res: dict, md_path: str, results_dir: str) -> str:
         for r in h["rows"]:
             L.append(f"| {r['what']} | {r['batch']:,} | {r['cka']:.6f} | {r['abs_err']:.1e} | {_f(r['time_s'])} | "
                      f"{_f(r['peak_above_base_mb'], '.1f')} |")
-        L += ["", f"Exact CKA = {1 - idt['dlr_exact_comoments_fp64']:.10f}. The minibatch libraries are called "
+        L += ["", "Why the libraries differ: the minibatch ones sum or average an unbiased HSIC estimator (HSIC_1, "
+              "Nguyen et al. 2020) over batches. That is a different quantity from the plug-in CKA that defines "
+              "DLR, and its value depends on the batch size; even one batch of all n samples gives the unbiased "
+              "estimate, not 1 - DLR. cka-pytorch also adds its epsilon (1e-4) to the product of the self-HSICs "
+              "before the square root, which matters when HSIC values are small (here the Gram of Q has entries "
+              "of order C/n). Their time and memory grow with the batch: b x b Gram matrices, and a b x b x b "
+              "product in hsic1 and _HSIC. ckatorch.cka_base computes the plug-in CKA exactly, with n x n float64 "
+              "matrices.", "",
+              f"Exact CKA = {1 - idt['dlr_exact_comoments_fp64']:.10f}. The minibatch libraries are called "
               "through their estimator functions (hsic, hsic1, _HSIC, cka_batch) with the accumulation their "
               "classes do, without their model-hook machinery; batches that do not divide n are dropped as "
               "cka_batch requires.", "", f"![head-to-head]({rel}/h2h.png)", ""]
