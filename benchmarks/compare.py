@@ -620,11 +620,17 @@ def plots(res: dict, out_dir: str) -> list:
                 if not rr:
                     continue
                 xs = [r[label] for r in rr]
-                axes[0].plot(xs, [r["total_s"] for r in rr], "o-", label=m)
+                line, = axes[0].plot(xs, [r["stream_s"] for r in rr], "o-", label=m)
+                if m != "naive":
+                    axes[0].plot(xs, [r["total_s"] for r in rr], "x--", color=line.get_color(), alpha=0.6)
                 axes[1].plot(xs, [r["peak_above_base_mb"] or np.nan for r in rr], "o-", label=m)
-            for ax, yl in zip(axes, ("time, stream + finish (s)", "peak memory above baseline (MB)")):
+            values = sorted({r[label] for r in rows})
+            for ax, yl in zip(axes, ("time (s): stream (solid), stream + finish (dashed)",
+                                     "peak memory above baseline (MB)")):
                 ax.set_xscale("log")
                 ax.set_yscale("log")
+                ax.set_xticks(values, [f"{v:,}" for v in values], fontsize=7)
+                ax.minorticks_off()
                 ax.set_xlabel(label)
                 ax.set_ylabel(yl)
                 ax.grid(True, which="both", alpha=0.3)
