@@ -881,7 +881,8 @@ def markdown(res: dict, md_path: str, results_dir: str) -> str:
             L.append(f"| {r['data']} | {r['mode']} | {r['dlr']:.6f} | {r['abs_err_vs_fp64_data']:.1e} | "
                      f"{r['abs_err_vs_rounded_inputs']:.1e} | {_f(r['stream_s'])} | {r['speed_vs_fp64']:.2f}x |")
         L += ["", "GPU rows (tf32 and bf16 products, CUDA fp32/fp64): **not measured here** (this machine has no "
-              "GPU); they come from `benchmarks/gpu_check.py` runs on an H200.", "",
+              "GPU). They come from `benchmarks/gpu_check.py` runs on an H200; `benchmarks/RESULTS_GPU.md` says "
+              "whether that has happened (on the date of this run it had not, so there are no GPU rows).", "",
               f"![precision]({rel}/precision.png)", ""]
     fi = res.get("finish")
     if fi:
