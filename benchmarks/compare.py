@@ -837,8 +837,10 @@ def markdown(res: dict, md_path: str, results_dir: str) -> str:
               "`torch_head` by `richness_head` (features only), the others by `richness` (streamed outputs). "
               "richness finishes with `compute()`, the full report, whose p x p eigendecomposition dominates the "
               "total at large p and small n; the loops finish DLR alone (see the finishing section for DLR alone "
-              "in richness). Memory: richness keeps its state in float64 and centers each batch in a copy before "
-              "the product (SPEC.md), so its streaming peak is about twice the float32 loops' at large p, and "
+              "in richness). Memory: richness keeps its state in float64, centers each batch in a copy before "
+              "the product (SPEC.md) and forms the product in a scratch p x p buffer before adding it (so that a "
+              "rejected batch leaves the state as it was), so its streaming peak is about twice the float32 "
+              "loops' at large p, and "
               "`compute()` adds p x p float64 work arrays. Every streaming peak includes the resident pages of "
               "the current memory-mapped batch (b x p x 4 bytes).", ""]
     h = res.get("h2h")
