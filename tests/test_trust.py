@@ -196,3 +196,23 @@ def test_many_outputs_in_bounded_memory():
     assert peak < 400e6
     assert r.rank == p and 0.0 <= r.dlr < 0.05
     assert r.utilization[-1] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_dlr_alone_without_spectrum_equals_full_report():
+    rng = np.random.default_rng(9)
+    X = rng.normal(size=(1500, 30)) @ rng.normal(size=(30, 30))
+    F = X @ rng.normal(size=(30, 5))
+    y = rng.integers(0, 4, 1500)
+    m = richness.Moments()
+    m.update(X, F, labels=y)
+    full = m.compute()
+    alone = m.compute(spectrum=False)
+    want, r = dlr_naive(X, F)
+    assert abs(alone.dlr - want) < 1e-10 and alone.rank == r
+    assert alone.dlr == full.dlr and alone.nc1 == full.nc1 and alone.dlr_rtol_range == full.dlr_rtol_range
+    assert alone.eigenvalues is None and alone.utilization is None and alone.effective_dim is None
+    assert "n/a" in str(alone)
+    test = richness.Moments()
+    test.update(X[:100], F[:100], labels=y[:100])
+    with pytest.raises(ValueError, match="need the spectrum"):
+        m.compute(test=test, spectrum=False)

@@ -235,8 +235,11 @@ def nc1(st: dict, rtol: float) -> Optional[float]:
 
 
 def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = None,
-           rtol: Optional[float] = None, centered: bool = True) -> Report:
-    """The full report from a state dict (as ``Moments.state_dict()`` returns)."""
+           rtol: Optional[float] = None, centered: bool = True, spectrum: bool = True) -> Report:
+    """The report from a state dict (as ``Moments.state_dict()`` returns).
+    ``spectrum=False`` skips the p x p eigendecomposition and everything built
+    on it (eigenvalues, curves, held-out curves): DLR, its rank-cut range, the
+    finite-sample reference and NC1 remain. O(p^2 C) instead of O(p^3)."""
     n, p = int(st["n"]), int(st["p"])
     if n == 0:
         raise ValueError("compute() on an empty Moments: no samples were added")
@@ -247,6 +250,8 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
         rtol = DEFAULT_RTOL[precision]
     if not (isinstance(rtol, (int, float)) and 0.0 < rtol < 1.0):
         raise ValueError(f"rtol must be a number in (0, 1), got {rtol!r}")
+    if test is not None and not spectrum:
+        raise ValueError("held-out curves (test=) need the spectrum: drop spectrum=False")
     M = st["M"]
     xp = _ns(M)
     if xp is not np:  # CUDA state: head and held-out state join it on the device
@@ -275,43 +280,45 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
                 f"a logit eigenvalue lies within a decade of the rank cut (rtol={rtol:g}): DLR moves "
                 f"from {dlr_range[0]:.4f} to {dlr_range[1]:.4f} over rtol x 0.1 .. x 10; see logit_eigenvalues")
 
-    # Spectrum of Sigma = M / n (or the uncentered operator, the paper's v1).
-    S = M if centered else M + n * xp.outer(st["mean"], st["mean"])
-    lam, V = _eigh_desc(S)
-    if not lam[0] > 0.0:
-        raise ValueError("features are constant (zero covariance): the spectrum is undefined")
-    rho = lam / n
-    r_phi = int(xp.count_nonzero(lam > rtol * lam[0]))
-    Vk, lk = V[:, :r_phi], lam[:r_phi]
-    q = rho[rho > 0] / rho.sum()
-    effective_dim = float(xp.exp(-xp.sum(q * xp.log(q))))
-
-    def train_curve(g):
-        return None if g is None else _curve(g.proj_sq(Vk) / lk, g.trace(), p)
-
-    task = task_moments(st)
-    quality = train_curve(task)
-    utilization = train_curve(fn)
-
+    rho = quality = utilization = effective_dim = r_phi = None
     test_quality = test_utilization = test_norms = None
-    if test is not None:
-        nt = int(test["n"])
-        if nt < 2:  # first: an empty test state has no width (p = -1) to compare
-            raise ValueError(f"the test state needs at least 2 samples, got n = {nt}")
-        if int(test["p"]) != p:
-            raise ValueError(f"test state has {test['p']} features, the training state {p}")
+    if spectrum:
+        # Spectrum of Sigma = M / n (or the uncentered operator, the paper's v1).
+        S = M if centered else M + n * xp.outer(st["mean"], st["mean"])
+        lam, V = _eigh_desc(S)
+        if not lam[0] > 0.0:
+            raise ValueError("features are constant (zero covariance): the spectrum is undefined")
+        rho = lam / n
+        r_phi = int(xp.count_nonzero(lam > rtol * lam[0]))
+        Vk, lk = V[:, :r_phi], lam[:r_phi]
+        q = rho[rho > 0] / rho.sum()
+        effective_dim = float(xp.exp(-xp.sum(q * xp.log(q))))
 
-        def test_curve(g):
-            # <e_k, g_j>_test = v_k^T B_test[:, j] / (n_test sqrt(rho_k)), rho_k from training.
-            return None if g is None else _curve(g.proj_sq(Vk) / (rho[:r_phi] * nt), g.trace(), p)
+        def train_curve(g):
+            return None if g is None else _curve(g.proj_sq(Vk) / lk, g.trace(), p)
 
-        test_quality = test_curve(task_moments(test))
-        test_utilization = test_curve(function_moments(test, W))
-        shift = test["mean"] - (st["mean"] if centered else 0.0)
-        second = test["M"] / nt + xp.outer(shift, shift)
-        norms = xp.einsum("ij,ij->j", second @ Vk, Vk) / rho[:r_phi]
-        test_norms = xp.zeros(p)
-        test_norms[:r_phi] = norms
+        task = task_moments(st)
+        quality = train_curve(task)
+        utilization = train_curve(fn)
+
+        if test is not None:
+            nt = int(test["n"])
+            if nt < 2:  # first: an empty test state has no width (p = -1) to compare
+                raise ValueError(f"the test state needs at least 2 samples, got n = {nt}")
+            if int(test["p"]) != p:
+                raise ValueError(f"test state has {test['p']} features, the training state {p}")
+
+            def test_curve(g):
+                # <e_k, g_j>_test = v_k^T B_test[:, j] / (n_test sqrt(rho_k)), rho_k from training.
+                return None if g is None else _curve(g.proj_sq(Vk) / (rho[:r_phi] * nt), g.trace(), p)
+
+            test_quality = test_curve(task_moments(test))
+            test_utilization = test_curve(function_moments(test, W))
+            shift = test["mean"] - (st["mean"] if centered else 0.0)
+            second = test["M"] / nt + xp.outer(shift, shift)
+            norms = xp.einsum("ij,ij->j", second @ Vk, Vk) / rho[:r_phi]
+            test_norms = xp.zeros(p)
+            test_norms[:r_phi] = norms
 
     nc1_value = None
     if st["k"] > 0:
@@ -334,7 +341,8 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
 
     return Report(
         dlr=dlr, rank=rank, logit_eigenvalues=_host(logit_eig), n=n, nc1=nc1_value,
-        eigenvalues=_host(rho), relative_eigenvalues=_host(rho / rho[0]), effective_dim=effective_dim,
+        eigenvalues=_host(rho), relative_eigenvalues=None if rho is None else _host(rho / rho[0]),
+        effective_dim=effective_dim,
         quality=_host(quality), utilization=_host(utilization), test_quality=_host(test_quality),
         test_utilization=_host(test_utilization), test_eigenfunction_norms=_host(test_norms),
         feature_rank=r_phi, rtol=float(rtol), precision=precision, centered=centered,

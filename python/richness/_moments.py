@@ -206,7 +206,7 @@ class Moments:
     # -- finishing ------------------------------------------------------------
 
     def compute(self, *, head: Any = None, test: Optional["Moments"] = None, rtol: Optional[float] = None,
-                centered: bool = True, uncertainty: bool = False) -> Report:
+                centered: bool = True, uncertainty: bool = False, spectrum: bool = True) -> Report:
         """Finish a ``Report`` (float64); the state is not modified.
 
         Args:
@@ -218,6 +218,9 @@ class Moments:
             rtol: eigenvalue cut; default by product precision (SPEC.md).
             centered: spectrum of the centered operator (default) or the
                 paper's v1 uncentered one.
+            spectrum: False skips the p x p eigendecomposition and what rests
+                on it (eigenvalues, curves): DLR alone costs O(p^2 C), the
+                full report O(p^3). For monitoring at large p.
             uncertainty: add ``dlr_stderr``, ``dlr_interval`` (95%) and the
                 bias-corrected ``dlr_jackknife`` from a delete-one-group
                 jackknife; needs ``Moments(groups=k)``.
@@ -230,7 +233,8 @@ class Moments:
             test_state = test.state_dict()
         if uncertainty and self._groups is None:
             raise ValueError("uncertainty=True needs the samples kept in groups: use Moments(groups=k), k >= 2")
-        report = _finish.finish(self._finish_state(), W=W, test=test_state, rtol=rtol, centered=centered)
+        report = _finish.finish(self._finish_state(), W=W, test=test_state, rtol=rtol, centered=centered,
+                                spectrum=spectrum)
         if uncertainty:
             if report.dlr is None:
                 raise ValueError("uncertainty needs outputs or a head: DLR is undefined without them")

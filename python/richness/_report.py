@@ -20,7 +20,8 @@ class Report:
     nc1: neural-collapse NC1 = tr(Sigma_W Sigma_B^+) / K; None without labels
         or at precisions that cannot resolve it (see ``warnings``).
     eigenvalues: rho_k of Sigma = M / n, descending (all p; the curves use the
-        ``feature_rank`` above the cut).
+        ``feature_rank`` above the cut). The spectrum fields and curves are
+        None with ``compute(spectrum=False)``.
     relative_eigenvalues: rho_k / rho_1.
     effective_dim: exp(-sum q_k log q_k), q_k = rho_k / sum rho.
     quality: cumulative quality Pi*(k), k = 1..p (targets or one-hot labels).
@@ -49,15 +50,15 @@ class Report:
     logit_eigenvalues: Optional[np.ndarray]
     n: int
     nc1: Optional[float]
-    eigenvalues: np.ndarray
-    relative_eigenvalues: np.ndarray
-    effective_dim: float
+    eigenvalues: Optional[np.ndarray]
+    relative_eigenvalues: Optional[np.ndarray]
+    effective_dim: Optional[float]
     quality: Optional[np.ndarray] = None
     utilization: Optional[np.ndarray] = None
     test_quality: Optional[np.ndarray] = None
     test_utilization: Optional[np.ndarray] = None
     test_eigenfunction_norms: Optional[np.ndarray] = None
-    feature_rank: int = 0
+    feature_rank: Optional[int] = None
     rtol: float = 0.0
     precision: str = "fp64"
     centered: bool = True
@@ -89,7 +90,7 @@ class Report:
             return "n/a" if v is None else f"{v:.4f}"
 
         lines = [f"DLR {fmt(self.dlr)}  (0 = rich, 1 = lazy)   rank {self.rank}   n {self.n}",
-                 f"NC1 {fmt(self.nc1)}   effective dim {self.effective_dim:.1f}   "
+                 f"NC1 {fmt(self.nc1)}   effective dim {fmt(self.effective_dim)}   "
                  f"feature rank {self.feature_rank}   precision {self.precision}   rtol {self.rtol:g}"]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
