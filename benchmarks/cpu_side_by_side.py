@@ -23,6 +23,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import dlr_from_comoments  # noqa: E402
+
 
 def make_data(n_buffers: int, batch: int, p: int, c: int, seed: int = 0):
     """Rotating float32 buffers: correlated features with a nonzero mean, a linear head."""
@@ -77,13 +80,7 @@ def reference_dlr(X, F, steps: int) -> float:
     Fs = np.concatenate([F[i % len(F)] for i in range(steps)]).astype(np.float64)
     Xc = Xs - Xs.mean(0)
     Fc = Fs - Fs.mean(0)
-    M = Xc.T @ Xc
-    B = Xc.T @ Fc
-    A = Fc.T @ Fc
-    a, U = np.linalg.eigh(A)
-    keep = a > 1e-10 * a.max()
-    BU = B @ U[:, keep]
-    return 1.0 - np.sum(BU**2 / a[keep]) / (np.linalg.norm(M) * np.sqrt(keep.sum()))
+    return dlr_from_comoments(Xc.T @ Xc, Xc.T @ Fc, Fc.T @ Fc)
 
 
 def peak_rss_mb(n: int, p: int, c: int, batch: int) -> float:
