@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <atomic>
 #include <thread>
 
 #include <cblas.h>
@@ -129,13 +130,10 @@ void for_each_row(const Matrix& m, Fn&& fn) {
   for_each_row(m, 0, m.rows, fn);
 }
 
-// Splits rows over the BLAS thread count for the memory-bound passes (means,
-// centering): on 2 cores they were a quarter of a fp32 update's time. The
-// split depends only on the thread count, so results are reproducible.
+// Runs fn(w, r0, r1) on `workers` threads over contiguous row ranges. The
+// split depends only on the worker count, so results are reproducible.
 template <typename Fn>
-void parallel_rows(int64_t rows, int64_t cols, Fn&& fn) {
-  int64_t workers = std::max(1, blas_get_num_threads());
-  workers = std::min<int64_t>(workers, rows * cols / (1 << 16) + 1);
+void run_workers(int64_t workers, int64_t rows, Fn&& fn) {
   if (workers <= 1) {
     fn(0, (int64_t)0, rows);
     return;
@@ -146,6 +144,13 @@ void parallel_rows(int64_t rows, int64_t cols, Fn&& fn) {
     pool.emplace_back([&, w] { fn(w, std::min(rows, w * step), std::min(rows, (w + 1) * step)); });
   fn(0, (int64_t)0, std::min(rows, step));
   for (auto& t : pool) t.join();
+}
+
+// The memory-bound passes (means, centering) split over the threads once a
+// batch is big enough to pay for a thread start.
+template <typename Fn>
+void parallel_rows(int64_t rows, int64_t cols, Fn&& fn) {
+  run_workers(std::min<int64_t>(blas_get_num_threads(), rows * cols / (1 << 16) + 1), rows, fn);
 }
 
 inline int64_t label_at(const Matrix& y, int64_t i) {
@@ -254,32 +259,35 @@ inline void gemm_tn(int64_t m, int64_t n, int64_t k, const double* a, const doub
 // Centered copy in the product type: the subtraction happens in float64,
 // before the narrowing (SPEC: mean 1e4, spread 1e-2 survives in float32).
 template <typename T>
-void center(const Matrix& m, const std::vector<double>& mu, std::vector<T>& out) {
-  out.resize((size_t)(m.rows * m.cols));
-  T* o = out.data();
+void center_rows(const Matrix& m, const std::vector<double>& mu, T* out, int64_t r0, int64_t r1) {
   const double* u = mu.data();
   const int64_t w = m.cols;
-  parallel_rows(m.rows, w, [&](int64_t, int64_t r0, int64_t r1) {
-    for_each_row(m, r0, r1, [&](int64_t i, auto get) {
-      T* r = o + i * w;
-      for (int64_t j = 0; j < w; ++j) r[j] = (T)(get(j) - u[j]);
-    });
+  for_each_row(m, r0, r1, [&](int64_t i, auto get) {
+    T* r = out + i * w;
+    for (int64_t j = 0; j < w; ++j) r[j] = (T)(get(j) - u[j]);
   });
 }
 
-// One block of co-moments (a batch, or another state) to merge.
+// One block of co-moments (a batch, or another state) to merge. A batch's
+// products may come in parts (one per worker, over disjoint rows, all centered
+// on the batch mean): the merge adds them in float64.
 template <typename T>
 struct Block {
   int64_t n = 0;
   const double* mean = nullptr;
-  const T* M = nullptr;
+  std::vector<const T*> M;
   const double* out_mean = nullptr;
-  const T* B = nullptr;
-  const T* A = nullptr;
+  std::vector<const T*> B, A;
   const double* tgt_mean = nullptr;
-  const T* Bt = nullptr;
-  const T* At = nullptr;
+  std::vector<const T*> Bt, At;
 };
+
+template <typename T>
+inline double sum_parts(const std::vector<const T*>& parts, int64_t idx) {
+  double v = 0.0;
+  for (const T* q : parts) v += (double)q[idx];
+  return v;
+}
 
 // Chan et al.: with d = mean_b - mean_a and f = na nb / n,
 //   M = Ma + Mb + f d d^T,  B = Ba + Bb + f d_phi d_out^T,  mean += d nb / n.
@@ -293,25 +301,22 @@ void merge_block(State& s, const Block<T>& b) {
   for (int64_t j = 0; j < p; ++j) d[j] = b.mean[j] - s.mean[j];
   for (int64_t i = 0; i < p; ++i) {
     double* mi = s.M.data() + i * p;
-    const T* bi = b.M + i * p;
     const double fdi = f * d[i];
-    for (int64_t j = 0; j <= i; ++j) mi[j] += (double)bi[j] + fdi * d[j];
+    for (int64_t j = 0; j <= i; ++j) mi[j] += sum_parts(b.M, i * p + j) + fdi * d[j];
   }
   auto cross = [&](int64_t c, std::vector<double>& mean, const double* bmean, std::vector<double>& Bs,
-                   const T* Bb, std::vector<double>& As, const T* Ab) {
+                   const std::vector<const T*>& Bb, std::vector<double>& As, const std::vector<const T*>& Ab) {
     std::vector<double> e(c);
     for (int64_t j = 0; j < c; ++j) e[j] = bmean[j] - mean[j];
     for (int64_t i = 0; i < p; ++i) {
       double* bi = Bs.data() + i * c;
-      const T* bbi = Bb + i * c;
       const double fdi = f * d[i];
-      for (int64_t j = 0; j < c; ++j) bi[j] += (double)bbi[j] + fdi * e[j];
+      for (int64_t j = 0; j < c; ++j) bi[j] += sum_parts(Bb, i * c + j) + fdi * e[j];
     }
     for (int64_t i = 0; i < c; ++i) {
       double* ai = As.data() + i * c;
-      const T* abi = Ab + i * c;
       const double fei = f * e[i];
-      for (int64_t j = 0; j <= i; ++j) ai[j] += (double)abi[j] + fei * e[j];
+      for (int64_t j = 0; j <= i; ++j) ai[j] += sum_parts(Ab, i * c + j) + fei * e[j];
     }
     for (int64_t j = 0; j < c; ++j) mean[j] += e[j] * w;
   };
@@ -417,13 +422,13 @@ void State::merge(const State& o) {
   Block<double> b;
   b.n = o.n;
   b.mean = o.mean.data();
-  b.M = o.M.data();
+  b.M = {o.M.data()};
   b.out_mean = o.out_mean.data();
-  b.B = o.B.data();
-  b.A = o.A.data();
+  b.B = {o.B.data()};
+  b.A = {o.A.data()};
   b.tgt_mean = o.tgt_mean.data();
-  b.Bt = o.Bt.data();
-  b.At = o.At.data();
+  b.Bt = {o.Bt.data()};
+  b.At = {o.At.data()};
   merge_block(*this, b);
   for (int64_t i = 0; i < o.k; ++i) class_counts[i] += o.class_counts[i];
   for (size_t i = 0; i < o.class_sums.size(); ++i) class_sums[i] += o.class_sums[i];
@@ -516,41 +521,64 @@ void CpuMoments::update(const Batch& b, Precision precision) {
 
 template <typename T>
 void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision precision, Scratch<T>& sc) {
-  std::vector<T>&xs = sc.x, &fs = sc.f, &ts = sc.t, &Ms = sc.M, &Bs = sc.B, &As = sc.A, &Bts = sc.Bt,
-  &Ats = sc.At;
   const Matrix& x = b.features;
   const int64_t nb = x.rows, p = x.cols;
+  const int64_t c = b.outputs ? b.outputs->cols : 0, t = b.targets ? b.targets->cols : 0;
+  const std::vector<double>&mu = means.features, &nu = means.outputs, &tau = means.targets;
+  // Our own workers, each running single-threaded BLAS over its rows: OpenBLAS's
+  // thread pool busy-waits, and on shared cores (a training step beside us)
+  // its 2-thread ssyrk was measured 4-16x slower than one thread. Parts of at
+  // least 256 rows and 2^22 multiply-adds keep each BLAS call efficient.
+  const int64_t workers = std::max<int64_t>(
+      1, std::min<int64_t>({(int64_t)blas_get_num_threads(), nb / 256, nb * p * p / (int64_t(1) << 22)}));
   // All products go to scratch first: nothing below can leave the state half
   // updated (an allocation failure throws before the merge starts).
-  const std::vector<double>&mu = means.features, &nu = means.outputs, &tau = means.targets;
-  center<T>(x, mu, xs);
-  Ms.resize((size_t)(p * p));
-  syrk(p, nb, xs.data(), Ms.data());
+  sc.x.resize((size_t)(nb * p));
+  sc.f.resize((size_t)(nb * c));
+  sc.t.resize((size_t)(nb * t));
+  auto parts = [&](std::vector<std::vector<T>>& v, int64_t size) {
+    v.resize(workers);
+    for (auto& part : v) part.resize((size_t)size);
+  };
+  parts(sc.M, p * p);
+  parts(sc.B, p * c);
+  parts(sc.A, c * c);
+  parts(sc.Bt, p * t);
+  parts(sc.At, t * t);
+  run_workers(workers, nb, [&](int64_t w, int64_t r0, int64_t r1) {
+    const int64_t k = r1 - r0;
+    T* xw = sc.x.data() + r0 * p;
+    center_rows<T>(x, mu, sc.x.data(), r0, r1);
+    syrk(p, k, xw, sc.M[w].data());
+    if (b.outputs) {
+      T* fw = sc.f.data() + r0 * c;
+      center_rows<T>(*b.outputs, nu, sc.f.data(), r0, r1);
+      gemm_tn(p, c, k, xw, fw, sc.B[w].data());
+      syrk(c, k, fw, sc.A[w].data());
+    }
+    if (b.targets) {
+      T* tw = sc.t.data() + r0 * t;
+      center_rows<T>(*b.targets, tau, sc.t.data(), r0, r1);
+      gemm_tn(p, t, k, xw, tw, sc.Bt[w].data());
+      syrk(t, k, tw, sc.At[w].data());
+    }
+  });
   Block<T> blk;
   blk.n = nb;
   blk.mean = mu.data();
-  blk.M = Ms.data();
-  auto cross = [&](const Matrix& g, const std::vector<double>& gm, std::vector<T>& gs, std::vector<T>& Bg,
-                   std::vector<T>& Ag) {
-    const int64_t c = g.cols;
-    center<T>(g, gm, gs);
-    Bg.resize((size_t)(p * c));
-    Ag.resize((size_t)(c * c));
-    gemm_tn(p, c, nb, xs.data(), gs.data(), Bg.data());
-    syrk(c, nb, gs.data(), Ag.data());
-  };
-  if (b.outputs) {
-    cross(*b.outputs, nu, fs, Bs, As);
-    blk.out_mean = nu.data();
-    blk.B = Bs.data();
-    blk.A = As.data();
+  for (int64_t w = 0; w < workers; ++w) {
+    blk.M.push_back(sc.M[w].data());
+    if (b.outputs) {
+      blk.B.push_back(sc.B[w].data());
+      blk.A.push_back(sc.A[w].data());
+    }
+    if (b.targets) {
+      blk.Bt.push_back(sc.Bt[w].data());
+      blk.At.push_back(sc.At[w].data());
+    }
   }
-  if (b.targets) {
-    cross(*b.targets, tau, ts, Bts, Ats);
-    blk.tgt_mean = tau.data();
-    blk.Bt = Bts.data();
-    blk.At = Ats.data();
-  }
+  blk.out_mean = nu.data();
+  blk.tgt_mean = tau.data();
   int64_t k_needed = -1;
   if (b.labels) k_needed = std::max(max_label(*b.labels) + 1, state_.num_classes);
 
@@ -581,10 +609,26 @@ std::string blas_info() {
 #else
   os << "OpenBLAS ";
 #endif
-  os << RB_CONFIG() << " (core: " << RB_CORE() << ", threads: " << RB_GET_THREADS() << ")";
+  os << RB_CONFIG() << " (core: " << RB_CORE() << "; " << blas_get_num_threads()
+     << " richness worker threads, each calling BLAS single-threaded)";
   return os.str();
 }
-int blas_get_num_threads() { return RB_GET_THREADS(); }
-void blas_set_num_threads(int n) { RB_SET_THREADS(n); }
+
+namespace {
+// OpenBLAS's own count (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS or the cores)
+// becomes ours; OpenBLAS itself then runs in the calling thread.
+int initial_threads() {
+  const int n = std::max(1, RB_GET_THREADS());
+  RB_SET_THREADS(1);
+  return n;
+}
+std::atomic<int> g_threads{initial_threads()};
+}  // namespace
+
+int blas_get_num_threads() { return g_threads.load(); }
+void blas_set_num_threads(int n) {
+  if (n < 1) throw std::invalid_argument("the thread count must be at least 1, got " + std::to_string(n));
+  g_threads.store(n);
+}
 
 }  // namespace richness

@@ -105,7 +105,8 @@ class CpuMoments {
   // Scratch reused across batches: centered blocks and their products.
   template <typename T>
   struct Scratch {
-    std::vector<T> x, f, t, M, B, A, Bt, At;
+    std::vector<T> x, f, t;                       // centered blocks, rows split among workers
+    std::vector<std::vector<T>> M, B, A, Bt, At;  // one partial product per worker
   };
   Scratch<float> scratch_f_;
   Scratch<double> scratch_d_;
@@ -113,7 +114,8 @@ class CpuMoments {
   void update_typed(const Batch& b, const BatchMeans& means, Precision precision, Scratch<T>& sc);
 };
 
-// BLAS facts for `richness info`.
+// BLAS facts for `richness info`, and the number of worker threads an update
+// uses (each calls BLAS single-threaded; see CpuMoments::update_typed).
 std::string blas_info();
 int blas_get_num_threads();
 void blas_set_num_threads(int n);
