@@ -573,3 +573,16 @@ def test_monitor_ignores_no_grad_forwards_and_counts_eval_mode_training():
     H, F = acts(model, X)
     assert mon.history[0]["n"] == 96
     assert abs(mon.history[0]["dlr"] - dlr_naive(H, F)[0]) < 1e-5
+
+
+def test_monitor_one_batch_labels_outside_head_range_give_no_nc1():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 5)).double()
+    X = torch.randn(32, 10, dtype=torch.float64)
+    with richness.Monitor(model, every=1) as mon:
+        model(X)
+        mon.step(labels=torch.arange(32) % 7)  # classes 5 and 6 do not exist in a 5-way head
+    with torch.no_grad():
+        H, F = model[1](model[0](X)).numpy(), model(X).numpy()
+    assert mon.history[0]["nc1"] is None
+    assert abs(mon.history[0]["dlr"] - dlr_naive(H, F)[0]) < 1e-10

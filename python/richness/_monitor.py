@@ -196,7 +196,9 @@ class Monitor:
         self._sinks = _make_sinks(log, prefix)
         self._moments = Moments(precision=precision)
         self._pending: list = []
-        self._batch: Optional[tuple] = None  # a one-batch window kept for _batch_record
+        self._batch: Optional[tuple] = None  # a one-batch window kept for _batch_emit
+        self._inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
+        self._classes: Optional[int] = None
         self._window_labels: Optional[bool] = None
         self._active = self._is_window_step(1)
         self._capture: Optional[Capture] = None
@@ -248,9 +250,13 @@ class Monitor:
     def step(self, labels: Any = None) -> Optional[dict]:
         """Count one optimizer step; ``labels`` are those of the step's batch
         (integer classes, or float targets). Returns the record when this step
-        emitted one, else None."""
+        emitted one, else None. On a GPU, records of one-batch windows are
+        finished without waiting for the device: they reach ``history`` and the
+        sinks at a later ``step()`` (``flush()`` or closing waits for them)."""
         if self._closed:
             raise RuntimeError("this Monitor is closed")
+        if self._inflight:
+            self._poll()
         self.steps += 1
         rec = None
         try:
@@ -302,16 +308,21 @@ class Monitor:
         return (self.window == 1 and not self.distributed and 2 <= n < p
                 and self.precision in (None, "fp32", "fp64") and self._moments.n == 0)
 
-    def _batch_record(self) -> Optional[dict]:
-        """DLR and NC1 of the one batch in ``self._batch``, on its device.
+    def _batch_emit(self) -> Optional[dict]:
+        """Emit the one-batch window in ``self._batch`` without a host sync.
 
-        Same numbers as the Moments path (SPEC.md feature-space form), with
-        ||M||_F = ||Xc Xc^T||_F, B = Xc^T Fc, A = Fc^T Fc and, for NC1,
-        v^T M v = ||Xc v||^2. The batch mean is taken in float64 and
-        subtracted before the products, which run in float32 unless every input
-        is float64 (the core's rule). The DLR itself is finished by _finish.
-        tests/test_integration.py checks it against the n x n oracle and the
-        Moments path."""
+        The device reduces the batch to a handful of small matrices (SPEC.md's
+        quantities, rewritten so that nothing of size p or n leaves the device):
+        ||M||_F = ||Xc Xc^T||_F; tr(B A^+ B^T) from A = Fc^T Fc and
+        Q = B^T B (C x C, B = Xc^T Fc); for NC1 the class counts, D D^T and
+        D M D^T = (Xc D^T)^T (Xc D^T), D the class means of Xc (K x K). The batch
+        mean is taken in float64 and subtracted before the products, which run
+        in float32 unless every input is float64 (the core's rule). On a GPU
+        they are copied to pinned host memory behind a CUDA event and the record
+        is finished by a later ``step()`` (or ``flush()``), once the event has
+        passed: the training loop never waits. On the CPU the record is
+        finished at once and returned. tests/test_integration.py checks both
+        paths against the n x n oracle and the Moments path."""
         import torch
 
         feats, outs, labels = self._batch
@@ -320,31 +331,99 @@ class Monitor:
         all64 = feats.dtype == torch.float64 and (weights or outs is None or outs.dtype == torch.float64)
         prec = self.precision or ("fp64" if all64 else "fp32")
         pdt = torch.float64 if prec == "fp64" else torch.float32
-        rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[prec]
+        f64 = torch.float64
         n = int(feats.shape[0])
-        X = feats.detach().to(torch.float64)
+        X = feats.detach().to(f64)
         Xc64 = X - X.mean(dim=0)
         Xc = Xc64.to(pdt)
-        norm_m = float(torch.linalg.norm((Xc @ Xc.T).to(torch.float64)))  # the host sync of this emission
+        norm_m = torch.linalg.vector_norm((Xc @ Xc.T).to(f64)).reshape(1)
         if weights:
             Fc = Xc @ self._head.weight.detach().to(feats.device, pdt).T
         else:
-            F = outs.detach().to(torch.float64)
+            F = outs.detach().to(f64)
             Fc = (F - F.mean(dim=0)).to(pdt)
         Ft = Fc.T.contiguous()
-        B = (Ft @ Xc).T.to(torch.float64)  # (C x n)(n x p): 3x faster than Xc^T Fc's transposed read
-        A = (Ft @ Fc).to(torch.float64)
-        dlr = rank = None
-        if norm_m > 0.0:
-            try:
-                a, terms = _finish.Functions(B, (A + A.T) / 2).span(None, rtol)
-                dlr, rank = _finish.dlr_from_span(norm_m, a, terms, rtol)
-            except ValueError:
-                pass  # constant outputs: DLR undefined, reported as None
-        nc1 = None
+        B = Ft @ Xc  # C x p: (C x n)(n x p) reads both operands row-wise
+        A = (Ft @ Fc).to(f64)
+        Q = (B.to(f64) @ B.T.to(f64))
+        parts = [norm_m, A.reshape(-1), Q.reshape(-1)]
+        k = 0
         if labels is not None and prec in _finish.NC1_RELIABLE:
-            nc1 = _batch_nc1(Xc64, labels.to(feats.device), rtol)
-        return self._record(n, dlr, rank, nc1, None, "window")
+            if self._classes is None:
+                head = self._head
+                self._classes = (head.out_features if isinstance(head, torch.nn.Linear)
+                                 else int(labels.max()) + 1)  # one sync, on the first emission only
+            k = self._classes
+            lab = labels.to(feats.device)
+            valid = (lab >= 0) & (lab < k)
+            idx = lab.clamp(0, k - 1)
+            w = valid.to(f64)
+            counts = torch.zeros(k, dtype=f64, device=feats.device).index_add_(0, idx, w)
+            sums = torch.zeros(k, Xc64.shape[1], dtype=f64, device=feats.device).index_add_(0, idx, Xc64 * w[:, None])
+            D = sums / counts.clamp(min=1.0)[:, None]
+            E = Xc64 @ D.T
+            parts += [counts, (D @ D.T).reshape(-1), (E.T @ E).reshape(-1), (~valid).sum().to(f64).reshape(1)]
+        packed = torch.cat(parts)
+        rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[prec]
+        meta = (self.steps, n, int(A.shape[0]), k, rtol)
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=f64, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(packed.device))
+            self._inflight.append((meta, host, event))
+            return None
+        return self._finish_small(meta, packed.numpy())
+
+    def _finish_small(self, meta: tuple, v: np.ndarray) -> dict:
+        """The record from the small matrices of ``_batch_emit`` (float64, host)."""
+        step, n, c, k, rtol = meta
+        norm_m = float(v[0])
+        A = v[1:1 + c * c].reshape(c, c)
+        Q = v[1 + c * c:1 + 2 * c * c].reshape(c, c)
+        dlr = rank = nc1 = None
+        a, U = np.linalg.eigh((A + A.T) / 2)
+        a, U = a[::-1], U[:, ::-1]
+        if norm_m > 0.0 and a[0] > 0.0:
+            keep = a > rtol * a[0]
+            rank = int(keep.sum())
+            # ||B u_i||^2 = u_i^T Q u_i
+            terms = np.einsum("ij,ij->j", Q @ U[:, keep], U[:, keep]) / a[keep]
+            dlr = min(max(1.0 - float(terms.sum()) / (norm_m * math.sqrt(rank)), 0.0), 1.0)
+        if k:
+            pos = 1 + 2 * c * c
+            counts = v[pos:pos + k]
+            DDt = v[pos + k:pos + k + k * k].reshape(k, k)
+            DMD = v[pos + k + k * k:pos + k + 2 * k * k].reshape(k, k)
+            invalid = v[pos + k + 2 * k * k]
+            K = int(np.count_nonzero(counts > 0))
+            if invalid == 0 and K >= 2:
+                s, U = np.linalg.eigh((DDt + DDt.T) / 2)
+                s, U = s[::-1], U[:, ::-1]
+                if s[0] > 0.0:
+                    keep = s > rtol * s[0]
+                    s, U = s[keep], U[:, keep]
+                    # v_i = D^T u_i / sqrt(s_i): v^T M v = u^T D M D^T u / s, (d_k . v_i)^2 = s_i u_ki^2
+                    vmv = np.einsum("ij,ij->j", DMD @ U, U) / s
+                    between = s * np.einsum("k,ki->i", counts, U * U)
+                    vwv = (vmv - between) / n
+                    nc1 = max(float(np.sum(vwv / (s / K))) / K, 0.0)
+        return {"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank, "nc1": _num(nc1),
+                "effective_dim": None, "time": round(time.time() - self._t0, 6)}
+
+    def _poll(self, wait: bool = False) -> None:
+        """Finish and dispatch device records whose copy has landed (all of them when ``wait``)."""
+        while self._inflight:
+            meta, host, event = self._inflight[0]
+            if not wait and not event.query():
+                return
+            event.synchronize()
+            self._inflight.pop(0)
+            self._dispatch(self._finish_small(meta, host.numpy()))
+
+    def flush(self) -> None:
+        """Wait for records still being computed on the GPU and emit them."""
+        self._poll(wait=True)
 
     def _uses_weights(self) -> bool:
         """Window mode streams the head's outputs: they are the function at the
@@ -368,10 +447,13 @@ class Monitor:
             rec = self._emit_window()
         if rec is None:
             return None
+        self._dispatch(rec)
+        return rec
+
+    def _dispatch(self, rec: dict) -> None:
         self.history.append(rec)
         for sink in self._sinks:
             sink(rec)
-        return rec
 
     def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, eff: Any, mode: str) -> dict:
         return {"step": self.steps, "mode": mode, "n": int(n), "dlr": _num(dlr),
@@ -381,7 +463,7 @@ class Monitor:
     def _emit_window(self) -> Optional[dict]:
         if self._batch is not None:
             try:
-                return self._batch_record()
+                return self._batch_emit()
             finally:
                 self._batch = None
                 self._window_labels = None
@@ -436,17 +518,20 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
-        self._pending = []
-        self._batch = None
-        if self._capture is not None:
-            self._capture.remove()
-        if self._finder is not None:
-            self._finder.remove()
-        if self._model_hook is not None:
-            self._model_hook.remove()
-        for s in self._sinks:
-            s.close()
-        self._threads.restore()
+        try:
+            self._poll(wait=True)  # records still on their way from the GPU
+        finally:
+            self._pending = []
+            self._batch = None
+            if self._capture is not None:
+                self._capture.remove()
+            if self._finder is not None:
+                self._finder.remove()
+            if self._model_hook is not None:
+                self._model_hook.remove()
+            for s in self._sinks:
+                s.close()
+            self._threads.restore()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -457,6 +542,30 @@ class Monitor:
     def __repr__(self) -> str:
         mode = "probe" if self.probe is not None else f"window={self.window}"
         return f"Monitor(head={self._head_name!r}, every={self.every}, {mode}, steps={self.steps})"
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+class _PendingCapture:
+    """Forward hook on the head: queues (features, outputs) of the training
+    forwards of window steps until ``Monitor.step`` consumes them."""
+
+    def __init__(self, module: Any, mon: Monitor) -> None:
+        self.mon = mon
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, mod, args, out) -> None:
+        mon = self.mon
+        # training forwards run with gradients; validation under no_grad is skipped
+        if mon._active and args and _grad_enabled():
+            mon._pending.append((args[0].detach(), out.detach() if hasattr(out, "detach") else out))
+
+    def remove(self) -> None:
+        self.handle.remove()
 
 
 def _grad_enabled() -> bool:
