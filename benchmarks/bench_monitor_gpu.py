@@ -106,6 +106,31 @@ def checks(dev: torch.device) -> dict:
             opt.step()
             mon2.step(labels=y[s * 256:(s + 1) * 256].to(dev))
     out["monitor_window_record"] = mon2.history[0]
+    if dev.type == "cuda":
+        # Host synchronisations inside Monitor.step (the training loop's side):
+        # the one-batch path (every=1) and the Moments path's update (window=10).
+        for name, cfg in (("every=1", dict(every=1)), ("window update", dict(every=10, window=10))):
+            with richness.Monitor(model, **cfg) as mon3:
+                msg = "none"
+                for s in range(4):
+                    xb, yb = X[s * 256:(s + 1) * 256].to(dev), y[s * 256:(s + 1) * 256].to(dev)
+                    loss = nn.functional.cross_entropy(model(xb), yb)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    if s == 0:
+                        mon3.step(labels=yb)  # the first step may sync once (setup)
+                        continue
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        mon3.step(labels=yb)
+                    except RuntimeError as e:
+                        msg = str(e).splitlines()[0][:200]
+                        break
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+            out[f"sync_in_step[{name}]"] = msg
+            out[f"records[{name}]"] = len(mon3.history)
     return out
 
 
