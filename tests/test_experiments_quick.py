@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("matplotlib")
-pytest.importorskip("mlxtend")
 
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
 SCRIPTS = ["rich_lazy", "target_scale", "grokking", "label_shuffle", "batchnorm", "lr_sweep"]
@@ -55,8 +53,9 @@ def test_quick_mode_writes_results(name, tmp_path):
     data = json.loads(path.read_text())  # strict JSON: no NaN
     assert data["experiment"] == name and data["mode"] == "quick"
     assert data["machine"]["date_utc"] and data["seconds"] >= 0
-    assert data == json.loads(json.dumps(payload | {k: data[k] for k in ("experiment", "mode", "args", "machine",
-                                                                         "seconds")}))
+    assert data["data"].startswith(("MNIST", "scikit-learn digits")) or name == "grokking"
+    added = {k: data[k] for k in ("experiment", "mode", "args", "machine", "seconds", "data") if k in data}
+    assert data == json.loads(json.dumps(payload | added))  # the file holds what main() returned
     dlrs = [v for v in all_values(data, "dlr") if not isinstance(v, dict)]
     measured = [v for v in dlrs if v is not None]
     assert len(measured) >= 2, dlrs
@@ -80,6 +79,23 @@ def dlr_gram(features, outputs):
     q = u[:, s > 1e-10 * s[0]]
     P = q @ q.T
     return 1.0 - np.sum(K * P) / (np.linalg.norm(K) * np.linalg.norm(P))
+
+
+def test_digits_stand_in_has_mnist_layout():
+    import sys
+
+    sys.path.insert(0, EXPERIMENTS)
+    import common as C
+    from sklearn.datasets import load_digits
+
+    X, y = C._digits_as_mnist()
+    d = load_digits()
+    assert X.shape == (1797, 784) and y.shape == (1797,)
+    img = X.reshape(-1, 28, 28)
+    # nearest-neighbour 3x upsampling of the 8x8 image, rescaled 0..16 -> 0..255, 2-pixel border
+    np.testing.assert_allclose(img[:, 2:26:3, 2:26:3], d.images * 255.0 / 16.0)
+    np.testing.assert_array_equal(img[:, :2], 0.0)
+    np.testing.assert_array_equal(y, d.target)
 
 
 def test_measure_matches_gram_dlr():
