@@ -21,7 +21,7 @@ import common as C  # noqa: E402
 NAME = "grokking"
 
 
-def transformer(P: int, d: int, heads: int, ff: int, layers: int = 2):
+def transformer(P: int, d: int, heads: int, ff: int, layers: int = 2) -> Any:
     """Token + position embeddings, ``layers`` pre-norm transformer blocks, a
     final LayerNorm; ``body`` returns the last position (the features), ``head``
     the unembedding Linear (d -> P)."""

@@ -19,7 +19,9 @@ import common as C  # noqa: E402
 NAME = "rich_lazy"
 
 
-def run_one(torch: Any, arch: str, mode: str, data: tuple, cfg: Dict[str, Any], seed: int, device: str):
+def run_one(torch: Any, arch: str, mode: str, data: tuple, cfg: Dict[str, Any], seed: int,
+            device: str) -> Dict[str, Any]:
+    """Train one network (rich: all layers; lazy: head only) and measure it."""
     x_tr, y_tr, x_te, y_te = data
     torch.manual_seed(seed)
     if arch == "mlp":
