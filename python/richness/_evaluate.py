@@ -40,15 +40,15 @@ def require_tqdm(what: str):
 # -- threads ------------------------------------------------------------------
 
 class BlasThreads:
-    """The core's BLAS thread count for each update, restored on exit.
+    """The core's thread count for each update, restored on exit.
 
     Never more threads than torch's intra-op pool (``torch.get_num_threads()``):
-    the core links its own OpenBLAS, which left alone starts one thread per
-    core regardless of ``torch.set_num_threads``. And one thread for small
-    products (below 2^27 multiply-adds, e.g. a 128 x 512 training batch: half
-    a millisecond on one core): there a second pool gains little and costs
-    much, because OpenBLAS workers spin after each call and steal the cores
-    torch's next kernels need. The bench_monitor benchmark measures this.
+    the core's count (``_core.blas_set_num_threads``: its own workers, each
+    calling single-threaded BLAS) starts at the number of cores regardless of
+    ``torch.set_num_threads``. And one thread for small products (below 2^27
+    multiply-adds, e.g. a 128 x 512 training batch: half a millisecond on one
+    core), where a second thread gains nothing beside a training step that
+    wants the cores back at once. benchmarks/bench_monitor.py measures this.
     """
 
     SMALL = 2 ** 27
