@@ -1,11 +1,11 @@
 // Where a batch enters (CpuMoments::update), is validated (validate_batch),
 // multiplied (update_typed) and merged into the float64 state (merge_block).
 #include "moments.hpp"
+#include "msg.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <sstream>
 #include <atomic>
 #include <thread>
 
@@ -193,27 +193,27 @@ int64_t count_nonfinite(const Matrix& m) {
 void check_float_shape(const Matrix& m, const char* name, int64_t rows, int64_t width,
                        const char* width_source) {
   if (!is_float(m.dtype)) {
-    std::ostringstream os;
+    Msg os;
     os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_name(m.dtype);
     throw type_error(os.str());
   }
   if (m.cols < 1) {
-    std::ostringstream os;
+    Msg os;
     os << name << " must have at least one column, got shape (" << m.rows << ", " << m.cols << ")";
     throw std::invalid_argument(os.str());
   }
   if (m.rows != rows) {
-    std::ostringstream os;
+    Msg os;
     os << name << " has " << m.rows << " rows but features have " << rows;
     throw std::invalid_argument(os.str());
   }
   if (width >= 0 && m.cols != width) {
-    std::ostringstream os;
+    Msg os;
     os << name << " have " << m.cols << " columns but " << width_source << " " << width;
     throw std::invalid_argument(os.str());
   }
   if (m.rows > 1 && m.ld < m.cols) {
-    std::ostringstream os;
+    Msg os;
     os << name << ": row stride " << m.ld << " is smaller than the width " << m.cols;
     throw std::invalid_argument(os.str());
   }
@@ -228,7 +228,7 @@ void means_checked(const Matrix& m, const char* name, std::vector<double>& mu) {
   for (double v : mu) finite = finite && std::isfinite(v);
   if (finite) return;
   const int64_t bad = count_nonfinite(m);
-  std::ostringstream os;
+  Msg os;
   if (bad > 0)
     os << name << " contain " << bad << " non-finite value" << (bad == 1 ? "" : "s")
        << " (NaN or Inf); the batch was not added";
@@ -399,7 +399,7 @@ void State::merge(const State& o) {
   if (o.p < 0 || o.n == 0) return;
   if (p >= 0 && n > 0) {
     auto differ = [](const char* what, int64_t a, int64_t b) {
-      std::ostringstream os;
+      Msg os;
       os << "cannot merge: " << what << " differ (" << a << " here, " << b << " in the other)";
       throw std::invalid_argument(os.str());
     };
@@ -412,7 +412,7 @@ void State::merge(const State& o) {
     if (k >= 0 && num_classes >= 0 && o.k > num_classes) differ("class counts", num_classes, o.k);
   } else {
     if (num_classes >= 0 && o.k > num_classes) {
-      std::ostringstream os;
+      Msg os;
       os << "cannot merge: the other state has " << o.k << " classes, more than num_classes=" << num_classes;
       throw std::invalid_argument(os.str());
     }
@@ -440,7 +440,7 @@ void State::merge(const State& o) {
 void validate_batch(const State& s, const Batch& b) {
   const Matrix& x = b.features;
   if (!is_float(x.dtype)) {
-    std::ostringstream os;
+    Msg os;
     os << "features must be float32, float64, float16 or bfloat16, got " << dtype_name(x.dtype);
     throw type_error(os.str());
   }
@@ -465,12 +465,12 @@ void validate_batch(const State& s, const Batch& b) {
   if (b.labels) {
     const Matrix& y = *b.labels;
     if (y.dtype != DType::i32 && y.dtype != DType::i64) {
-      std::ostringstream os;
+      Msg os;
       os << "labels must be integers (int32 or int64), got " << dtype_name(y.dtype);
       throw type_error(os.str());
     }
     if (y.rows != x.rows) {
-      std::ostringstream os;
+      Msg os;
       os << "labels has " << y.rows << " rows but features have " << x.rows;
       throw std::invalid_argument(os.str());
     }
@@ -486,14 +486,14 @@ static void check_labels(const Matrix& y, int64_t num_classes, int64_t p) {
   for (int64_t i = 0; i < y.rows; ++i) {
     const int64_t v = label_at(y, i);
     if (v < 0 || (num_classes >= 0 && v >= num_classes)) {
-      std::ostringstream os;
+      Msg os;
       os << "labels out of range: label " << v << " at row " << i;
       if (num_classes >= 0) os << " (num_classes=" << num_classes << ")";
       else os << " (labels must be >= 0)";
       throw std::invalid_argument(os.str());
     }
     if (num_classes < 0 && v >= growth_cap) {
-      std::ostringstream os;
+      Msg os;
       os << "label " << v << " at row " << i << " would grow the class sums past 1 GiB (" << growth_cap
          << " classes at p=" << p << "); pass num_classes to Moments if this many classes is intended";
       throw std::invalid_argument(os.str());
@@ -603,7 +603,7 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
 // ---- BLAS facts -------------------------------------------------------------
 
 std::string blas_info() {
-  std::ostringstream os;
+  Msg os;
 #ifdef RICHNESS_SCIPY_OPENBLAS
   os << "scipy-openblas32 ";
 #else

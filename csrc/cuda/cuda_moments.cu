@@ -4,6 +4,7 @@
 // state (merge_sym/merge_cross/finalize). All of it is enqueued on the
 // caller's stream; nothing in update waits for the device.
 #include "cuda_moments.hpp"
+#include "../msg.hpp"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -12,7 +13,9 @@
 
 #include <algorithm>
 #include <cstring>
-#include <sstream>
+#include <string>
+#include <type_traits>
+
 
 namespace richness {
 namespace cuda {
@@ -23,14 +26,14 @@ namespace {
 
 void check_cuda(cudaError_t e, const char* what, const char* file, int line) {
   if (e == cudaSuccess) return;
-  std::ostringstream os;
+  Msg os;
   os << "CUDA error in " << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ") at "
      << file << ":" << line;
   throw std::runtime_error(os.str());
 }
 void check_cublas(cublasStatus_t s, const char* what, const char* file, int line) {
   if (s == CUBLAS_STATUS_SUCCESS) return;
-  std::ostringstream os;
+  Msg os;
   os << "cuBLAS error in " << what << ": " << cublasGetStatusName(s) << " (" << cublasGetStatusString(s)
      << ") at " << file << ":" << line;
   throw std::runtime_error(os.str());
@@ -364,7 +367,7 @@ CudaMoments::CudaMoments(int64_t num_classes, int device) : device_(device), num
   int count = 0;
   CUDA_CHECK(cudaGetDeviceCount(&count));
   if (device < 0 || device >= count) {
-    std::ostringstream os;
+    Msg os;
     os << "CUDA device " << device << " does not exist (" << count << " visible)";
     throw std::invalid_argument(os.str());
   }
@@ -494,11 +497,11 @@ namespace {
 
 void check_float_matrix(const Matrix& m, const char* name, int64_t rows, int64_t width) {
   if (!is_float(m.dtype)) {
-    std::ostringstream os;
+    Msg os;
     os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_str(m.dtype);
     throw type_error(os.str());
   }
-  std::ostringstream os;
+  Msg os;
   if (m.cols < 1) os << name << " must have at least one column, got shape (" << m.rows << ", " << m.cols << ")";
   else if (m.rows != rows) os << name << " has " << m.rows << " rows but features have " << rows;
   else if (width >= 0 && m.cols != width) os << name << " have " << m.cols << " columns but earlier updates had " << width;
@@ -515,7 +518,7 @@ void check_float_matrix(const Matrix& m, const char* name, int64_t rows, int64_t
 void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
                          Precision prec, cudaStream_t stream) {
   if (!is_float(x.dtype)) {
-    std::ostringstream os;
+    Msg os;
     os << "features must be float32, float64, float16 or bfloat16, got " << dtype_str(x.dtype);
     throw type_error(os.str());
   }
@@ -541,7 +544,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
     if (labels->dtype != DType::i32 && labels->dtype != DType::i64)
       throw type_error(std::string("labels must be integers (int32 or int64), got ") + dtype_str(labels->dtype));
     if (labels->rows != x.rows) {
-      std::ostringstream os;
+      Msg os;
       os << "labels has " << labels->rows << " rows but features have " << x.rows;
       throw std::invalid_argument(os.str());
     }
@@ -575,7 +578,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
     // gigabytes of class sums.
     const int64_t growth_cap = std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
     if (mx >= growth_cap) {
-      std::ostringstream os;
+      Msg os;
       os << "label " << mx << " would grow the class sums past 1 GiB (" << growth_cap << " classes at p=" << p
          << "); pass num_classes to Moments if this many classes is intended";
       throw std::invalid_argument(os.str());
@@ -788,7 +791,7 @@ void CudaMoments::sync_and_check() {
   // were skipped), so the object stays usable after the exception.
   CUDA_CHECK(cudaMemset(&s_.hdr->total_bad, 0, sizeof(hh.total_bad) + sizeof(hh.skipped)));
   CUDA_CHECK(cudaDeviceSynchronize());
-  std::ostringstream os;
+  Msg os;
   os << hh.skipped << (hh.skipped == 1 ? " batch was" : " batches were") << " not added (checked on the device): ";
   const char* names[3] = {"features", "outputs", "targets"};
   bool first = true;
@@ -966,7 +969,7 @@ void CudaMoments::merge(CudaMoments& other) {
   const int64_t here = n();
   if (p_ >= 0 && here > 0) {
     auto differ = [](const char* what, int64_t a, int64_t b) {
-      std::ostringstream os;
+      Msg os;
       os << "cannot merge: " << what << " differ (" << a << " here, " << b << " in the other)";
       throw std::invalid_argument(os.str());
     };
@@ -979,7 +982,7 @@ void CudaMoments::merge(CudaMoments& other) {
     if (k_ >= 0 && num_classes_ >= 0 && other.k_ > num_classes_) differ("class counts", num_classes_, other.k_);
   } else {
     if (num_classes_ >= 0 && other.k_ > num_classes_) {
-      std::ostringstream os;
+      Msg os;
       os << "cannot merge: the other state has " << other.k_ << " classes, more than num_classes=" << num_classes_;
       throw std::invalid_argument(os.str());
     }
@@ -1044,7 +1047,7 @@ std::string device_info(int device) {
     cublasGetVersion(h, &cublas_version);
     cublasDestroy(h);
   }
-  std::ostringstream os;
+  Msg os;
   os << prop.name << " (sm_" << prop.major << prop.minor << ", " << prop.multiProcessorCount << " SMs, "
      << (prop.totalGlobalMem >> 20) << " MiB), CUDA driver " << drv / 1000 << "." << (drv % 1000) / 10 << ", runtime "
      << rt / 1000 << "." << (rt % 1000) / 10 << ", cuBLAS " << cublas_version;
@@ -1052,7 +1055,7 @@ std::string device_info(int device) {
 }
 
 std::string backend_info() {
-  std::ostringstream os;
+  Msg os;
 #ifndef RICHNESS_CUDA_ARCHS
 #define RICHNESS_CUDA_ARCHS "?"
 #endif

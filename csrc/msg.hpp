@@ -1,0 +1,36 @@
+// Error messages built by hand rather than through std::ostream.
+//
+// On the H200 machine (torch 2.11 cu130 loaded first, 2026-11-29), formatting
+// a number through an ostream inside our extension modules crashed in the
+// num_put facet (a segfault in an error path; an empty count in a message).
+// std::to_string does not go through locale facets.
+#pragma once
+
+#include <string>
+#include <type_traits>
+
+namespace richness {
+
+struct Msg {
+  std::string s;
+  Msg& operator<<(const char* v) {
+    s += v;
+    return *this;
+  }
+  Msg& operator<<(const std::string& v) {
+    s += v;
+    return *this;
+  }
+  Msg& operator<<(char v) {
+    s += v;
+    return *this;
+  }
+  template <typename T, typename = typename std::enable_if<std::is_arithmetic<T>::value>::type>
+  Msg& operator<<(T v) {
+    s += std::to_string(v);
+    return *this;
+  }
+  std::string str() const { return s; }
+};
+
+}  // namespace richness
