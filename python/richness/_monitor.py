@@ -595,7 +595,7 @@ class _PendingCapture:
 def _batch_nc1(Xc: Any, labels: Any, rtol: float) -> Optional[float]:
     """NC1 of one batch (SPEC.md, Papyan et al.) from its centered float64
     features ``Xc`` (n x p): class means of Xc are m_k - mu, and
-    v^T M v = ||Xc v||^2 along the K - 1 directions of Sigma_B."""
+    v^T M v = ||Xc v||^2 (no p x p matrix is formed)."""
     import torch
 
     n = Xc.shape[0]
@@ -603,20 +603,12 @@ def _batch_nc1(Xc: Any, labels: Any, rtol: float) -> Optional[float]:
     counts = torch.bincount(labels, minlength=k).to(torch.float64)
     sums = torch.zeros(k, Xc.shape[1], dtype=torch.float64, device=Xc.device).index_add_(0, labels, Xc)
     present = counts > 0
-    K = int(present.sum())
-    if K < 2:
+    if int(present.sum()) < 2:
         return None
     D = sums[present] / counts[present, None]
-    # Sigma_B = D^T D / K: its eigenpairs from the K x K Gram D D^T = U s U^T
-    # (v = D^T u / sqrt(s)), cheaper than an SVD of the K x p matrix D.
-    s, U = torch.linalg.eigh(D @ D.T)
-    s, U = s.flip(0), U.flip(1)
-    keep = s > rtol * s[0]
-    if not bool(s[0] > 0) or not bool(keep.any()):
-        return None
-    Vt = (U[:, keep].T @ D) / torch.sqrt(s[keep])[:, None]
-    sb = s[keep] / K
-    VX = Vt @ Xc.T
-    dv = D @ Vt.T
-    vwv = ((VX * VX).sum(dim=1) - (counts[present, None] * dv * dv).sum(dim=0)) / n
-    return max(float((vwv / sb).sum()) / K, 0.0)
+
+    def vmv(Vt):
+        VX = Vt @ Xc.T
+        return (VX * VX).sum(dim=1)
+
+    return _finish.nc1_from_class_means(D, counts[present], float(n), vmv, rtol)
