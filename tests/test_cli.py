@@ -163,7 +163,7 @@ def test_info_and_module_entry_point():
 
 def test_demo_small(tmp_path, capsys):
     pytest.importorskip("sklearn")
-    assert main(["demo", "--steps", "30", "--alphas", "0.1,10", "--out", str(tmp_path)]) == 0
+    assert main(["demo", "--epochs", "2", "--steps", "30", "--alphas", "0.1,10", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "full training (rich)" in out and "target-downscaled sweep" in out
     rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith(("0.1 ", "10 "))]

@@ -408,44 +408,60 @@ def _synthetic(seed: int):
     return X, y, "generated Gaussian clusters (scikit-learn not installed)"
 
 
-def _train_mlp(X, y, Xte, *, width: int, steps: int, train_features: bool, seed: int, lr: float = 0.05):
-    """A 2-layer ReLU network, full-batch gradient descent with momentum on
-    cross-entropy. train_features=False freezes the first layer (lazy)."""
+def _train_mlp(X, y, *, width: int, epochs: int, train_features: bool, seed: int, lr: float = 0.05,
+               batch: int = 128):
+    """A ReLU network with two hidden layers (d -> width -> width -> classes) on
+    standardised inputs, minibatch SGD with momentum on cross-entropy, float32.
+    train_features=False freezes everything but the head at initialisation
+    (lazy). (Full-batch training of one hidden layer on digits barely moved
+    the features: DLR 0.256 rich vs 0.258 lazy.)"""
     rng = np.random.default_rng(seed)
-    X = X.astype(np.float32)  # float32 training: twice as fast, the measurement stays float64
-    n, d = X.shape
+    shift, scale = X.mean(0), X.std(0) + 1e-8
+    Xs = ((X - shift) / scale).astype(np.float32)
+    n, d = Xs.shape
     k = int(y.max()) + 1
-    W1 = (rng.normal(size=(d, width)) * np.sqrt(2.0 / d)).astype(np.float32)
-    b1 = np.zeros(width, np.float32)
-    W2 = (rng.normal(size=(width, k)) * np.sqrt(1.0 / width)).astype(np.float32)
-    b2 = np.zeros(k, np.float32)
-    Y = np.eye(k, dtype=np.float32)[y]
-    params = [W1, b1, W2, b2]
+    dims = [d, width, width, k]
+    Ws = [(rng.normal(size=(i, o)) * np.sqrt(2.0 / i)).astype(np.float32) for i, o in zip(dims[:-1], dims[1:])]
+    Ws[-1] *= np.float32(np.sqrt(0.5))
+    bs = [np.zeros(o, np.float32) for o in dims[1:]]
+    params = Ws + bs
     vel = [np.zeros_like(q) for q in params]
-    for _ in range(steps):
-        Z = X @ W1 + b1
-        H = np.maximum(Z, 0.0)
-        F = H @ W2 + b2
-        P = np.exp(F - F.max(axis=1, keepdims=True))
-        P /= P.sum(axis=1, keepdims=True)
-        G = (P - Y) / n
-        gW2, gb2 = H.T @ G, G.sum(0)
-        grads = [None, None, gW2, gb2]
-        if train_features:
-            GZ = (G @ W2.T) * (Z > 0)
-            grads[0], grads[1] = X.T @ GZ, GZ.sum(0)
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            vel[i] = 0.9 * vel[i] - lr * g
-            params[i] += vel[i]
+    Y = np.eye(k, dtype=np.float32)[y]
+    L = len(Ws)
+    trained = range(L) if train_features else [L - 1]
+    for _ in range(epochs):
+        perm = rng.permutation(n)
+        for s0 in range(0, n, batch):
+            idx = perm[s0:s0 + batch]
+            acts, pre = [Xs[idx]], []
+            for layer in range(L):
+                z = acts[-1] @ Ws[layer] + bs[layer]
+                pre.append(z)
+                acts.append(np.maximum(z, 0.0) if layer < L - 1 else z)
+            P = np.exp(acts[-1] - acts[-1].max(axis=1, keepdims=True))
+            P /= P.sum(axis=1, keepdims=True)
+            G = (P - Y[idx]) / len(idx)
+            grads = {}
+            for layer in range(L - 1, -1, -1):
+                grads[layer] = (acts[layer].T @ G, G.sum(0))
+                if layer == min(trained):
+                    break
+                G = (G @ Ws[layer].T) * (pre[layer - 1] > 0)
+            for layer in trained:
+                for i, g in ((layer, grads[layer][0]), (L + layer, grads[layer][1])):
+                    vel[i] = 0.9 * vel[i] - lr * g
+                    params[i] += vel[i]
+
+    W64 = [w.astype(np.float64) for w in Ws]
+    b64 = [v.astype(np.float64) for v in bs]
 
     def forward(A):
-        A = np.asarray(A, dtype=np.float64)
-        H = np.maximum(A @ W1 + b1, 0.0)
-        return H, H @ W2 + b2
+        H = (np.asarray(A, dtype=np.float64) - shift) / scale
+        for layer in range(L - 1):
+            H = np.maximum(H @ W64[layer] + b64[layer], 0.0)
+        return H, H @ W64[-1] + b64[-1]
 
-    return forward, (W2.T.astype(np.float64), b2.astype(np.float64))
+    return forward, (W64[-1].T, b64[-1])
 
 
 def _train_mse(X, y, *, alpha: float, width: int, steps: int, seed: int, lr: float = 0.05):
@@ -501,15 +517,18 @@ def demo(args: argparse.Namespace) -> int:
     t0 = time.time()
     if args.steps < 1:
         raise UserError(f"--steps must be positive, got {args.steps}")
+    if args.epochs < 1:
+        raise UserError(f"--epochs must be positive, got {args.epochs}")
     data = _load_digits(args.seed) or _synthetic(args.seed)
     X, y, source = data
     split = int(0.7 * len(y))
     Xtr, ytr, Xte, yte = X[:split], y[:split], X[split:], y[split:]
     print(f"data: {source}; {len(ytr)} train / {len(yte)} test samples")
-    print("network: 64 -> 256 ReLU -> 10, full-batch gradient descent with momentum, cross-entropy\n")
+    print("network: 64 -> 256 -> 256 -> 10 ReLU, minibatch SGD with momentum, cross-entropy; "
+          "lazy = only the head trained\n")
     rows, reports = [], {}
     for name, train_features in (("full training (rich)", True), ("last layer only (lazy)", False)):
-        forward, head = _train_mlp(Xtr, ytr, Xte, width=256, steps=args.steps, train_features=train_features,
+        forward, head = _train_mlp(Xtr, ytr, width=256, epochs=args.epochs, train_features=train_features,
                                    seed=args.seed)
         rep, acc = _measure(forward, Xtr, ytr, Xte, yte)
         from . import Moments
@@ -519,10 +538,10 @@ def demo(args: argparse.Namespace) -> int:
         mh.update(Htr, labels=ytr)
         assert abs(rep.dlr - mh.compute(head=head).dlr) < 1e-8  # linear head: streamed == shortcut
         reports[name] = rep
-        rows.append((name, rep.dlr, rep.nc1, acc, rep.effective_dim, rep.utilization[9]))
-    print(f"{'setting':<24} {'DLR':>7} {'NC1':>8} {'test acc':>9} {'eff. dim':>9} {'Pi_hat(C)':>10}")
-    for name, d, nc, acc, eff, u in rows:
-        print(f"{name:<24} {d:7.3f} {nc:8.3f} {acc:9.3f} {eff:9.1f} {u:10.3f}")
+        rows.append((name, rep.dlr, rep.dlr_normalized, rep.nc1, acc, rep.effective_dim, rep.utilization[9]))
+    print(f"{'setting':<24} {'DLR':>7} {'DLR/iso':>8} {'NC1':>8} {'test acc':>9} {'eff. dim':>9} {'Pi_hat(C)':>10}")
+    for name, d, dn, nc, acc, eff, u in rows:
+        print(f"{name:<24} {d:7.3f} {dn:8.3f} {nc:8.3f} {acc:9.3f} {eff:9.1f} {u:10.3f}")
 
     alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else []
     sweep = []
@@ -537,7 +556,8 @@ def demo(args: argparse.Namespace) -> int:
             sweep.append((a, rep.dlr, rep.nc1, acc))
             print(f"{a:8g} {rep.dlr:7.3f} {rep.nc1:8.3f} {acc:9.3f} {rep.effective_dim:9.1f}")
     print("\nDLR: 0 = rich (features collapse onto the learned functions), 1 = lazy (kernel regime).")
-    print(f"isotropic reference 1 - sqrt(C/p) = {1 - np.sqrt(10 / 256):.3f}")
+    print(f"DLR/iso: DLR over what isotropic features of the same n, p and rank give "
+          f"(1 - sqrt(C/p) = {1 - np.sqrt(10 / 256):.3f} as n grows); see docs/READING_DLR.md")
     if not args.no_plots:
         try:
             from . import plot
@@ -583,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="rich vs lazy networks on built-in data, a target-downscaled sweep, plots")
-    d.add_argument("--steps", type=int, default=400, help="training steps per network")
+    d.add_argument("--epochs", type=int, default=20, help="epochs of the rich/lazy classifiers")
+    d.add_argument("--steps", type=int, default=400, help="full-batch steps per network of the alpha sweep")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--alphas", default="0.1,0.3,1,10",
                    help="comma-separated target scales of the sweep ('' to skip it)")
