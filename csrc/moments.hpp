@@ -17,8 +17,27 @@ enum class DType : int { f32 = 0, f64 = 1, f16 = 2, bf16 = 3, i32 = 4, i64 = 5 }
 // Precision of the products (SPEC.md: it sets the rank cut). Larger = coarser.
 enum class Precision : int { fp64 = 0, fp32 = 1, tf32 = 2, bf16 = 3 };
 
-const char* dtype_name(DType d);
-const char* precision_name(Precision p);
+inline const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::f32: return "float32";
+    case DType::f64: return "float64";
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
+  }
+  return "unknown";
+}
+
+inline const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::fp64: return "fp64";
+    case Precision::fp32: return "fp32";
+    case Precision::tf32: return "tf32";
+    case Precision::bf16: return "bf16";
+  }
+  return "unknown";
+}
 
 // A row-major matrix view: element (i, j) lives at ptr[i * ld + j].
 // A vector (labels) is a Matrix with cols == 1 and ld its element stride.
@@ -64,6 +83,35 @@ struct State {
   // rounding; merge order changes results only at rounding level).
   void merge(const State& other);
 };
+
+// Header-inline so that the device backend (which does not link the CPU
+// core) validates imported states with the same rules.
+inline void State::check_consistent() const {
+  auto need = [](bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string("inconsistent state: ") + what);
+  };
+  need(n >= 0, "n is negative");
+  if (n == 0 && p < 0) return;
+  need(p >= 1, "feature width must be positive");
+  need((int64_t)mean.size() == p && (int64_t)M.size() == p * p, "mean/M do not match the feature width");
+  const int64_t cc = c < 0 ? 0 : c, tt = t < 0 ? 0 : t, kk = k < 0 ? 0 : k;
+  need(c == -1 || c >= 1, "output width");
+  need(t == -1 || t >= 1, "target width");
+  need(k == -1 || k >= 0, "class count");
+  need((int64_t)out_mean.size() == cc && (int64_t)B.size() == p * cc && (int64_t)A.size() == cc * cc,
+       "output moments do not match the output width");
+  need((int64_t)tgt_mean.size() == tt && (int64_t)Bt.size() == p * tt && (int64_t)At.size() == tt * tt,
+       "target moments do not match the target width");
+  need((int64_t)class_counts.size() == kk && (int64_t)class_sums.size() == kk * p,
+       "class sums do not match the class count");
+  need(num_classes < 0 || k <= num_classes, "more classes than num_classes");
+  int64_t total = 0;
+  for (int64_t v : class_counts) {
+    need(v >= 0, "negative class count");
+    total += v;
+  }
+  need(k < 0 || total == n, "class counts do not add up to n");
+}
 
 // One batch as the CPU backend sees it.
 struct Batch {

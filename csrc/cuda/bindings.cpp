@@ -8,121 +8,16 @@
 #include <optional>
 #include <tuple>
 
+#include "../state_dict.hpp"
 #include "cuda_moments.hpp"
 
 namespace py = pybind11;
 using namespace richness;
 using richness::cuda::CudaMoments;
 using richness::cuda::Product;
-
-using MatrixArg = std::tuple<uintptr_t, int64_t, int64_t, int64_t, int>;
+using namespace richness::pystate;
 
 namespace {
-
-const char* kPrecisionNames[4] = {"fp64", "fp32", "tf32", "bf16"};
-
-Matrix to_matrix(const MatrixArg& a) {
-  Matrix m;
-  m.ptr = reinterpret_cast<const void*>(std::get<0>(a));
-  m.rows = std::get<1>(a);
-  m.cols = std::get<2>(a);
-  m.ld = std::get<3>(a);
-  const int code = std::get<4>(a);
-  if (code < 0 || code > 5) throw type_error("unknown dtype code " + std::to_string(code));
-  m.dtype = static_cast<DType>(code);
-  return m;
-}
-
-py::array_t<double> array_of(const std::vector<double>& v, std::vector<int64_t> shape) {
-  py::array_t<double> out(shape);
-  std::copy(v.begin(), v.end(), out.mutable_data());
-  return out;
-}
-
-// Same keys and layout as _core.CpuMoments.get_state (symmetric matrices full).
-py::dict export_state(const State& s) {
-  const int64_t p = std::max<int64_t>(s.p, 0), c = std::max<int64_t>(s.c, 0), t = std::max<int64_t>(s.t, 0),
-                k = std::max<int64_t>(s.k, 0);
-  py::dict d;
-  d["n"] = s.n;
-  d["p"] = s.p;
-  d["c"] = s.c;
-  d["t"] = s.t;
-  d["k"] = s.k;
-  d["num_classes"] = s.num_classes;
-  d["precision"] = kPrecisionNames[static_cast<int>(s.precision)];
-  d["mean"] = array_of(s.mean, {p});
-  d["M"] = array_of(s.M, {p, p});
-  d["out_mean"] = array_of(s.out_mean, {c});
-  d["B"] = array_of(s.B, {p, c});
-  d["A"] = array_of(s.A, {c, c});
-  d["tgt_mean"] = array_of(s.tgt_mean, {t});
-  d["Bt"] = array_of(s.Bt, {p, t});
-  d["At"] = array_of(s.At, {t, t});
-  py::array_t<int64_t> counts(k);
-  std::copy(s.class_counts.begin(), s.class_counts.end(), counts.mutable_data());
-  d["class_counts"] = counts;
-  d["class_sums"] = array_of(s.class_sums, {k, p});
-  return d;
-}
-
-std::vector<double> take(const py::dict& d, const char* key, int64_t size) {
-  auto a = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(d[key]);
-  if (!a) throw std::invalid_argument(std::string("state key '") + key + "' is not a float array");
-  if (a.size() != size)
-    throw std::invalid_argument(std::string("state key '") + key + "' has " + std::to_string(a.size()) +
-                                " values, expected " + std::to_string(size));
-  return std::vector<double>(a.data(), a.data() + a.size());
-}
-
-State import_state(const py::dict& d) {
-  State s;
-  s.n = d["n"].cast<int64_t>();
-  s.p = d["p"].cast<int64_t>();
-  s.c = d["c"].cast<int64_t>();
-  s.t = d["t"].cast<int64_t>();
-  s.k = d["k"].cast<int64_t>();
-  s.num_classes = d["num_classes"].cast<int64_t>();
-  const std::string prec = d["precision"].cast<std::string>();
-  bool known = false;
-  for (int code = 0; code <= 3; ++code)
-    if (prec == kPrecisionNames[code]) {
-      s.precision = static_cast<Precision>(code);
-      known = true;
-    }
-  if (!known) throw std::invalid_argument("state key 'precision' is not a known precision: " + prec);
-  auto need = [](bool ok, const char* what) {
-    if (!ok) throw std::invalid_argument(std::string("inconsistent state: ") + what);
-  };
-  need(s.n >= 0, "n is negative");
-  need(s.n == 0 || s.p >= 1, "feature width must be positive");
-  need(s.c == -1 || s.c >= 1, "output width");
-  need(s.t == -1 || s.t >= 1, "target width");
-  need(s.k >= -1, "class count");
-  need(s.num_classes < 0 || s.k <= s.num_classes, "more classes than num_classes");
-  const int64_t p = std::max<int64_t>(s.p, 0), c = std::max<int64_t>(s.c, 0), t = std::max<int64_t>(s.t, 0),
-                k = std::max<int64_t>(s.k, 0);
-  s.mean = take(d, "mean", p);
-  s.M = take(d, "M", p * p);  // full symmetric; the lower half is what is read
-  s.out_mean = take(d, "out_mean", c);
-  s.B = take(d, "B", p * c);
-  s.A = take(d, "A", c * c);
-  s.tgt_mean = take(d, "tgt_mean", t);
-  s.Bt = take(d, "Bt", p * t);
-  s.At = take(d, "At", t * t);
-  s.class_sums = take(d, "class_sums", k * p);
-  auto counts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(d["class_counts"]);
-  if (!counts || counts.size() != k)
-    throw std::invalid_argument("state key 'class_counts' must hold " + std::to_string(k) + " integers");
-  s.class_counts.assign(counts.data(), counts.data() + k);
-  int64_t total = 0;
-  for (int64_t v : s.class_counts) {
-    need(v >= 0, "negative class count");
-    total += v;
-  }
-  need(s.k < 0 || total == s.n, "class counts do not add up to n");
-  return s;
-}
 
 Product product_of(const std::string& name) {
   if (name == "auto") return Product::automatic;
@@ -202,7 +97,7 @@ PYBIND11_MODULE(_cuda, m) {
         d["t"] = self.t();
         d["k"] = self.k();
         d["num_classes"] = self.num_classes();
-        d["precision"] = kPrecisionNames[static_cast<int>(self.precision())];
+        d["precision"] = precision_name(self.precision());
         return d;
       })
       .def(

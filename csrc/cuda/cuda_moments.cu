@@ -55,17 +55,6 @@ struct DeviceGuard {
   }
 };
 
-const char* dtype_str(DType d) {
-  switch (d) {
-    case DType::f32: return "float32";
-    case DType::f64: return "float64";
-    case DType::f16: return "float16";
-    case DType::bf16: return "bfloat16";
-    case DType::i32: return "int32";
-    case DType::i64: return "int64";
-  }
-  return "unknown";
-}
 
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16; }
 
@@ -498,7 +487,7 @@ namespace {
 void check_float_matrix(const Matrix& m, const char* name, int64_t rows, int64_t width) {
   if (!is_float(m.dtype)) {
     Msg os;
-    os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_str(m.dtype);
+    os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_name(m.dtype);
     throw type_error(os.str());
   }
   Msg os;
@@ -519,7 +508,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
                          Precision prec, cudaStream_t stream) {
   if (!is_float(x.dtype)) {
     Msg os;
-    os << "features must be float32, float64, float16 or bfloat16, got " << dtype_str(x.dtype);
+    os << "features must be float32, float64, float16 or bfloat16, got " << dtype_name(x.dtype);
     throw type_error(os.str());
   }
   if (x.rows < 0) throw std::invalid_argument("features: negative row count");
@@ -542,7 +531,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   if (targets) check_float_matrix(*targets, "targets", x.rows, started ? t_ : -1);
   if (labels) {
     if (labels->dtype != DType::i32 && labels->dtype != DType::i64)
-      throw type_error(std::string("labels must be integers (int32 or int64), got ") + dtype_str(labels->dtype));
+      throw type_error(std::string("labels must be integers (int32 or int64), got ") + dtype_name(labels->dtype));
     if (labels->rows != x.rows) {
       Msg os;
       os << "labels has " << labels->rows << " rows but features have " << x.rows;
