@@ -277,10 +277,22 @@ void merge_block(State& s, const Block<T>& b) {
   const int64_t p = s.p;
   std::vector<double> d(p);
   for (int64_t j = 0; j < p; ++j) d[j] = b.mean[j] - s.mean[j];
-  for (int64_t i = 0; i < p; ++i) {
-    double* mi = s.M.data() + i * p;
-    const double fdi = f * d[i];
-    for (int64_t j = 0; j <= i; ++j) mi[j] += sum_parts(b.M, i * p + j) + fdi * d[j];
+  // The p x p triangle is the merge's bulk: split it over the workers by
+  // area (row i holds i + 1 entries, so worker w starts at p sqrt(w / W)).
+  const int64_t workers = std::min<int64_t>(blas_get_num_threads(), p * p / (int64_t(1) << 18) + 1);
+  auto first_row = [&](int64_t w) { return (int64_t)std::llround((double)p * std::sqrt((double)w / workers)); };
+  auto merge_rows = [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      double* mi = s.M.data() + i * p;
+      const double fdi = f * d[i];
+      for (int64_t j = 0; j <= i; ++j) mi[j] += sum_parts(b.M, i * p + j) + fdi * d[j];
+    }
+  };
+  {
+    std::vector<std::thread> pool;
+    for (int64_t w = 1; w < workers; ++w) pool.emplace_back(merge_rows, first_row(w), first_row(w + 1));
+    merge_rows(0, first_row(1));
+    for (auto& t : pool) t.join();
   }
   auto cross = [&](int64_t c, std::vector<double>& mean, const double* bmean, std::vector<double>& Bs,
                    const std::vector<const T*>& Bb, std::vector<double>& As, const std::vector<const T*>& Ab) {
