@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
+from typing import Sequence, Any, Callable, Iterable, List, Optional, Tuple, Union
 
 from ._moments import Moments
 from ._report import Report
@@ -429,12 +429,49 @@ def _is_linear(mod: Any) -> bool:
     return isinstance(mod, nn.Linear)
 
 
+def resolve_layers(model: Any, layers: Optional[Sequence]) -> List[Tuple[str, Any]]:
+    """``(name, module)`` for each entry of ``layers`` (dotted names or submodules)."""
+    if not layers:
+        return []
+    names = {m: n for n, m in model.named_modules()}
+    out = []
+    for entry in layers:
+        if isinstance(entry, str):
+            try:
+                out.append((entry, model.get_submodule(entry)))
+            except AttributeError:
+                raise ValueError(f"layers: the model has no submodule {entry!r}") from None
+        elif entry in names:
+            out.append((names[entry] or type(entry).__name__, entry))
+        else:
+            raise ValueError(f"layers: {type(entry).__name__} is not a submodule of the model")
+    return out
+
+
+def layer_rows(act: Any, n: int, name: str) -> Any:
+    """A layer's output as one row per sample: (batch, C, ...) feature maps are
+    averaged over their spatial positions (channels stay), other shapes are
+    flattened. Layers are profiled per sample, so their batch size must match
+    the head's rows (2-D head inputs)."""
+    if isinstance(act, (tuple, list)):
+        act = act[0]
+    if act.shape[0] != n:
+        raise ValueError(f"layer {name!r} gave {act.shape[0]} rows but the head saw {n} samples "
+                         "(layer profiles need one head row per sample: 2-D head inputs)")
+    if act.ndim > 2:
+        act = act.flatten(2).mean(dim=2)
+    return act.reshape(n, -1)
+
+
 def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = None, precision: Optional[str] = None,
             progress: bool = True, batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all",
-            desc: str = "richness", allow_empty: bool = False) -> Tuple[Moments, Any]:
+            desc: str = "richness", allow_empty: bool = False,
+            layers: Optional[Sequence] = None) -> Tuple[Moments, Any]:
     """One pass over ``loader``: ``(Moments, head module)``. With an ``nn.Linear``
     head only features (and labels) are streamed: DLR then uses the head's
-    weights (SPEC.md linear-head shortcut); other heads stream their outputs."""
+    weights (SPEC.md linear-head shortcut); other heads stream their outputs.
+    With ``layers``, the second item is ``(head module, {name: Moments})``: each
+    listed layer's activations streamed against the model's outputs."""
     torch = require_torch("richness.evaluate")
     check_tokens(tokens)
     resolved = resolve_head(model, head)
@@ -451,6 +488,9 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
         bar = require_tqdm("richness.evaluate")(total=total, unit="sample", unit_scale=True, desc=desc,
                                                  dynamic_ncols=True, leave=False)
     moments = Moments(precision=precision)
+    named_layers = resolve_layers(model, layers)
+    layer_moments = {name: Moments(precision=precision) for name, _ in named_layers}
+    layer_caps = [(name, Capture(mod)) for name, mod in named_layers]
     finder = capture = None
     head_mod = None
     with_labels: Optional[bool] = None
@@ -490,10 +530,15 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
                     if outs is None:
                         raise ValueError(f"the head {type(head_mod).__name__} did not return a tensor")
                     moments.update(feats, outs, **lk)
+                for name, cap in layer_caps:
+                    act = layer_rows(cap.take()[1], feats.shape[0], name)
+                    layer_moments[name].update(act, outs, **lk)
                 del feats, outs, lk
                 if bar is not None:
                     bar.update(batch_size_of(inputs))
     finally:
+        for _, cap in layer_caps:
+            cap.remove()
         if finder is not None:
             finder.remove()
         if capture is not None:
@@ -502,13 +547,15 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
             bar.close()
     if moments.n == 0 and not allow_empty:
         raise ValueError("the loader yielded no samples")
+    if named_layers:
+        return moments, (head_mod, layer_moments)
     return moments, head_mod
 
 
 def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Optional[Iterable] = None,
              device: Any = None, precision: Optional[str] = None, progress: bool = True,
              batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all", distributed: bool = False,
-             rtol: Optional[float] = None) -> Report:
+             rtol: Optional[float] = None, layers: Optional[Sequence] = None) -> Report:
     """DLR, spectrum, curves and NC1 of ``model`` on the samples of ``loader``.
 
     Args:
@@ -536,13 +583,21 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
             ``DistributedSampler``-sharded loaders) before finishing: every rank
             gets the global report.
         rtol: eigenvalue cut (default by precision, SPEC.md).
+        layers: modules (dotted names or submodules) whose activations are also
+            measured, in the same pass, against the span of the model's outputs:
+            ``report.layers`` maps each name to its Report (DLR by depth; the
+            paper reports the strongest low-rank bias at the last layer).
+            Feature maps (batch, C, H, W) are averaged over positions.
 
     Runs under ``torch.no_grad()``; hooks are removed on exit, also after an
     exception; the core's BLAS uses at most ``torch.get_num_threads()``
     threads (one for small batches; see ``BlasThreads``).
     """
     moments, head_mod = collect(model, loader, head=head, device=device, precision=precision, progress=progress,
-                                batch_fn=batch_fn, tokens=tokens, allow_empty=distributed)
+                                batch_fn=batch_fn, tokens=tokens, allow_empty=distributed, layers=layers)
+    layer_moments = {}
+    if layers:
+        head_mod, layer_moments = head_mod
     test = None
     if test_loader is not None:
         test, _ = collect(model, test_loader, head=head_mod, device=device, precision=precision,
@@ -550,12 +605,17 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
                           allow_empty=distributed)
     if distributed:
         moments.all_reduce()
+        for lm in layer_moments.values():
+            lm.all_reduce()
         if test is not None:
             test.all_reduce()
         if moments.n == 0:
             raise ValueError("the loaders of all ranks yielded no samples")
     w = head_mod if _is_linear(head_mod) else None
-    return moments.compute(head=w, test=test, rtol=rtol)
+    report = moments.compute(head=w, test=test, rtol=rtol)
+    if layers:
+        report.layers = {name: lm.compute(rtol=rtol) for name, lm in layer_moments.items()}
+    return report
 
 
 def _warn(msg: str) -> None:

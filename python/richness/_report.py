@@ -42,6 +42,8 @@ class Report:
     dlr_stderr, dlr_interval, dlr_jackknife: delete-one-group jackknife standard
         error, 95% interval and bias-corrected DLR (``compute(uncertainty=True)``
         on a ``Moments(groups=k)``).
+    layers: ``evaluate(..., layers=[...])``: layer name -> Report of that layer's
+        activations against the model's outputs (DLR by depth).
     warnings: plain-language caveats (finite n, rank cut, NC1 precision).
     """
 
@@ -69,6 +71,7 @@ class Report:
     dlr_stderr: Optional[float] = None
     dlr_interval: Optional[tuple] = None
     dlr_jackknife: Optional[float] = None
+    layers: Optional[dict] = None
     warnings: List[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -82,6 +85,8 @@ class Report:
                 v = v.item()
             elif isinstance(v, (list, tuple)):
                 v = list(v)
+            elif isinstance(v, dict):
+                v = {k: (x.to_dict() if isinstance(x, Report) else x) for k, x in v.items()}
             out[f.name] = v
         return out
 

@@ -178,3 +178,26 @@ def sweep(x: Iterable[float], series: Mapping[str, Iterable[float]], prefix: "st
         fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, prefix)
+
+
+def depth(layers: Mapping[str, Report], prefix: "str | os.PathLike", *, title: Optional[str] = None) -> List[str]:
+    """DLR (and its isotropic reference) by depth, from ``evaluate(..., layers=[...]).layers``."""
+    plt = _plt()
+    names = list(layers)
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2), 4))
+    ax.plot(x, [layers[k].dlr for k in names], "o-", color=_COLORS[0], lw=2, label="DLR")
+    iso = [layers[k].dlr_isotropic for k in names]
+    if all(v is not None for v in iso):
+        ax.plot(x, iso, "--", color=_COLORS[1 % len(_COLORS)], lw=1.5, label="isotropic reference")
+    ax.set_xticks(x)
+    ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.set_xlabel("layer (input to output)")
+    ax.set_ylabel("DLR against the output span (0 = rich, 1 = lazy)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    return _save(fig, prefix)
