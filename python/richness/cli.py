@@ -563,7 +563,7 @@ def demo(args: argparse.Namespace) -> int:
             from . import plot
 
             paths = plot.curves(reports, os.path.join(args.out, "curves"),
-                                title="digits, 64-256-10 MLP: rich vs lazy (dashed: held-out)")
+                                title="digits, 64-256-256-10 MLP: rich vs lazy (dashed: held-out)")
             if sweep:
                 a, d, nc, acc = zip(*sweep)
                 paths += plot.sweep(a, {"DLR (0 = rich, 1 = lazy)": d, "NC1": nc, "test accuracy": acc},
