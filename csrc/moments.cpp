@@ -361,25 +361,8 @@ void State::reset() {
 
 void State::merge(const State& o) {
   if (o.p < 0 || o.n == 0) return;
-  if (p >= 0 && n > 0) {
-    auto differ = [](const char* what, int64_t a, int64_t b) {
-      Msg os;
-      os << "cannot merge: " << what << " differ (" << a << " here, " << b << " in the other)";
-      throw std::invalid_argument(os.str());
-    };
-    if (o.p != p) differ("feature widths", p, o.p);
-    if ((o.c < 0) != (c < 0)) throw std::invalid_argument("cannot merge: only one side streamed outputs");
-    if ((o.t < 0) != (t < 0)) throw std::invalid_argument("cannot merge: only one side streamed targets");
-    if ((o.k < 0) != (k < 0)) throw std::invalid_argument("cannot merge: only one side streamed labels");
-    if (c >= 0 && o.c != c) differ("output widths", c, o.c);
-    if (t >= 0 && o.t != t) differ("target widths", t, o.t);
-    if (k >= 0 && num_classes >= 0 && o.k > num_classes) differ("class counts", num_classes, o.k);
-  } else {
-    if (num_classes >= 0 && o.k > num_classes) {
-      Msg os;
-      os << "cannot merge: the other state has " << o.k << " classes, more than num_classes=" << num_classes;
-      throw std::invalid_argument(os.str());
-    }
+  check_mergeable({n, p, c, t, k, num_classes}, {o.n, o.p, o.c, o.t, o.k, o.num_classes});
+  if (p < 0 || n == 0) {
     shape_state(*this, o.p, o.c, o.t, o.k < 0 ? -1 : std::max<int64_t>(o.k, num_classes));
   }
   if (o.k >= 0) grow_classes(*this, o.k);

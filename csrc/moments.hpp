@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "msg.hpp"
+
 namespace richness {
 
 // Element types a batch may come in. Codes are shared with the Python adapter.
@@ -53,6 +55,34 @@ struct Matrix {
 struct type_error : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
+
+// Widths of a state, for the merge compatibility rules both backends share.
+struct Widths {
+  int64_t n, p, c, t, k, num_classes;
+};
+
+// Throws unless a state of widths `a` may absorb one of widths `b` (b is not
+// empty). An empty `a` takes b's widths, within its own num_classes.
+inline void check_mergeable(const Widths& a, const Widths& b) {
+  auto differ = [](const char* what, int64_t x, int64_t y) {
+    Msg os;
+    os << "cannot merge: " << what << " differ (" << x << " here, " << y << " in the other)";
+    throw std::invalid_argument(os.str());
+  };
+  if (a.p >= 0 && a.n > 0) {
+    if (b.p != a.p) differ("feature widths", a.p, b.p);
+    if ((b.c < 0) != (a.c < 0)) throw std::invalid_argument("cannot merge: only one side streamed outputs");
+    if ((b.t < 0) != (a.t < 0)) throw std::invalid_argument("cannot merge: only one side streamed targets");
+    if ((b.k < 0) != (a.k < 0)) throw std::invalid_argument("cannot merge: only one side streamed labels");
+    if (a.c >= 0 && b.c != a.c) differ("output widths", a.c, b.c);
+    if (a.t >= 0 && b.t != a.t) differ("target widths", a.t, b.t);
+    if (a.k >= 0 && a.num_classes >= 0 && b.k > a.num_classes) differ("class counts", a.num_classes, b.k);
+  } else if (a.num_classes >= 0 && b.k > a.num_classes) {
+    Msg os;
+    os << "cannot merge: the other state has " << b.k << " classes, more than num_classes=" << a.num_classes;
+    throw std::invalid_argument(os.str());
+  }
+}
 
 // The float64 state at rest. Symmetric matrices (M, A, At) are kept in their
 // lower triangle (row-major, i >= j); export_symmetric fills the rest.

@@ -961,25 +961,8 @@ void CudaMoments::merge(CudaMoments& other) {
     return;
   }
   const int64_t here = n();
-  if (p_ >= 0 && here > 0) {
-    auto differ = [](const char* what, int64_t a, int64_t b) {
-      Msg os;
-      os << "cannot merge: " << what << " differ (" << a << " here, " << b << " in the other)";
-      throw std::invalid_argument(os.str());
-    };
-    if (other.p_ != p_) differ("feature widths", p_, other.p_);
-    if ((other.c_ < 0) != (c_ < 0)) throw std::invalid_argument("cannot merge: only one side streamed outputs");
-    if ((other.t_ < 0) != (t_ < 0)) throw std::invalid_argument("cannot merge: only one side streamed targets");
-    if ((other.k_ < 0) != (k_ < 0)) throw std::invalid_argument("cannot merge: only one side streamed labels");
-    if (c_ >= 0 && other.c_ != c_) differ("output widths", c_, other.c_);
-    if (t_ >= 0 && other.t_ != t_) differ("target widths", t_, other.t_);
-    if (k_ >= 0 && num_classes_ >= 0 && other.k_ > num_classes_) differ("class counts", num_classes_, other.k_);
-  } else {
-    if (num_classes_ >= 0 && other.k_ > num_classes_) {
-      Msg os;
-      os << "cannot merge: the other state has " << other.k_ << " classes, more than num_classes=" << num_classes_;
-      throw std::invalid_argument(os.str());
-    }
+  check_mergeable({here, p_, c_, t_, k_, num_classes_}, {on, other.p_, other.c_, other.t_, other.k_, other.num_classes_});
+  if (p_ < 0 || here == 0) {
     DeviceGuard g(device_);
     CUDA_CHECK(cudaDeviceSynchronize());
     free_all();

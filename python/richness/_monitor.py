@@ -568,30 +568,6 @@ class _PendingCapture:
         self.handle.remove()
 
 
-def _grad_enabled() -> bool:
-    import torch
-
-    return torch.is_grad_enabled()
-
-
-class _PendingCapture:
-    """Forward hook on the head: queues (features, outputs) of the training
-    forwards of window steps until ``Monitor.step`` consumes them."""
-
-    def __init__(self, module: Any, mon: Monitor) -> None:
-        self.mon = mon
-        self.handle = module.register_forward_hook(self._hook)
-
-    def _hook(self, mod, args, out) -> None:
-        mon = self.mon
-        # training forwards run with gradients; validation under no_grad is skipped
-        if mon._active and args and _grad_enabled():
-            mon._pending.append((args[0].detach(), out.detach() if hasattr(out, "detach") else out))
-
-    def remove(self) -> None:
-        self.handle.remove()
-
-
 def _batch_nc1(Xc: Any, labels: Any, rtol: float) -> Optional[float]:
     """NC1 of one batch (SPEC.md, Papyan et al.) from its centered float64
     features ``Xc`` (n x p): class means of Xc are m_k - mu, and
