@@ -136,9 +136,6 @@ inline int64_t label_at(const Matrix& y, int64_t i) {
   return static_cast<const int64_t*>(y.ptr)[i * y.ld];
 }
 
-bool is_float(DType d) {
-  return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16;
-}
 
 // Column means in float64 (SPEC: the batch mean is never formed in a narrower
 // type). Also the finiteness check: a finite sum of finite values is finite,
@@ -168,35 +165,6 @@ int64_t count_nonfinite(const Matrix& m) {
   return bad;
 }
 
-void check_float_shape(const Matrix& m, const char* name, int64_t rows, int64_t width,
-                       const char* width_source) {
-  if (!is_float(m.dtype)) {
-    Msg os;
-    os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_name(m.dtype);
-    throw type_error(os.str());
-  }
-  if (m.cols < 1) {
-    Msg os;
-    os << name << " must have at least one column, got shape (" << m.rows << ", " << m.cols << ")";
-    throw std::invalid_argument(os.str());
-  }
-  if (m.rows != rows) {
-    Msg os;
-    os << name << " has " << m.rows << " rows but features have " << rows;
-    throw std::invalid_argument(os.str());
-  }
-  if (width >= 0 && m.cols != width) {
-    Msg os;
-    os << name << " have " << m.cols << " columns but " << width_source << " " << width;
-    throw std::invalid_argument(os.str());
-  }
-  if (m.rows > 1 && m.ld < m.cols) {
-    Msg os;
-    os << name << ": row stride " << m.ld << " is smaller than the width " << m.cols;
-    throw std::invalid_argument(os.str());
-  }
-  if (m.rows > 0 && m.ptr == nullptr) throw std::invalid_argument(std::string(name) + ": null pointer");
-}
 
 // Float64 column means, which double as the finiteness check: a finite sum
 // of finite values is finite, so only a non-finite sum needs the count.
@@ -384,46 +352,6 @@ void State::merge(const State& o) {
 
 // ---- validation -----------------------------------------------------------
 
-void validate_batch(const State& s, const Batch& b) {
-  const Matrix& x = b.features;
-  if (!is_float(x.dtype)) {
-    Msg os;
-    os << "features must be float32, float64, float16 or bfloat16, got " << dtype_name(x.dtype);
-    throw type_error(os.str());
-  }
-  if (x.rows < 0) throw std::invalid_argument("features: negative row count");
-  const bool started = s.p >= 0;
-  if (started) {
-    auto stream = [](bool had, bool has, const char* name) {
-      if (had && !has)
-        throw std::invalid_argument(std::string("this Moments streamed ") + name + " before; pass " + name +
-                                    "= on every update");
-      if (!had && has)
-        throw std::invalid_argument(std::string("this Moments was started without ") + name +
-                                    "; a stream cannot be added later (use a new Moments)");
-    };
-    stream(s.c >= 0, b.outputs != nullptr, "outputs");
-    stream(s.t >= 0, b.targets != nullptr, "targets");
-    stream(s.k >= 0, b.labels != nullptr, "labels");
-  }
-  check_float_shape(x, "features", x.rows, started ? s.p : -1, "earlier updates had");
-  if (b.outputs) check_float_shape(*b.outputs, "outputs", x.rows, started ? s.c : -1, "earlier updates had");
-  if (b.targets) check_float_shape(*b.targets, "targets", x.rows, started ? s.t : -1, "earlier updates had");
-  if (b.labels) {
-    const Matrix& y = *b.labels;
-    if (y.dtype != DType::i32 && y.dtype != DType::i64) {
-      Msg os;
-      os << "labels must be integers (int32 or int64), got " << dtype_name(y.dtype);
-      throw type_error(os.str());
-    }
-    if (y.rows != x.rows) {
-      Msg os;
-      os << "labels has " << y.rows << " rows but features have " << x.rows;
-      throw std::invalid_argument(os.str());
-    }
-    if (y.rows > 0 && y.ptr == nullptr) throw std::invalid_argument("labels: null pointer");
-  }
-}
 
 // Without num_classes the class arrays grow to the largest label; a stray
 // huge label would silently allocate gigabytes of class sums, so growth past
@@ -454,7 +382,8 @@ void CpuMoments::update(const Batch& b, Precision precision) {
   if (precision == Precision::tf32 || precision == Precision::bf16)
     throw std::invalid_argument(std::string("precision '") + precision_name(precision) +
                                 "' needs the CUDA backend; the CPU multiplies in fp32 or fp64");
-  validate_batch(state_, b);
+  const State& s = state_;
+  validate_batch({s.n, s.p, s.c, s.t, s.k, s.num_classes}, b);
   if (b.features.rows == 0) return;
   // Value checks read the data once; their float64 means are the batch means.
   BatchMeans means;

@@ -151,11 +151,84 @@ struct Batch {
   const Matrix* targets = nullptr;
 };
 
-// Validates a batch's shapes, widths, dtypes and streams against a state,
-// reading no data (so a device backend can use it without a sync). Throws
-// with a message naming the offending input. Values (finiteness, label
+inline bool is_float(DType d) {
+  return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16;
+}
+
+inline void check_float_shape(const Matrix& m, const char* name, int64_t rows, int64_t width) {
+  if (!is_float(m.dtype)) {
+    Msg os;
+    os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_name(m.dtype);
+    throw type_error(os.str());
+  }
+  if (m.cols < 1) {
+    Msg os;
+    os << name << " must have at least one column, got shape (" << m.rows << ", " << m.cols << ")";
+    throw std::invalid_argument(os.str());
+  }
+  if (m.rows != rows) {
+    Msg os;
+    os << name << " has " << m.rows << " rows but features have " << rows;
+    throw std::invalid_argument(os.str());
+  }
+  if (width >= 0 && m.cols != width) {
+    Msg os;
+    os << name << " have " << m.cols << " columns but earlier updates had " << width;
+    throw std::invalid_argument(os.str());
+  }
+  if (m.rows > 1 && m.ld < m.cols) {
+    Msg os;
+    os << name << ": row stride " << m.ld << " is smaller than the width " << m.cols;
+    throw std::invalid_argument(os.str());
+  }
+  if (m.rows > 0 && m.ptr == nullptr) throw std::invalid_argument(std::string(name) + ": null pointer");
+}
+
+// Validates a batch's shapes, widths, dtypes and streams against a state's
+// widths, reading no data, so the device backend uses it without a sync.
+// Throws with a message naming the offending input. Values (finiteness, label
 // range) are each backend's to check before anything is merged.
-void validate_batch(const State& s, const Batch& b);
+inline void validate_batch(const Widths& s, const Batch& b) {
+  const Matrix& x = b.features;
+  if (!is_float(x.dtype)) {
+    Msg os;
+    os << "features must be float32, float64, float16 or bfloat16, got " << dtype_name(x.dtype);
+    throw type_error(os.str());
+  }
+  if (x.rows < 0) throw std::invalid_argument("features: negative row count");
+  const bool started = s.p >= 0;
+  if (started) {
+    auto stream = [](bool had, bool has, const char* name) {
+      if (had && !has)
+        throw std::invalid_argument(std::string("this Moments streamed ") + name + " before; pass " + name +
+                                    "= on every update");
+      if (!had && has)
+        throw std::invalid_argument(std::string("this Moments was started without ") + name +
+                                    "; a stream cannot be added later (use a new Moments)");
+    };
+    stream(s.c >= 0, b.outputs != nullptr, "outputs");
+    stream(s.t >= 0, b.targets != nullptr, "targets");
+    stream(s.k >= 0, b.labels != nullptr, "labels");
+  }
+  check_float_shape(x, "features", x.rows, started ? s.p : -1);
+  if (b.outputs) check_float_shape(*b.outputs, "outputs", x.rows, started ? s.c : -1);
+  if (b.targets) check_float_shape(*b.targets, "targets", x.rows, started ? s.t : -1);
+  if (b.labels) {
+    const Matrix& y = *b.labels;
+    if (y.dtype != DType::i32 && y.dtype != DType::i64) {
+      Msg os;
+      os << "labels must be integers (int32 or int64), got " << dtype_name(y.dtype);
+      throw type_error(os.str());
+    }
+    if (y.rows != x.rows) {
+      Msg os;
+      os << "labels has " << y.rows << " rows but features have " << x.rows;
+      throw std::invalid_argument(os.str());
+    }
+    if (y.rows > 0 && y.ptr == nullptr) throw std::invalid_argument("labels: null pointer");
+  }
+}
+
 
 // Float64 column means of a batch's float inputs (the CPU computes them
 // while checking finiteness).

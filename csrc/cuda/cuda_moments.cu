@@ -56,7 +56,6 @@ struct DeviceGuard {
 };
 
 
-bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16; }
 
 // ---- element conversion -----------------------------------------------------
 
@@ -484,21 +483,6 @@ void CudaMoments::order_after_last(cudaStream_t stream) {
 
 namespace {
 
-void check_float_matrix(const Matrix& m, const char* name, int64_t rows, int64_t width) {
-  if (!is_float(m.dtype)) {
-    Msg os;
-    os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_name(m.dtype);
-    throw type_error(os.str());
-  }
-  Msg os;
-  if (m.cols < 1) os << name << " must have at least one column, got shape (" << m.rows << ", " << m.cols << ")";
-  else if (m.rows != rows) os << name << " has " << m.rows << " rows but features have " << rows;
-  else if (width >= 0 && m.cols != width) os << name << " have " << m.cols << " columns but earlier updates had " << width;
-  else if (m.ld < m.cols) os << name << ": row stride " << m.ld << " is smaller than the width " << m.cols;
-  else if (m.rows > 0 && m.ptr == nullptr) os << name << ": null pointer";
-  const std::string msg = os.str();
-  if (!msg.empty()) throw std::invalid_argument(msg);
-}
 
 }  // namespace
 
@@ -506,39 +490,13 @@ void check_float_matrix(const Matrix& m, const char* name, int64_t rows, int64_t
 
 void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
                          Precision prec, cudaStream_t stream) {
-  if (!is_float(x.dtype)) {
-    Msg os;
-    os << "features must be float32, float64, float16 or bfloat16, got " << dtype_name(x.dtype);
-    throw type_error(os.str());
-  }
-  if (x.rows < 0) throw std::invalid_argument("features: negative row count");
+  Batch batch;
+  batch.features = x;
+  batch.outputs = outputs;
+  batch.labels = labels;
+  batch.targets = targets;
+  validate_batch({0, p_, c_, t_, k_, num_classes_}, batch);  // widths and shapes only (n unread): no sync
   const bool started = p_ >= 0;
-  if (started) {
-    auto stream_check = [](bool had, bool has, const char* name) {
-      if (had && !has)
-        throw std::invalid_argument(std::string("this Moments streamed ") + name + " before; pass " + name +
-                                    "= on every update");
-      if (!had && has)
-        throw std::invalid_argument(std::string("this Moments was started without ") + name +
-                                    "; a stream cannot be added later (use a new Moments)");
-    };
-    stream_check(c_ >= 0, outputs != nullptr, "outputs");
-    stream_check(t_ >= 0, targets != nullptr, "targets");
-    stream_check(k_ >= 0, labels != nullptr, "labels");
-  }
-  check_float_matrix(x, "features", x.rows, started ? p_ : -1);
-  if (outputs) check_float_matrix(*outputs, "outputs", x.rows, started ? c_ : -1);
-  if (targets) check_float_matrix(*targets, "targets", x.rows, started ? t_ : -1);
-  if (labels) {
-    if (labels->dtype != DType::i32 && labels->dtype != DType::i64)
-      throw type_error(std::string("labels must be integers (int32 or int64), got ") + dtype_name(labels->dtype));
-    if (labels->rows != x.rows) {
-      Msg os;
-      os << "labels has " << labels->rows << " rows but features have " << x.rows;
-      throw std::invalid_argument(os.str());
-    }
-    if (labels->rows > 0 && labels->ptr == nullptr) throw std::invalid_argument("labels: null pointer");
-  }
   if (x.rows == 0) return;
 
   DeviceGuard g(device_);
