@@ -56,14 +56,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     plt = C.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    xs = range(len(runs))
     names = ["without BN" if not r["bn"] else "with BN" for r in runs]
-    axes[0].bar([x - 0.2 for x in xs], [r["dlr"] for r in runs], 0.4, label="DLR")
-    axes[0].bar([x + 0.2 for x in xs], [r["test_acc"] for r in runs], 0.4, label="test accuracy")
-    axes[0].set_xticks(list(xs))
-    axes[0].set_xticklabels(names)
-    axes[0].set_ylim(0, 1)
-    axes[0].legend(fontsize=8)
+    C.dlr_accuracy_bars(axes[0], runs, names)
     for r, nm in zip(runs, names):
         axes[1].plot(range(1, len(r["losses"]) + 1), r["losses"], "o-", label=nm)
     axes[1].set_xlabel("epoch")

@@ -313,6 +313,18 @@ def pyplot() -> Any:
     return plt
 
 
+def dlr_accuracy_bars(ax: Any, runs: Sequence[Dict[str, Any]], labels: Sequence[str], *,
+                      dlr_label: str = "DLR") -> None:
+    """Side-by-side bars of DLR and test accuracy, one pair per run."""
+    xs = range(len(runs))
+    ax.bar([x - 0.2 for x in xs], [r["dlr"] for r in runs], 0.4, label=dlr_label)
+    ax.bar([x + 0.2 for x in xs], [r["test_acc"] for r in runs], 0.4, label="test accuracy")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(list(labels))
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+
+
 def save_figure(fig: Any, args: argparse.Namespace, name: str) -> str:
     """Write ``fig`` to ``<out>/<name>[_tag].png`` and close it; returns the path."""
     path = os.path.join(args.out, f"{stem(args, name)}.png")

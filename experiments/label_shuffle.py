@@ -82,13 +82,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     plt = C.pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    xs = range(len(runs))
-    ax.bar([x - 0.2 for x in xs], [r["dlr"] for r in runs], 0.4, label="DLR")
-    ax.bar([x + 0.2 for x in xs], [r["test_acc"] for r in runs], 0.4, label="test accuracy")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([f"{r['labels']} labels" for r in runs])
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+    C.dlr_accuracy_bars(ax, runs, [f"{r['labels']} labels" for r in runs])
     ax.set_title(f"MNIST {args.arch}, true vs shuffled labels")
     C.save_figure(fig, args, NAME)
     return payload

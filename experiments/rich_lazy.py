@@ -78,13 +78,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     plt = C.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     labels = [f"{r['arch']}\n{r['mode']}" for r in runs]
-    xs = range(len(runs))
-    axes[0].bar([x - 0.2 for x in xs], [r["dlr"] for r in runs], 0.4, label="DLR (0 rich, 1 lazy)")
-    axes[0].bar([x + 0.2 for x in xs], [r["test_acc"] for r in runs], 0.4, label="test accuracy")
-    axes[0].set_xticks(list(xs))
-    axes[0].set_xticklabels(labels)
-    axes[0].set_ylim(0, 1)
-    axes[0].legend(fontsize=8)
+    C.dlr_accuracy_bars(axes[0], runs, labels, dlr_label="DLR (0 rich, 1 lazy)")
     axes[0].set_title("full training (rich) vs last layer only (lazy)")
     for r in runs:
         u = r["utilization"]
