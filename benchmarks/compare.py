@@ -608,6 +608,14 @@ def plots(res: dict, out_dir: str) -> list:
     import matplotlib.pyplot as plt
 
     made = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
     sc = res.get("scaling")
     if sc:
         for label in ("n", "p", "C"):
@@ -636,11 +644,7 @@ def plots(res: dict, out_dir: str) -> list:
                 ax.grid(True, which="both", alpha=0.3)
             axes[0].legend(fontsize=8)
             fig.suptitle(f"scaling with {label} (CPU, float32 inputs)")
-            fig.tight_layout()
-            path = os.path.join(out_dir, f"scaling_{label}.png")
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            made.append(path)
+            save(fig, f"scaling_{label}.png")
     h = res.get("h2h")
     if h:
         fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -660,11 +664,7 @@ def plots(res: dict, out_dir: str) -> list:
             ax.grid(True, which="both", alpha=0.3)
         axes[0].legend(fontsize=7)
         fig.suptitle(f"linear CKA(features, orthonormalised centered outputs), n={h['n']}, p={h['p']}, C={h['C']}")
-        fig.tight_layout()
-        path = os.path.join(out_dir, "h2h.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        save(fig, "h2h.png")
     pr = res.get("precision")
     if pr:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -679,11 +679,7 @@ def plots(res: dict, out_dir: str) -> list:
         ax.set_ylabel("|DLR - float64 reference|")
         ax.set_title("precision vs speed (circles: mean 0.5; squares: mean 1e4, spread 1e-2)")
         ax.grid(True, which="both", alpha=0.3)
-        fig.tight_layout()
-        path = os.path.join(out_dir, "precision.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        save(fig, "precision.png")
     fi = res.get("finish")
     if fi:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -702,11 +698,7 @@ def plots(res: dict, out_dir: str) -> list:
             ax.grid(True, which="both", alpha=0.3)
         axes[0].legend(fontsize=8)
         fig.suptitle("finishing: compute() time (float64, numpy BLAS)")
-        fig.tight_layout()
-        path = os.path.join(out_dir, "finish.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        save(fig, "finish.png")
     return made
 
 
