@@ -108,8 +108,9 @@ def checks(dev: torch.device) -> dict:
     out["monitor_window_record"] = mon2.history[0]
     if dev.type == "cuda":
         # Host synchronisations inside Monitor.step (the training loop's side):
-        # the one-batch path (every=1) and the Moments path's update (window=10).
-        for name, cfg in (("every=1", dict(every=1)), ("window update", dict(every=10, window=10))):
+        # the one-batch path (every=1; lag=2 so that steps 2 and 4 also reduce a
+        # group) and the Moments path's update (window=10).
+        for name, cfg in (("every=1", dict(every=1, lag=2)), ("window update", dict(every=10, window=10))):
             with richness.Monitor(model, **cfg) as mon3:
                 msg = "none"
                 for s in range(4):

@@ -547,7 +547,7 @@ def test_monitor_one_batch_windows_match_oracle_and_moments_path(dtype, tol, mon
         return mon.history
 
     fast = run()
-    monkeypatch.setattr(richness.Monitor, "_batch_path_fits", lambda self, feats: False)
+    monkeypatch.setattr(richness.Monitor, "_batch_path_fits", lambda self, *args: False)
     slow = run()
     for s, (a, b) in enumerate(zip(fast, slow)):
         with torch.no_grad():
@@ -573,6 +573,97 @@ def test_monitor_ignores_no_grad_forwards_and_counts_eval_mode_training():
     H, F = acts(model, X)
     assert mon.history[0]["n"] == 96
     assert abs(mon.history[0]["dlr"] - dlr_naive(H, F)[0]) < 1e-5
+
+
+def _one_batch_records(lag, sizes, dtype=torch.float64, seed=0, labels=True):
+    """A head-only model fed inputs we own: every step's record against the
+    oracle on a copy taken at that step; the inputs are zeroed in place after
+    each step (a monitor that kept references instead of copies would see it)."""
+    torch.manual_seed(seed)
+    head = nn.Linear(64, 5).to(dtype)
+    seen, want = [], []
+    with richness.Monitor(head, every=1, lag=lag) as mon:
+        for s, n in enumerate(sizes):
+            X = torch.randn(n, 64, dtype=dtype) + 3.0
+            y = torch.randint(0, 5, (n,))
+            with torch.no_grad():
+                F = head(X)
+            H = X.double().numpy().copy()
+            want.append((dlr_naive(H, F.double().numpy()), nc1_naive(H, y.numpy()) if labels else None, n))
+            with torch.enable_grad():
+                head(X.requires_grad_(False))
+            mon.step(labels=y if labels else None)
+            X.zero_()  # the monitor holds copies
+            seen.append(len(mon.history))
+            with torch.no_grad():
+                head.weight.add_(0.05 * torch.randn_like(head.weight))  # the function moves each step
+    return mon.history, want, seen
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_monitor_grouped_one_batch_records_match_oracle_in_step_order(dtype, tol):
+    sizes = [32] * 21 + [20, 20] + [80] + [32] * 3  # a smaller batch, a batch with n >= p (Moments path)
+    hist, want, seen = _one_batch_records(8, sizes, dtype)
+    assert [r["step"] for r in hist] == list(range(1, len(sizes) + 1))
+    for rec, ((d, r), nc1, n) in zip(hist, want):
+        assert rec["n"] == n and rec["rank"] == r
+        assert abs(rec["dlr"] - d) < tol
+        assert abs(rec["nc1"] - nc1) < 10 * tol * nc1
+    # records arrive at most `lag` steps late, and the first group waits for 8 steps
+    assert seen[:7] == [0] * 7 and seen[7] == 8
+    assert all(s >= i + 1 - 8 for i, s in enumerate(seen))
+    assert seen[23] == 24  # the n >= p step emits at once, after the queued ones
+
+
+def test_monitor_lag_one_equals_grouped():
+    a, want, seen = _one_batch_records(1, [32] * 6, labels=False)
+    b, _, _ = _one_batch_records(16, [32] * 6, labels=False)
+    assert seen == [1, 2, 3, 4, 5, 6]
+    for ra, rb, ((d, r), _, _) in zip(a, b, want):
+        assert ra["nc1"] is None and rb["nc1"] is None
+        assert ra["rank"] == rb["rank"] == r
+        assert abs(ra["dlr"] - rb["dlr"]) < 1e-12 and abs(ra["dlr"] - d) < 1e-10
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 5e-3)])
+def test_monitor_one_batch_centering_survives_a_large_mean(dtype, tol):
+    # SPEC.md: float32 features with a mean of 1e4 and a spread of 1e-2 give DLR to
+    # 1e-6 (one-pass float32 centering gives 6e-2); bfloat16 features (spacing 64
+    # near 1e4 cannot hold that case) with a mean of 10 and a spread of 1.
+    torch.manual_seed(0)
+    head = nn.Linear(64, 5)
+    mean, spread = (1e4, 1e-2) if dtype == torch.float32 else (10.0, 1.0)
+    want = []
+    with richness.Monitor(head, every=1, lag=4) as mon:
+        for _ in range(6):
+            X = (mean + spread * torch.randn(40, 64) @ torch.randn(64, 64) / 8).to(dtype)
+            F = torch.randn(40, 5) + X[:, :5].float() / spread
+            H = X.double().numpy()
+            want.append(dlr_naive(H, F.double().numpy()))
+            mon._pending.append((X, F))  # what the head hook captures: input and output
+            mon.step()
+    assert len(mon.history) == 6
+    for rec, (d, r) in zip(mon.history, want):
+        assert rec["rank"] == r
+        assert abs(rec["dlr"] - d) < tol
+
+
+def test_monitor_group_flush_and_bad_lag():
+    model, _, _ = make()
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="lag"):
+            richness.Monitor(model, lag=bad)
+    torch.manual_seed(0)
+    head = nn.Linear(64, 5).double()
+    mon = richness.Monitor(head, every=1, lag=100)
+    for _ in range(3):
+        head(torch.randn(16, 64, dtype=torch.float64))
+        mon.step()
+    assert mon.history == []
+    mon.flush()
+    assert [r["step"] for r in mon.history] == [1, 2, 3]
+    mon.close()
+    assert len(mon.history) == 3
 
 
 def test_monitor_one_batch_labels_outside_head_range_give_no_nc1():

@@ -4,9 +4,12 @@ Window mode (default): a forward hook on the head captures the training
 batches of the last ``window`` steps before every ``every``-th step; each
 ``step()`` feeds the captured batch to a ``Moments`` and drops it; at every
 ``every``-th step DLR (and NC1 with labels) is finished from the window and
-emitted. Probe mode (``probe=``): every ``every`` steps a fixed probe set is
-evaluated in eval mode (train mode restored after) and its full report
-emitted.
+emitted. Windows of one batch with fewer samples than features (every=1)
+take a cheaper exact route: each step's head input and output are copied into
+a buffer, and groups of up to ``lag`` steps are reduced at once from the n x n
+Gram of each batch (``_BatchGroup``). Probe mode (``probe=``): every ``every``
+steps a fixed probe set is evaluated in eval mode (train mode restored after)
+and its full report emitted.
 
 The only host synchronisation is at emission (finishing the state); ``update``
 never calls ``.item()`` or copies to the host (on a GPU the CUDA backend runs
@@ -154,6 +157,14 @@ class Monitor:
         distributed: merge the window (or probe) state of all ranks
             (``Moments.all_reduce``) at each emission, so every rank emits the
             global value; every rank must call ``step()`` equally often.
+        lag: one-batch windows (``window=1`` with fewer samples than
+            features, as with ``every=1``) are computed exactly from the n x n
+            Gram of each batch, in groups of up to ``lag`` steps with batched
+            products; their records arrive up to ``lag`` steps late. Grouping
+            is what keeps every=1 cheap (the per-step cost is one copy of the
+            head's input and output); ``lag=1`` computes each at its own step.
+            The buffered inputs of a group are capped at 32 MiB (its
+            reduction's scratch takes about as much again).
 
     Use as a context manager (hooks removed on exit) and call ``step(labels)``
     after every optimizer step. Window mode captures the head's forwards that
@@ -173,7 +184,7 @@ class Monitor:
     def __init__(self, model: Any, head: Any = None, *, every: int = 100, window: Optional[int] = None,
                  probe: Any = None, log: Any = None, precision: Optional[str] = None, tokens: Any = "all",
                  batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness",
-                 distributed: bool = False) -> None:
+                 distributed: bool = False, lag: int = 16) -> None:
         torch = require_torch("richness.Monitor")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -183,6 +194,8 @@ class Monitor:
             window = min(10, every)
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= every:
             raise ValueError(f"window must be an integer in [1, every={every}], got {window!r}")
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+            raise ValueError(f"lag must be a positive integer, got {lag!r}")
         check_tokens(tokens)
         self.model = model
         self.every, self.window = every, window
@@ -196,7 +209,9 @@ class Monitor:
         self._sinks = _make_sinks(log, prefix)
         self._moments = Moments(precision=precision)
         self._pending: list = []
-        self._batch: Optional[tuple] = None  # a one-batch window kept for _batch_emit
+        self.lag = lag
+        self._group: Optional[_BatchGroup] = None  # one-batch windows waiting for one batched reduction
+        self._deferred = False  # this step's window went to the group
         self._inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
         self._classes: Optional[int] = None
         self._window_labels: Optional[bool] = None
@@ -250,9 +265,11 @@ class Monitor:
     def step(self, labels: Any = None) -> Optional[dict]:
         """Count one optimizer step; ``labels`` are those of the step's batch
         (integer classes, or float targets). Returns the record when this step
-        emitted one, else None. On a GPU, records of one-batch windows are
-        finished without waiting for the device: they reach ``history`` and the
-        sinks at a later ``step()`` (``flush()`` or closing waits for them)."""
+        emitted one, else None. Records of one-batch windows (``window=1`` with
+        fewer samples than features, as with ``every=1``) are computed in groups
+        of up to ``lag`` steps and reach ``history`` and the sinks at most
+        ``lag`` steps later (a few more on a GPU, where they are finished without
+        waiting for the device); ``flush()`` or closing emits the rest."""
         if self._closed:
             raise RuntimeError("this Monitor is closed")
         if self._inflight:
@@ -261,15 +278,18 @@ class Monitor:
         rec = None
         try:
             if self.probe is None and self._pending:
-                self._flush(labels)
+                self._consume(labels)
         finally:
             self._pending = []
         if self.steps % self.every == 0:
             rec = self._emit()
+        g = self._group
+        if g is not None and g.metas and (len(g.metas) >= g.capacity or self.steps - g.metas[0][0] + 1 >= self.lag):
+            self._reduce_group()
         self._active = self.probe is None and self._is_window_step(self.steps + 1)
         return rec
 
-    def _flush(self, labels: Any) -> None:
+    def _consume(self, labels: Any) -> None:
         import torch
 
         rows = [select_rows(x, y, None, tokens=self.tokens) for x, y in self._pending]
@@ -289,8 +309,8 @@ class Monitor:
             self._window_labels = has
         elif self._window_labels != has:
             raise ValueError("Monitor.step got labels on some steps of a window and none on others")
-        if self._batch_path_fits(feats):
-            self._batch = (feats, outs, lk.get("labels"))
+        if self._batch_path_fits(feats, outs):
+            self._defer(feats, outs, lk.get("labels"))
             return
         self._threads.set_for(feats)
         if self._uses_weights():
@@ -300,116 +320,68 @@ class Monitor:
                 raise ValueError(f"the head {type(self._head).__name__} did not return a tensor")
             self._moments.update(feats, outs, **lk)
 
-    def _batch_path_fits(self, feats: Any) -> bool:
+    def _batch_path_fits(self, feats: Any, outs: Any) -> bool:
         """A window of one batch with fewer rows than features (every=1 with a
         training batch of 128 and p = 512): its exact moments come cheaper from
         the n x n Gram, O(n^2 p), than from the p x p update, O(n p^2)."""
         n, p = int(feats.shape[0]), int(feats.shape[1])
-        return (self.window == 1 and not self.distributed and 2 <= n < p
-                and self.precision in (None, "fp32", "fp64") and self._moments.n == 0)
+        return (self.window == 1 and not self.distributed and 2 <= n < p and outs is not None
+                and not self._uses_weights() and self.precision in (None, "fp32", "fp64")
+                and self._moments.n == 0)
 
-    def _batch_emit(self) -> Optional[dict]:
-        """Emit the one-batch window in ``self._batch`` without a host sync.
-
-        The device reduces the batch to a handful of small matrices (SPEC.md's
-        quantities, rewritten so that nothing of size p or n leaves the device):
-        ||M||_F = ||Xc Xc^T||_F; tr(B A^+ B^T) from A = Fc^T Fc and
-        Q = B^T B (C x C, B = Xc^T Fc); for NC1 the class counts, D D^T and
-        D M D^T = (Xc D^T)^T (Xc D^T), D the class means of Xc (K x K). The batch
-        mean is taken in float64 and subtracted before the products, which run
-        in float32 unless every input is float64 (the core's rule). On a GPU
-        they are copied to pinned host memory behind a CUDA event and the record
-        is finished by a later ``step()`` (or ``flush()``), once the event has
-        passed: the training loop never waits. On the CPU the record is
-        finished at once and returned. tests/test_integration.py checks both
-        paths against the n x n oracle and the Moments path."""
+    def _defer(self, feats: Any, outs: Any, labels: Any) -> None:
+        """Queue this step's one-batch window in the group (see ``_BatchGroup``)."""
         import torch
 
-        feats, outs, labels = self._batch
-        self._batch = None
-        weights = self._uses_weights()
-        all64 = feats.dtype == torch.float64 and (weights or outs is None or outs.dtype == torch.float64)
-        prec = self.precision or ("fp64" if all64 else "fp32")
-        pdt = torch.float64 if prec == "fp64" else torch.float32
-        f64 = torch.float64
-        n = int(feats.shape[0])
-        X = feats.detach().to(f64)
-        Xc64 = X - X.mean(dim=0)
-        Xc = Xc64.to(pdt)
-        norm_m = torch.linalg.vector_norm((Xc @ Xc.T).to(f64)).reshape(1)
-        if weights:
-            Fc = Xc @ self._head.weight.detach().to(feats.device, pdt).T
-        else:
-            F = outs.detach().to(f64)
-            Fc = (F - F.mean(dim=0)).to(pdt)
-        Ft = Fc.T.contiguous()
-        B = Ft @ Xc  # C x p: (C x n)(n x p) reads both operands row-wise
-        A = (Ft @ Fc).to(f64)
-        Q = (B.to(f64) @ B.T.to(f64))
-        parts = [norm_m, A.reshape(-1), Q.reshape(-1)]
-        k = 0
-        if labels is not None and prec in _finish.NC1_RELIABLE:
-            if self._classes is None:
+        g = self._group
+        if g is not None and not g.fits(feats, outs, labels):
+            self._reduce_group()
+            g = self._group = None
+        if g is None:
+            if labels is not None and self._classes is None:
                 head = self._head
                 self._classes = (head.out_features if isinstance(head, torch.nn.Linear)
-                                 else int(labels.max()) + 1)  # one sync, on the first emission only
-            k = self._classes
-            lab = labels.to(feats.device)
-            valid = (lab >= 0) & (lab < k)
-            idx = lab.clamp(0, k - 1)
-            w = valid.to(f64)
-            counts = torch.zeros(k, dtype=f64, device=feats.device).index_add_(0, idx, w)
-            sums = torch.zeros(k, Xc64.shape[1], dtype=f64, device=feats.device).index_add_(0, idx, Xc64 * w[:, None])
-            D = sums / counts.clamp(min=1.0)[:, None]
-            E = Xc64 @ D.T
-            parts += [counts, (D @ D.T).reshape(-1), (E.T @ E).reshape(-1), (~valid).sum().to(f64).reshape(1)]
-        packed = torch.cat(parts)
+                                 else int(labels.max()) + 1)  # one sync, on the first group only
+            g = self._group = _BatchGroup(feats, outs, labels, self.lag, self._classes or 0)
+        g.add(feats, outs, labels, self.steps, round(time.time() - self._t0, 6))
+        self._deferred = True
+
+    def _reduce_group(self) -> None:
+        """Reduce the queued one-batch windows. On the CPU their records are
+        finished and dispatched at once; on a GPU the small matrices are copied
+        to pinned host memory behind a CUDA event, and a later ``step()`` (or
+        ``flush()``) finishes them once the event has passed: the training loop
+        never waits."""
+        import torch
+
+        g = self._group
+        if g is None or not g.metas:
+            return
+        x, f = g.x, g.f
+        all64 = x.dtype == torch.float64 and f.dtype == torch.float64
+        prec = self.precision or ("fp64" if all64 else "fp32")
         rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[prec]
-        meta = (self.steps, n, int(A.shape[0]), k, rtol)
+        try:
+            packed = g.reduce(prec)
+            n = int(x.shape[1])
+            meta = (list(g.metas), n, n if g.sample_space else int(f.shape[2]),
+                    g.classes if g.y is not None else 0, rtol, g.sample_space)
+        finally:
+            g.metas.clear()  # the buffers are reused by the next group (same stream: ordered)
         if packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=f64, pin_memory=True)
+            host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(packed.device))
             self._inflight.append((meta, host, event))
-            return None
-        return self._finish_small(meta, packed.numpy())
+        else:
+            self._finish_records(meta, packed.numpy())
 
-    def _finish_small(self, meta: tuple, v: np.ndarray) -> dict:
-        """The record from the small matrices of ``_batch_emit`` (float64, host)."""
-        step, n, c, k, rtol = meta
-        norm_m = float(v[0])
-        A = v[1:1 + c * c].reshape(c, c)
-        Q = v[1 + c * c:1 + 2 * c * c].reshape(c, c)
-        dlr = rank = nc1 = None
-        a, U = np.linalg.eigh((A + A.T) / 2)
-        a, U = a[::-1], U[:, ::-1]
-        if norm_m > 0.0 and a[0] > 0.0:
-            keep = a > rtol * a[0]
-            rank = int(keep.sum())
-            # ||B u_i||^2 = u_i^T Q u_i
-            terms = np.einsum("ij,ij->j", Q @ U[:, keep], U[:, keep]) / a[keep]
-            dlr = min(max(1.0 - float(terms.sum()) / (norm_m * math.sqrt(rank)), 0.0), 1.0)
-        if k:
-            pos = 1 + 2 * c * c
-            counts = v[pos:pos + k]
-            DDt = v[pos + k:pos + k + k * k].reshape(k, k)
-            DMD = v[pos + k + k * k:pos + k + 2 * k * k].reshape(k, k)
-            invalid = v[pos + k + 2 * k * k]
-            K = int(np.count_nonzero(counts > 0))
-            if invalid == 0 and K >= 2:
-                s, U = np.linalg.eigh((DDt + DDt.T) / 2)
-                s, U = s[::-1], U[:, ::-1]
-                if s[0] > 0.0:
-                    keep = s > rtol * s[0]
-                    s, U = s[keep], U[:, keep]
-                    # v_i = D^T u_i / sqrt(s_i): v^T M v = u^T D M D^T u / s, (d_k . v_i)^2 = s_i u_ki^2
-                    vmv = np.einsum("ij,ij->j", DMD @ U, U) / s
-                    between = s * np.einsum("k,ki->i", counts, U * U)
-                    vwv = (vmv - between) / n
-                    nc1 = max(float(np.sum(vwv / (s / K))) / K, 0.0)
-        return {"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank, "nc1": _num(nc1),
-                "effective_dim": None, "time": round(time.time() - self._t0, 6)}
+    def _finish_records(self, meta: tuple, v: np.ndarray) -> None:
+        metas, n, c, k, rtol, sample_space = meta
+        for (step, t), dlr, rank, nc1 in zip(metas, *_finish_group(v, n, c, k, rtol, sample_space)):
+            self._dispatch({"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank,
+                            "nc1": _num(nc1), "effective_dim": None, "time": t})
 
     def _poll(self, wait: bool = False) -> None:
         """Finish and dispatch device records whose copy has landed (all of them when ``wait``)."""
@@ -419,10 +391,11 @@ class Monitor:
                 return
             event.synchronize()
             self._inflight.pop(0)
-            self._dispatch(self._finish_small(meta, host.numpy()))
+            self._finish_records(meta, host.numpy())
 
     def flush(self) -> None:
-        """Wait for records still being computed on the GPU and emit them."""
+        """Finish the queued one-batch windows (waiting for the GPU if needed) and emit them."""
+        self._reduce_group()
         self._poll(wait=True)
 
     def _uses_weights(self) -> bool:
@@ -461,12 +434,11 @@ class Monitor:
                 "time": round(time.time() - self._t0, 6)}
 
     def _emit_window(self) -> Optional[dict]:
-        if self._batch is not None:
-            try:
-                return self._batch_emit()
-            finally:
-                self._batch = None
-                self._window_labels = None
+        if self._deferred:  # the record comes from the group, at most `lag` steps later
+            self._deferred = False
+            self._window_labels = None
+            return None
+        self.flush()  # queued records first: history stays in step order
         m = self._moments
         try:
             if self.distributed:
@@ -519,10 +491,10 @@ class Monitor:
             return
         self._closed = True
         try:
-            self._poll(wait=True)  # records still on their way from the GPU
+            self.flush()  # queued records, and those still on their way from the GPU
         finally:
             self._pending = []
-            self._batch = None
+            self._group = None
             if self._capture is not None:
                 self._capture.remove()
             if self._finder is not None:
@@ -568,23 +540,173 @@ class _PendingCapture:
         self.handle.remove()
 
 
-def _batch_nc1(Xc: Any, labels: Any, rtol: float) -> Optional[float]:
-    """NC1 of one batch (SPEC.md, Papyan et al.) from its centered float64
-    features ``Xc`` (n x p): class means of Xc are m_k - mu, and
-    v^T M v = ||Xc v||^2 (no p x p matrix is formed)."""
-    import torch
+class _BatchGroup:
+    """One-batch windows (``window=1`` with fewer rows than features, as with
+    every=1) waiting to be reduced together.
 
-    n = Xc.shape[0]
-    k = int(labels.max()) + 1
-    counts = torch.bincount(labels, minlength=k).to(torch.float64)
-    sums = torch.zeros(k, Xc.shape[1], dtype=torch.float64, device=Xc.device).index_add_(0, labels, Xc)
-    present = counts > 0
-    if int(present.sum()) < 2:
-        return None
-    D = sums[present] / counts[present, None]
+    ``add`` copies a step's head input, head output and labels into
+    preallocated buffers (one copy each; no reference to the activations is
+    kept); ``reduce`` turns all of them at once into a handful of small float64
+    matrices per step, with batched products, so that the per-step cost is the
+    copy and the fixed costs of the reduction (Python, kernel launches, cold
+    caches after the training step) are paid once per group.
 
-    def vmv(Vt):
-        VX = Vt @ Xc.T
-        return (VX * VX).sum(dim=1)
+    Per step (SPEC.md's quantities, rewritten so that nothing of size p or n
+    leaves the device): ||M||_F = ||Xc Xc^T||_F; tr(B A^+ B^T) from
+    A = Fc^T Fc and Q = B^T B (C x C, B = Xc^T Fc); for NC1 the class counts,
+    D D^T and D M D^T = (Xc D^T)^T (Xc D^T), D the class means of Xc (K x K).
+    Each batch is centered on its own float64 mean before the products, which
+    run in float32 unless every input is float64 (the core's rule).
+    """
 
-    return _finish.nc1_from_class_means(D, counts[present], float(n), vmv, rtol)
+    BUDGET = 32 << 20  # bytes of buffered head inputs per group (the reduction's scratch: about as much again)
+
+    def __init__(self, feats: Any, outs: Any, labels: Any, capacity: int, classes: int) -> None:
+        import torch
+
+        n, p = int(feats.shape[0]), int(feats.shape[1])
+        per_step = n * p * feats.element_size() + n * int(outs.shape[1]) * outs.element_size()
+        self.capacity = max(1, min(capacity, self.BUDGET // max(per_step, 1)))
+        self.key = self._key(feats, outs, labels)
+        self.classes = classes
+        self.sample_space = int(outs.shape[1]) > n  # more outputs than samples: n x n forms
+        dev = feats.device
+        self.x = torch.empty((self.capacity, n, p), dtype=feats.dtype, device=dev)
+        self.f = torch.empty((self.capacity,) + tuple(outs.shape), dtype=outs.dtype, device=dev)
+        self.y = None if labels is None else torch.empty((self.capacity, n), dtype=torch.int64, device=dev)
+        self.metas: list = []  # (step, time) of each buffered step
+        self.scratch: Optional[tuple] = None  # reduction buffers, made on the first reduce
+
+    @staticmethod
+    def _key(feats: Any, outs: Any, labels: Any) -> tuple:
+        return (tuple(feats.shape), feats.dtype, feats.device, tuple(outs.shape), outs.dtype, labels is None)
+
+    def fits(self, feats: Any, outs: Any, labels: Any) -> bool:
+        return len(self.metas) < self.capacity and self._key(feats, outs, labels) == self.key
+
+    def add(self, feats: Any, outs: Any, labels: Any, step: int, t: float) -> None:
+        j = len(self.metas)
+        self.x[j].copy_(feats)
+        self.f[j].copy_(outs)
+        if self.y is not None:
+            self.y[j].copy_(labels)
+        self.metas.append((step, t))
+
+    def reduce(self, prec: str) -> Any:
+        """The small matrices of every buffered step, one row each: a (steps, m)
+        float64 tensor on the buffers' device. Issues no host synchronisation.
+
+        Everything comes from the n x n Gram G = Xc Xc^T of each batch (the
+        one product of size p; the rest is O(n^2 (C + K))), all products in
+        the product precision: ||M||_F = ||G||_F; with C <= n outputs,
+        A = Fc^T Fc and Q = B^T B = Fc^T G Fc (C x C); with more outputs than
+        samples, A = Fc Fc^T and G itself (n x n: the projector onto the
+        outputs' span in sample space); for NC1, with Yn the class-indicator
+        matrix divided by the class counts, D = Yn^T Xc are the class means of
+        Xc, so D D^T = Yn^T G Yn and D M D^T = (G Yn)^T (G Yn). Each batch is
+        centered on its own mean before the products."""
+        import torch
+
+        f64 = torch.float64
+        pdt = torch.float64 if prec == "fp64" else torch.float32
+        j = len(self.metas)
+        if self.scratch is None or self.scratch[0] != pdt:
+            # kept across groups: fresh temporaries of this size page-fault on every group
+            x = self.x
+            self.scratch = (pdt, torch.empty(x.shape, dtype=pdt, device=x.device),
+                            torch.empty((x.shape[0], x.shape[1], x.shape[1]), dtype=pdt, device=x.device))
+        _, xc, g = self.scratch
+        X = self.x[:j]
+        # Compensated centering (SPEC.md: "computed in float64 (or compensated)"):
+        # x - m is exact where x is within a factor 2 of m (Sterbenz), and the
+        # second pass removes what the first mean's rounding left, now at the
+        # scale of the spread: a mean of 1e4 with a spread of 1e-2 still gives
+        # DLR to 1e-6. Two fast passes in the product precision instead of a
+        # float64 copy of the buffer.
+        Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=xc[:j])
+        Xc.sub_(Xc.mean(dim=1, keepdim=True))
+        G = torch.bmm(Xc, Xc.transpose(1, 2), out=g[:j])  # steps x n x n
+        norm_m = torch.linalg.vector_norm(G, dim=(1, 2), dtype=f64)
+        F64 = self.f[:j].to(f64, copy=True)
+        Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
+        Fc = Fc64.to(pdt)
+        labels = self.y is not None and self.classes > 0
+        if labels:
+            k = self.classes
+            lab = self.y[:j]
+            valid = (lab >= 0) & (lab < k)
+            Y = torch.zeros(lab.shape + (k,), dtype=pdt, device=lab.device).scatter_(
+                2, lab.clamp(0, k - 1)[..., None], valid.to(pdt)[..., None])
+            counts = Y.sum(dim=1)  # steps x k
+            Yn = Y.div_(counts.clamp(min=1.0)[:, None, :])
+        if self.sample_space:
+            A = torch.bmm(Fc64, Fc64.transpose(1, 2))
+            Q = G.to(f64)
+            Z = Yn if labels else None
+        else:
+            A = torch.bmm(Fc64.transpose(1, 2), Fc64)
+            Z = torch.cat([Fc, Yn], dim=2) if labels else Fc
+        if Z is not None:
+            H = torch.bmm(G, Z)  # G [Fc | Yn]
+            W = torch.bmm(Z.transpose(1, 2), H).to(f64)
+        c = int(Fc.shape[2])
+        parts = [norm_m[:, None], A.reshape(j, -1)]
+        if not self.sample_space:
+            Q = W[:, :c, :c]
+        parts.append(Q.reshape(j, -1))
+        if labels:
+            off = 0 if self.sample_space else c
+            E = H[:, :, off:]  # Xc D^T
+            parts += [counts.to(f64), W[:, off:, off:].reshape(j, -1),
+                      torch.bmm(E.transpose(1, 2), E).to(f64).reshape(j, -1),
+                      (~valid).sum(dim=1).to(f64)[:, None]]
+        return torch.cat(parts, dim=1)
+
+
+def _finish_group(v: np.ndarray, n: int, c: int, k: int, rtol: float, sample_space: bool) -> tuple:
+    """DLR, rank and NC1 of each row of ``_BatchGroup.reduce`` (float64, host):
+    three lists, None where a value is undefined (constant features or
+    outputs; fewer than two classes; labels outside the head's classes).
+    ``c`` is the side of A and Q (C, or n in sample space)."""
+    steps = v.shape[0]
+    norm_m = v[:, 0]
+    A = v[:, 1:1 + c * c].reshape(steps, c, c)
+    Q = v[:, 1 + c * c:1 + 2 * c * c].reshape(steps, c, c)
+    a, U = np.linalg.eigh((A + A.transpose(0, 2, 1)) / 2)
+    a, U = a[:, ::-1], U[:, :, ::-1]
+    top = a[:, :1]
+    keep = (a > rtol * top) & (top > 0.0)
+    rank = keep.sum(axis=1)
+    # <G, P> over the kept eigenpairs (a_i, u_i) of A: ||B u_i||^2 / a_i = u_i^T Q u_i / a_i
+    # (C-space), or u_i^T G u_i for eigenvectors of Fc Fc^T (sample space)
+    uqu = np.einsum("sij,sij->sj", Q @ U, U)
+    if not sample_space:
+        uqu = uqu / np.where(keep, a, 1.0)
+    terms = np.where(keep, uqu, 0.0).sum(axis=1)
+    ok = (norm_m > 0.0) & (rank > 0)
+    dlr = 1.0 - terms / np.where(ok, norm_m * np.sqrt(np.maximum(rank, 1)), 1.0)
+    dlrs = [min(max(float(d), 0.0), 1.0) if good else None for d, good in zip(dlr, ok)]
+    ranks = [int(r) if good else None for r, good in zip(rank, ok)]
+    nc1s: list = [None] * steps
+    if k:
+        pos = 1 + 2 * c * c
+        counts = v[:, pos:pos + k]
+        DDt = v[:, pos + k:pos + k + k * k].reshape(steps, k, k)
+        DMD = v[:, pos + k + k * k:pos + k + 2 * k * k].reshape(steps, k, k)
+        invalid = v[:, pos + k + 2 * k * k]
+        present = np.count_nonzero(counts > 0, axis=1)
+        s, U = np.linalg.eigh((DDt + DDt.transpose(0, 2, 1)) / 2)
+        s, U = s[:, ::-1], U[:, :, ::-1]
+        top = s[:, :1]
+        keep = (s > rtol * top) & (top > 0.0)
+        safe = np.where(keep, s, 1.0)
+        # v_i = D^T u_i / sqrt(s_i): v^T M v = u^T D M D^T u / s, (d_k . v_i)^2 = s_i u_ki^2
+        vmv = np.einsum("sij,sij->sj", DMD @ U, U) / safe
+        between = s * np.einsum("sk,ski->si", counts, U * U)
+        vwv = (vmv - between) / n
+        kk = np.maximum(present, 1)[:, None]
+        nc1 = np.where(keep, vwv / (safe / kk), 0.0).sum(axis=1) / kk[:, 0]
+        for i in range(steps):
+            if invalid[i] == 0 and present[i] >= 2 and keep[i, 0]:
+                nc1s[i] = max(float(nc1[i]), 0.0)
+    return dlrs, ranks, nc1s
