@@ -648,6 +648,30 @@ def test_monitor_one_batch_centering_survives_a_large_mean(dtype, tol):
         assert abs(rec["dlr"] - d) < tol
 
 
+def test_monitor_one_batch_more_outputs_than_samples():
+    # C = 40 outputs > n = 16 samples (< p = 64): the projector is formed in sample space
+    torch.manual_seed(1)
+    head = nn.Linear(64, 40).double()
+    with torch.no_grad():  # outputs of rank 8 < n - 1: the projector is not the whole centered space
+        head.weight.copy_(torch.randn(40, 8, dtype=torch.float64) @ torch.randn(8, 64, dtype=torch.float64))
+    want = []
+    with richness.Monitor(head, every=1, lag=3) as mon:
+        for s in range(5):
+            X = torch.randn(16, 64, dtype=torch.float64) @ torch.randn(64, 64, dtype=torch.float64)
+            y = torch.randint(0, 6, (16,))
+            y[:6] = torch.arange(6)
+            with torch.no_grad():
+                F = head(X)
+            want.append((dlr_naive(X.numpy(), F.numpy()), nc1_naive(X.numpy(), y.numpy())))
+            head(X)
+            mon.step(labels=y)
+    assert mon._group is None and len(mon.history) == 5
+    for rec, ((d, r), nc1) in zip(mon.history, want):
+        assert rec["rank"] == r == 8
+        assert abs(rec["dlr"] - d) < 1e-10
+        assert abs(rec["nc1"] - nc1) < 1e-8 * nc1
+
+
 def test_monitor_group_flush_and_bad_lag():
     model, _, _ = make()
     for bad in (0, -1, 2.0, True):
