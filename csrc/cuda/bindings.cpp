@@ -105,6 +105,21 @@ PYBIND11_MODULE(_cuda, m) {
           [](CudaMoments& self, const std::string& algo, int block) { self.set_product(product_of(algo), block); },
           py::arg("algo") = "auto", py::arg("block") = 512,
           "How X^T X is formed: auto, syrk, gemm, block_rows or tiles (benchmarks).")
+      .def(
+          "set_stack",
+          [](CudaMoments& self, int64_t rows, bool joint) {
+            py::gil_scoped_release release;
+            self.set_stack(rows, joint);
+          },
+          py::arg("rows"), py::arg("joint") = true,
+          "Stage up to `rows` centered rows before one product and one float64 merge (0 = off: one per batch).\n"
+          "joint: with outputs/targets streamed, one product over the rows [X | F | T] (else one per block).\n"
+          "Flushes pending rows first (synchronises).")
+      .def_property_readonly("stack_rows", &CudaMoments::stack_rows)
+      .def_property_readonly("stack_joint", &CudaMoments::stack_joint)
+      .def_property_readonly("staged_rows", &CudaMoments::staged_rows,
+                             "Rows staged and not yet merged (host-known; no synchronisation).")
+      .def_property_readonly("staged_batches", &CudaMoments::staged_batches)
       .def_property_readonly("n", [](CudaMoments& self) {
         py::gil_scoped_release release;
         return self.n();

@@ -1,8 +1,11 @@
 // Where a batch enters the GPU (CudaMoments::update), is reduced to float64
 // means (column_partials/column_means), centered and narrowed (center),
-// multiplied (product_M/product_cross, cuBLAS) and merged into the float64
+// multiplied (product_lower/product_cross, cuBLAS) and merged into the float64
 // state (merge_sym/merge_cross/finalize). All of it is enqueued on the
-// caller's stream; nothing in update waits for the device.
+// caller's stream; nothing in update waits for the device. With staging on
+// (set_stack), update stops after centering (stage_batch) and the products and
+// merge run once per stage (flush_stage: stack_deviations, merge_groups,
+// stack_commit).
 #include "cuda_moments.hpp"
 #include "../msg.hpp"
 
@@ -13,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -123,17 +127,24 @@ __global__ void column_means(const double* __restrict__ partial, long long chunk
   mean[col] = acc * inv_rows;
 }
 
-// Centered copy in the product type, packed (ld = cols). The subtraction is in
+// Centered copy in the product type (row stride ldo). The subtraction is in
 // float64, before the narrowing (SPEC.md: mean 1e4 with spread 1e-2 survives
 // fp32; bf16 keeps 8 bits of the centered value, bounded by the bf16 tests).
+// `zero_if_bad` (staging): a bad batch writes zeros, so that its rows add
+// nothing to the stage's product (NaN * 0 would still be NaN).
 template <typename Tin, typename Tout>
 __global__ void center(const Tin* __restrict__ x, long long rows, long long cols, long long ld,
-                       const double* __restrict__ mean, Tout* __restrict__ out) {
+                       const double* __restrict__ mean, Tout* __restrict__ out, long long ldo,
+                       const Header* zero_if_bad) {
   const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= cols) return;
+  if (zero_if_bad && batch_is_bad(zero_if_bad)) {
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) out[r * ldo + col] = from_double<Tout>(0.0);
+    return;
+  }
   const double m = mean[col];
   for (long long r = blockIdx.y; r < rows; r += gridDim.y)
-    out[r * cols + col] = from_double<Tout>(to_double(x[r * ld + col]) - m);
+    out[r * ldo + col] = from_double<Tout>(to_double(x[r * ld + col]) - m);
 }
 
 // Chan merge of a symmetric block, lower triangle only (column-major i >= j):
@@ -259,17 +270,117 @@ __global__ void symmetrize(const double* __restrict__ lower, long long n, double
   }
 }
 
-// Pointer arrays for the lower tiles of X X^T (column-major, bs x bs tiles).
-__global__ void tile_pointers(const char* xs, char* Mb, long long p, long long bs, long long in_es,
-                              long long nbt, const void** A, const void** B, void** C) {
+// Pointer arrays for the lower tiles of X X^T (column-major, bs x bs tiles;
+// the product's leading dimension is ldc, its elements out_es bytes).
+__global__ void tile_pointers(const char* xs, char* Mb, long long ldc, long long bs, long long in_es,
+                              long long out_es, long long nbt, const void** A, const void** B, void** C) {
   long long t = 0;
   for (long long bi = 0; bi < nbt; ++bi)
     for (long long bj = 0; bj <= bi; ++bj, ++t) {
       if (t % blockDim.x != threadIdx.x) continue;
       A[t] = xs + bi * bs * in_es;
       B[t] = xs + bj * bs * in_es;
-      C[t] = Mb + (bj * bs * p + bi * bs) * (long long)sizeof(float);
+      C[t] = Mb + (bj * bs * ldc + bi * bs) * out_es;
     }
+}
+
+// ---- staging kernels (set_stack) ----------------------------------------------
+//
+// A stage holds m batches: batch b has n_b rows (0 if it was bad), a float64
+// mean mu_b, and its centered rows. The state has n_a samples, mean mu_a and
+// co-moment M_a. With N = sum n_b and mu = (n_a mu_a + sum n_b mu_b) / (n_a + N),
+// the exact merge of all of them (the parallel-axis identity over the m + 1
+// groups; for m = 1 it is Chan's pairwise formula) is
+//   M = M_a + sum_b X_b^T X_b + sum_{g in {a, 1..m}} n_g (mu_g - mu)(mu_g - mu)^T.
+// The within-batch sum is one product over all staged rows (each batch was
+// centered on its own mean); the group sum is done in float64 in merge_groups
+// from D_g = sqrt(n_g) (mu_g - mu). Cross blocks (B) take sum_g D_g^phi D_g^f^T.
+
+// After a staged batch's checks: its weight, or, for a bad batch, zero weight
+// and the error counts moved to the pending totals (as finalize does).
+__global__ void stage_record(Header* h, long long* count, long long nb) {
+  if (batch_is_bad(h)) {
+    for (int q = 0; q < 4; ++q) h->total_bad[q] += h->batch_bad[q];
+    h->skipped += 1;
+    *count = 0;
+  } else {
+    *count = nb;
+  }
+}
+
+// One thread per column of [features | outputs | targets] (width p + c + t):
+// the merged mean mu, then, in place over the staged means (row 0: the state,
+// row 1 + b: batch b), D_g = sqrt(n_g) (mu_g - mu); the state's mean becomes
+// mu. h->n is only read here (stack_commit adds N after every column is done).
+__global__ void stack_deviations(double* __restrict__ means, long long ldm, int m, const long long* __restrict__ counts,
+                                 const Header* h, double* mean, long long p, double* om, long long c, double* tm,
+                                 long long t) {
+  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= p + c + t) return;
+  double* sm = col < p ? mean + col : (col < p + c ? om + (col - p) : tm + (col - p - c));
+  long long nst = 0;
+  for (int b = 0; b < m; ++b) nst += counts[b];
+  if (nst == 0) {  // every staged batch was bad: nothing changes
+    for (int g = 0; g <= m; ++g) means[g * ldm + col] = 0.0;
+    return;
+  }
+  const double na = (double)h->n, ntot = na + (double)nst, ma = *sm;
+  // mu = mu_a + sum_b n_b (mu_b - mu_a) / (n_a + N): the shift form keeps the
+  // state's digits when n_a >> N. A bad batch's mean (maybe NaN) is never read.
+  double shift = 0.0;
+  for (int b = 0; b < m; ++b)
+    if (counts[b] > 0) shift += (double)counts[b] * (means[(1 + b) * ldm + col] - ma);
+  const double mu = ma + shift / ntot;
+  means[col] = sqrt(na) * (ma - mu);
+  for (int b = 0; b < m; ++b) {
+    double* v = means + (1 + b) * ldm + col;
+    *v = counts[b] > 0 ? sqrt((double)counts[b]) * (*v - mu) : 0.0;
+  }
+  *sm = mu;
+}
+
+// S += Sb + sum_g Df_g Ds_g^T over 32 x 32 tiles, g = 0..groups-1 (float64).
+// S[s * lds + f] is the entry (f, s) (f the fast, coalesced index); Sb the
+// product at the same entry with stride ldb; Df/Ds rows of stride ldd.
+// `lower`: only f >= s (symmetric blocks, column-major lower triangle).
+template <typename Tb>
+__global__ void merge_groups(double* __restrict__ S, long long lds, const Tb* __restrict__ Sb, long long ldb,
+                             long long nfast, long long nslow, const double* __restrict__ Df,
+                             const double* __restrict__ Ds, long long ldd, int groups, bool lower) {
+  const long long f0 = (long long)blockIdx.x * 32, s0 = (long long)blockIdx.y * 32;
+  if (lower && f0 + 31 < s0) return;  // tile entirely above the diagonal
+  __shared__ double df[32][33], ds[32][33];  // [group][index]
+  const int tx = threadIdx.x, ty = threadIdx.y;  // 32 x 8
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int g0 = 0; g0 < groups; g0 += 32) {
+    for (int q = ty; q < 32; q += 8) {
+      const int g = g0 + q;
+      df[q][tx] = (g < groups && f0 + tx < nfast) ? Df[(long long)g * ldd + f0 + tx] : 0.0;
+      ds[q][tx] = (g < groups && s0 + tx < nslow) ? Ds[(long long)g * ldd + s0 + tx] : 0.0;
+    }
+    __syncthreads();
+    const int gn = min(32, groups - g0);
+    for (int q = 0; q < gn; ++q) {
+      const double a = df[q][tx];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[r] += a * ds[q][ty + 8 * r];
+    }
+    __syncthreads();
+  }
+  const long long f = f0 + tx;
+  if (f >= nfast) return;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const long long sidx = s0 + ty + 8 * r;
+    if (sidx < nslow && (!lower || f >= sidx)) S[sidx * lds + f] += (double)Sb[sidx * ldb + f] + acc[r];
+  }
+}
+
+// Last step of a flush: n grows by the staged good rows.
+__global__ void stack_commit(Header* h, const long long* counts, int m) {
+  long long nst = 0;
+  for (int b = 0; b < m; ++b) nst += counts[b];
+  h->n += nst;
 }
 
 // ---- launch helpers -----------------------------------------------------------
@@ -307,18 +418,22 @@ void launch_means(const Matrix& m, double* partial, double* mean, unsigned long 
   LAUNCH_CHECK("column_means");
 }
 
-void launch_center(const Matrix& m, const double* mean, Precision prec, void* out, cudaStream_t s) {
+// Centered rows of m into out (row stride ldo; packed: ldo = m.cols).
+void launch_center(const Matrix& m, const double* mean, Precision prec, void* out, long long ldo,
+                   const Header* zero_if_bad, cudaStream_t s) {
   dim3 grid((unsigned)((m.cols + 255) / 256), grid_y(m.rows));
   dispatch_float(m.dtype, [&](auto tag) {
     using Tin = decltype(tag);
     const Tin* x = static_cast<const Tin*>(m.ptr);
     if (prec == Precision::fp64)
-      center<Tin, double><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean, static_cast<double*>(out));
+      center<Tin, double><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean, static_cast<double*>(out), ldo,
+                                              zero_if_bad);
     else if (prec == Precision::bf16)
       center<Tin, __nv_bfloat16><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean,
-                                                       static_cast<__nv_bfloat16*>(out));
+                                                       static_cast<__nv_bfloat16*>(out), ldo, zero_if_bad);
     else
-      center<Tin, float><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean, static_cast<float*>(out));
+      center<Tin, float><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean, static_cast<float*>(out), ldo,
+                                             zero_if_bad);
   });
   LAUNCH_CHECK("center");
 }
@@ -392,11 +507,15 @@ void CudaMoments::free_state() {
 
 void CudaMoments::free_all() {
   free_state();
-  for (Buf* b : {&xs_, &fs_, &ts_, &Mb_, &Bb_, &Ab_, &Btb_, &Atb_, &mu_, &nu_, &tau_, &partial_, &tiles_}) {
+  for (Buf* b : {&xs_, &fs_, &ts_, &Mb_, &Bb_, &Ab_, &Btb_, &Atb_, &mu_, &nu_, &tau_, &partial_, &tiles_.ptrs,
+                 &st_tiles_.ptrs, &st_x_, &st_means_, &st_counts_, &st_prod_}) {
     if (b->ptr) cudaFree(b->ptr);
     *b = Buf();
   }
-  tiles_for_p_ = tiles_for_bs_ = -1;
+  tiles_ = TileCache();
+  st_tiles_ = TileCache();
+  st_rows_ = 0;  // staged rows belonged to the state just freed
+  st_batches_ = 0;
 }
 
 void CudaMoments::ensure(Buf& b, size_t bytes) {
@@ -406,7 +525,6 @@ void CudaMoments::ensure(Buf& b, size_t bytes) {
     CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaFree(b.ptr));
     b = Buf();
-    if (&b == &xs_ || &b == &Mb_) tiles_for_p_ = -1;
   }
   b.ptr = allocate(bytes);
   b.bytes = bytes;
@@ -488,6 +606,36 @@ namespace {
 
 // ---- update -------------------------------------------------------------------
 
+void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, int64_t t) {
+  // Scratch of the per-batch path, sized for a batch of nb rows. With staging
+  // on it is sized too (by eager updates): a captured update takes the
+  // per-batch path and must not allocate inside the capture.
+  const size_t ies = in_size(prec), oes = out_size(prec);
+  const int64_t p = p_;
+  const int64_t widest = std::max<int64_t>(p, std::max<int64_t>(c, t));
+  const long long chunks = (nb + kChunkRows - 1) / kChunkRows;
+  ensure(partial_, (size_t)chunks * widest * 8);
+  ensure(mu_, (size_t)p * 8);
+  ensure(xs_, (size_t)nb * p * ies);
+  ensure(Mb_, (size_t)p * p * oes);
+  if (c > 0) {
+    ensure(nu_, (size_t)c * 8);
+    ensure(fs_, (size_t)nb * c * ies);
+    ensure(Bb_, (size_t)p * c * oes);
+    ensure(Ab_, (size_t)c * c * oes);
+  }
+  if (t > 0) {
+    ensure(tau_, (size_t)t * 8);
+    ensure(ts_, (size_t)nb * t * ies);
+    ensure(Btb_, (size_t)p * t * oes);
+    ensure(Atb_, (size_t)t * t * oes);
+  }
+  if (resolve(prec, p) == Product::tiles) {
+    const long long nbt = p / block_;
+    ensure(tiles_.ptrs, (size_t)(nbt * (nbt + 1) / 2) * 3 * sizeof(void*));
+  }
+}
+
 void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
                          Precision prec, cudaStream_t stream) {
   Batch batch;
@@ -533,27 +681,22 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
     grow_classes(mx + 1, stream);
   }
 
+  if (stack_rows_ > 0 && nb <= stack_rows_) {
+    // A graph replay re-runs a captured update with the same host-side stage
+    // offsets, so a captured update never stages: it takes the per-batch
+    // path below (whose scratch stage_batch keeps sized). Rows staged before
+    // the capture stay staged and are flushed by a later eager call.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone) {
+      stage_batch(x, outputs, labels, targets, prec, stream);
+      return;
+    }
+  }
+
   // Scratch (sizes in bytes, by product precision).
-  const size_t ies = in_size(prec), oes = out_size(prec);
   const int64_t c = outputs ? outputs->cols : 0, t = targets ? targets->cols : 0;
-  const int64_t widest = std::max<int64_t>(p, std::max<int64_t>(c, t));
-  const long long chunks = (nb + kChunkRows - 1) / kChunkRows;
-  ensure(partial_, (size_t)chunks * widest * 8);
-  ensure(mu_, (size_t)p * 8);
-  ensure(xs_, (size_t)nb * p * ies);
-  ensure(Mb_, (size_t)p * p * oes);
-  if (outputs) {
-    ensure(nu_, (size_t)c * 8);
-    ensure(fs_, (size_t)nb * c * ies);
-    ensure(Bb_, (size_t)p * c * oes);
-    ensure(Ab_, (size_t)c * c * oes);
-  }
-  if (targets) {
-    ensure(tau_, (size_t)t * 8);
-    ensure(ts_, (size_t)nb * t * ies);
-    ensure(Btb_, (size_t)p * t * oes);
-    ensure(Atb_, (size_t)t * t * oes);
-  }
+  prepare_batch_scratch(prec, nb, c, t);
 
   CUDA_CHECK(cudaMemsetAsync(h->batch_bad, 0, sizeof(h->batch_bad), stream));
   double* mu = static_cast<double*>(mu_.ptr);
@@ -573,15 +716,15 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
     LAUNCH_CHECK("check_labels");
   }
 
-  launch_center(x, mu, prec, xs_.ptr, stream);
-  if (outputs) launch_center(*outputs, nu, prec, fs_.ptr, stream);
-  if (targets) launch_center(*targets, tau, prec, ts_.ptr, stream);
+  launch_center(x, mu, prec, xs_.ptr, p, nullptr, stream);
+  if (outputs) launch_center(*outputs, nu, prec, fs_.ptr, c, nullptr, stream);
+  if (targets) launch_center(*targets, tau, prec, ts_.ptr, t, nullptr, stream);
 
   CUBLAS_CHECK(cublasSetStream(handle_, stream));
   CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, workspace_bytes_));
-  product_M(prec, nb, stream);
-  if (outputs) product_cross(prec, nb, c, fs_.ptr, Bb_.ptr, Ab_.ptr, stream);
-  if (targets) product_cross(prec, nb, t, ts_.ptr, Btb_.ptr, Atb_.ptr, stream);
+  product_lower(prec, p, nb, xs_.ptr, p, Mb_.ptr, p, tiles_, stream);
+  if (outputs) product_cross(prec, nb, c, fs_.ptr, c, xs_.ptr, p, Bb_.ptr, Ab_.ptr);
+  if (targets) product_cross(prec, nb, t, ts_.ptr, t, xs_.ptr, p, Btb_.ptr, Atb_.ptr);
 
   // float64 merge; every kernel reads the device's error counts and leaves
   // the state untouched for a bad batch.
@@ -633,6 +776,193 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   precision_ = std::max(precision_, prec);
 }
 
+// ---- staging ----------------------------------------------------------------------
+
+void CudaMoments::set_stack(int64_t rows, bool joint) {
+  if (rows < 0 || rows > (int64_t)std::numeric_limits<int>::max()) {
+    Msg os;
+    os << "stack_rows must be between 0 (off) and " << std::numeric_limits<int>::max() << ", got " << rows;
+    throw std::invalid_argument(os.str());
+  }
+  flush_pending();
+  DeviceGuard g(device_);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  stack_rows_ = rows;
+  stack_joint_ = joint;
+}
+
+void CudaMoments::stage_batch(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
+                              Precision prec, cudaStream_t stream) {
+  const int64_t nb = x.rows, p = p_;
+  const int64_t c = std::max<int64_t>(c_, 0), t = std::max<int64_t>(t_, 0);
+  // Flush decisions from host-known facts only.
+  if (st_batches_ > 0 && (st_prec_ != prec || st_rows_ + nb > stack_rows_ || st_batches_ >= kMaxStackBatches))
+    flush_stage(stream);
+
+  // Allocations happen here, outside any capture (growth waits for the
+  // device: the first staged update, or a wider precision, pays it once).
+  prepare_batch_scratch(prec, nb, c, t);
+  const int64_t width = (p + c + t + 7) / 8 * 8;  // rows 16-byte aligned for the tensor-core kernels
+  st_width_ = width;
+  const size_t ies = in_size(prec), oes = out_size(prec);
+  ensure(st_x_, (size_t)stack_rows_ * width * ies);
+  ensure(st_means_, (size_t)(kMaxStackBatches + 1) * width * 8);
+  ensure(st_counts_, (size_t)kMaxStackBatches * 8);
+  ensure(st_prod_, (size_t)width * width * oes);
+  const int64_t joint_n = p + c + t;
+  if (stack_joint_ && resolve(prec, joint_n) == Product::tiles) {
+    const long long nbt = joint_n / block_;
+    ensure(st_tiles_.ptrs, (size_t)(nbt * (nbt + 1) / 2) * 3 * sizeof(void*));
+  } else if (resolve(prec, p) == Product::tiles) {
+    const long long nbt = p / block_;
+    ensure(st_tiles_.ptrs, (size_t)(nbt * (nbt + 1) / 2) * 3 * sizeof(void*));
+  }
+
+  if (st_batches_ == 0) st_prec_ = prec;
+  const int slot = st_batches_;
+  const int64_t row0 = st_rows_;
+  Header* h = s_.hdr;
+  unsigned long long* bad = reinterpret_cast<unsigned long long*>(h->batch_bad);
+  double* means = static_cast<double*>(st_means_.ptr) + (int64_t)(1 + slot) * width;  // [mu | nu | tau]
+  double* partial = static_cast<double*>(partial_.ptr);
+  char* rows = static_cast<char*>(st_x_.ptr) + (size_t)row0 * width * ies;
+
+  CUDA_CHECK(cudaMemsetAsync(h->batch_bad, 0, sizeof(h->batch_bad), stream));
+  launch_means(x, partial, means, bad + 0, stream);
+  if (outputs) launch_means(*outputs, partial, means + p, bad + 1, stream);
+  if (targets) launch_means(*targets, partial, means + p + c, bad + 2, stream);
+  if (labels) {
+    const long long limit = num_classes_ >= 0 ? num_classes_ : k_;
+    dispatch_int(labels->dtype, [&](auto tag) {
+      using Ti = decltype(tag);
+      check_labels<Ti><<<(unsigned)std::min<long long>(1024, (nb + 255) / 256), 256, 0, stream>>>(
+          static_cast<const Ti*>(labels->ptr), nb, labels->ld, limit, h);
+    });
+    LAUNCH_CHECK("check_labels");
+  }
+  // Every check above has run (stream order) before the centering reads the
+  // verdict: a bad batch's rows are staged as zeros.
+  launch_center(x, means, prec, rows, width, h, stream);
+  if (outputs) launch_center(*outputs, means + p, prec, rows + p * ies, width, h, stream);
+  if (targets) launch_center(*targets, means + p + c, prec, rows + (p + c) * ies, width, h, stream);
+  if (labels) {  // class sums stay per batch (raw float64 sums: nothing to stage)
+    dim3 grid((unsigned)((p + 255) / 256), grid_y(nb));
+    dispatch_float(x.dtype, [&](auto xt) {
+      using Tin = decltype(xt);
+      dispatch_int(labels->dtype, [&](auto yt) {
+        using Ti = decltype(yt);
+        class_sums<Tin, Ti><<<grid, 256, 0, stream>>>(static_cast<const Tin*>(x.ptr), nb, p, x.ld,
+                                                       static_cast<const Ti*>(labels->ptr), labels->ld, s_.class_sums,
+                                                       s_.class_counts, h);
+      });
+    });
+    LAUNCH_CHECK("class_sums");
+  }
+  stage_record<<<1, 1, 0, stream>>>(h, static_cast<long long*>(st_counts_.ptr) + slot, nb);
+  LAUNCH_CHECK("stage_record");
+  st_rows_ += nb;
+  st_batches_ += 1;
+  precision_ = std::max(precision_, prec);
+}
+
+void CudaMoments::flush_stage(cudaStream_t stream) {
+  if (st_batches_ == 0) return;
+  DeviceGuard g(device_);
+  const Precision prec = st_prec_;
+  const int64_t R = st_rows_, W = st_width_, p = p_;
+  const int64_t c = std::max<int64_t>(c_, 0), t = std::max<int64_t>(t_, 0);
+  const int m = st_batches_;
+  // Cleared first: should a call below raise, the stage is dropped rather
+  // than merged twice by a later flush.
+  st_rows_ = 0;
+  st_batches_ = 0;
+  const size_t ies = in_size(prec), oes = out_size(prec);
+  const char* rows = static_cast<const char*>(st_x_.ptr);
+  char* prod = static_cast<char*>(st_prod_.ptr);
+  double* means = static_cast<double*>(st_means_.ptr);
+  const long long* counts = static_cast<const long long*>(st_counts_.ptr);
+  Header* h = s_.hdr;
+
+  // Within-batch products over all R staged rows (bad batches are zero rows).
+  // Precision traded for speed: the product accumulates R rows (not one
+  // batch) in its precision before the float64 merge; bounded by the staged
+  // tests in tests/test_cuda.py (same DLR tolerances as unstaged).
+  CUBLAS_CHECK(cublasSetStream(handle_, stream));
+  CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, workspace_bytes_));
+  const void *Mp, *Bp = nullptr, *Ap = nullptr, *Btp = nullptr, *Atp = nullptr;
+  int64_t ldM, ldB = 0, ldA = 0, ldBt = 0, ldAt = 0;
+  if (stack_joint_ || (c == 0 && t == 0)) {
+    // Lower triangle of [X | F | T]^T [X | F | T]: M top left, B^T below it,
+    // A on the diagonal after it (same arithmetic as the three products).
+    product_lower(prec, p + c + t, R, rows, W, prod, W, st_tiles_, stream);
+    Mp = prod;
+    ldM = W;
+    Bp = prod + p * oes;
+    Ap = prod + (p * W + p) * oes;
+    Btp = prod + (p + c) * oes;
+    Atp = prod + ((p + c) * W + p + c) * oes;
+    ldB = ldA = ldBt = ldAt = W;
+  } else {
+    product_lower(prec, p, R, rows, W, prod, p, st_tiles_, stream);
+    Mp = prod;
+    ldM = p;
+    char* next = prod + p * p * oes;
+    if (c > 0) {
+      Bp = next;
+      Ap = next + p * c * oes;
+      ldB = ldA = c;
+      product_cross(prec, R, c, rows + p * ies, W, rows, W, (void*)Bp, (void*)Ap);
+      next += (p * c + c * c) * oes;
+    }
+    if (t > 0) {
+      Btp = next;
+      Atp = next + p * t * oes;
+      ldBt = ldAt = t;
+      product_cross(prec, R, t, rows + (p + c) * ies, W, rows, W, (void*)Btp, (void*)Atp);
+    }
+  }
+
+  // Between-batch scatter and merge into the state, float64.
+  stack_deviations<<<(unsigned)((p + c + t + 255) / 256), 256, 0, stream>>>(means, W, m, counts, h, s_.mean, p,
+                                                                            s_.out_mean, c, s_.tgt_mean, t);
+  LAUNCH_CHECK("stack_deviations");
+  const int groups = m + 1;
+  auto merge = [&](double* S, long long lds, const void* Sb, long long ldb, long long nf, long long ns,
+                   const double* Df, const double* Ds, bool lower) {
+    dim3 grid((unsigned)((nf + 31) / 32), (unsigned)((ns + 31) / 32));
+    if (prec == Precision::fp64)
+      merge_groups<double><<<grid, dim3(32, 8), 0, stream>>>(S, lds, static_cast<const double*>(Sb), ldb, nf, ns,
+                                                             Df, Ds, W, groups, lower);
+    else
+      merge_groups<float><<<grid, dim3(32, 8), 0, stream>>>(S, lds, static_cast<const float*>(Sb), ldb, nf, ns, Df,
+                                                            Ds, W, groups, lower);
+    LAUNCH_CHECK("merge_groups");
+  };
+  // (f, s) entries: M column-major lower (i, j) = (f, s); B row-major p x c
+  // with the output index fast.
+  merge(s_.M, p, Mp, ldM, p, p, means, means, true);
+  if (c > 0) {
+    merge(s_.B, c, Bp, ldB, c, p, means + p, means, false);
+    merge(s_.A, c, Ap, ldA, c, c, means + p, means + p, true);
+  }
+  if (t > 0) {
+    merge(s_.Bt, t, Btp, ldBt, t, p, means + p + c, means, false);
+    merge(s_.At, t, Atp, ldAt, t, t, means + p + c, means + p + c, true);
+  }
+  stack_commit<<<1, 1, 0, stream>>>(h, counts, m);
+  LAUNCH_CHECK("stack_commit");
+}
+
+void CudaMoments::flush_pending() {
+  if (st_batches_ == 0) return;
+  DeviceGuard g(device_);
+  // The staged rows were written on the callers' streams (maybe several,
+  // maybe gone by now): wait for all of them, then reduce on the legacy
+  // default stream; every caller waits for the device afterwards.
+  CUDA_CHECK(cudaDeviceSynchronize());
+  flush_stage(0);
+}
+
 // ---- products -------------------------------------------------------------------
 
 namespace {
@@ -647,19 +977,21 @@ void gemm_nt(cublasHandle_t hd, Precision prec, int64_t m, int64_t n, int64_t k,
                             C, out_type(prec), (int)ldc, compute_type(prec), CUBLAS_GEMM_DEFAULT));
 }
 
-// Lower triangle (column-major) of C = A A^T, A n x k column-major (lda = n).
-void syrk_lower(cublasHandle_t hd, Precision prec, int64_t n, int64_t k, const void* A, void* C) {
+// Lower triangle (column-major, ldc) of C = A A^T, A n x k column-major (lda).
+void syrk_lower(cublasHandle_t hd, Precision prec, int64_t n, int64_t k, const void* A, int64_t lda, void* C,
+                int64_t ldc) {
   if (prec == Precision::fp64) {
     const double one = 1.0, zero = 0.0;
     CUBLAS_CHECK(cublasDsyrk(hd, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)n, (int)k, &one,
-                             static_cast<const double*>(A), (int)n, &zero, static_cast<double*>(C), (int)n));
+                             static_cast<const double*>(A), (int)lda, &zero, static_cast<double*>(C), (int)ldc));
   } else if (prec == Precision::bf16) {
-    gemm_nt(hd, prec, n, n, k, A, n, A, n, C, n);  // no bf16 syrk in cuBLAS
+    gemm_nt(hd, prec, n, n, k, A, lda, A, lda, C, ldc);  // no bf16 syrk in cuBLAS
   } else {
     const float one = 1.0f, zero = 0.0f;
     if (prec == Precision::tf32) CUBLAS_CHECK(cublasSetMathMode(hd, CUBLAS_TF32_TENSOR_OP_MATH));
     const cublasStatus_t st = cublasSsyrk(hd, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)n, (int)k, &one,
-                                          static_cast<const float*>(A), (int)n, &zero, static_cast<float*>(C), (int)n);
+                                          static_cast<const float*>(A), (int)lda, &zero, static_cast<float*>(C),
+                                          (int)ldc);
     if (prec == Precision::tf32) CUBLAS_CHECK(cublasSetMathMode(hd, CUBLAS_DEFAULT_MATH));
     CUBLAS_CHECK(st);
   }
@@ -667,11 +999,7 @@ void syrk_lower(cublasHandle_t hd, Precision prec, int64_t n, int64_t k, const v
 
 }  // namespace
 
-void CudaMoments::product_M(Precision prec, int64_t nb, cudaStream_t stream) {
-  const int64_t p = p_;
-  const size_t ies = in_size(prec), oes = out_size(prec);
-  char* xs = static_cast<char*>(xs_.ptr);
-  char* Mb = static_cast<char*>(Mb_.ptr);
+Product CudaMoments::resolve(Precision prec, int64_t n) const {
   Product algo = algo_;
   // Defaults from benchmarks/gpu_check.py on an H200 (2026-11-30, p = 2048, batch 4096, head mode):
   // fp32 syrk 0.153 s vs gemm 0.234 s; tf32 gemm 0.065 s (tiles, block rows within 3%);
@@ -681,40 +1009,67 @@ void CudaMoments::product_M(Precision prec, int64_t nb, cudaStream_t stream) {
            : prec == Precision::bf16                            ? Product::tiles
                                                                 : Product::gemm;
   const int64_t bs = block_;
-  if (algo == Product::tiles && (prec == Precision::fp64 || p % bs != 0 || p / bs < 2)) algo = Product::block_rows;
+  if (algo == Product::tiles && (prec == Precision::fp64 || n % bs != 0 || n / bs < 2)) algo = Product::block_rows;
   if (algo == Product::syrk && prec == Precision::bf16) algo = Product::gemm;
+  return algo;
+}
+
+void CudaMoments::product_lower(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst,
+                                int64_t ldc, TileCache& tc, cudaStream_t stream) {
+  const size_t ies = in_size(prec), oes = out_size(prec);
+  const char* xs = static_cast<const char*>(src);
+  char* Mb = static_cast<char*>(dst);
+  const Product algo = resolve(prec, n);
+  const int64_t bs = block_;
 
   switch (algo) {
     case Product::syrk:
-      syrk_lower(handle_, prec, p, nb, xs, Mb);
+      syrk_lower(handle_, prec, n, k, xs, lda, Mb, ldc);
       break;
     case Product::gemm:
-      gemm_nt(handle_, prec, p, p, nb, xs, p, xs, p, Mb, p);
+      gemm_nt(handle_, prec, n, n, k, xs, lda, xs, lda, Mb, ldc);
       break;
     case Product::block_rows:
       // Block-row i of the lower triangle: rows [r0, r0+rows), columns [0, r0+rows).
-      for (int64_t r0 = 0; r0 < p; r0 += bs) {
-        const int64_t rows = std::min(bs, p - r0);
-        gemm_nt(handle_, prec, rows, r0 + rows, nb, xs + r0 * ies, p, xs, p, Mb + r0 * oes, p);
+      for (int64_t r0 = 0; r0 < n; r0 += bs) {
+        const int64_t rows = std::min(bs, n - r0);
+        gemm_nt(handle_, prec, rows, r0 + rows, k, xs + r0 * ies, lda, xs, lda, Mb + r0 * oes, ldc);
       }
       break;
     case Product::tiles: {
-      const long long nbt = p / bs, count = nbt * (nbt + 1) / 2;
-      ensure(tiles_, (size_t)count * 3 * sizeof(void*));
-      const void** A = static_cast<const void**>(tiles_.ptr);
+      const long long nbt = n / bs, count = nbt * (nbt + 1) / 2;
+      ensure(tc.ptrs, (size_t)count * 3 * sizeof(void*));
+      const void** A = static_cast<const void**>(tc.ptrs.ptr);
       const void** B = A + count;
       void** C = const_cast<void**>(B + count);
-      if (tiles_for_p_ != p || tiles_for_bs_ != bs || tiles_elem_ != ies) {
-        tile_pointers<<<1, 256, 0, stream>>>(xs, Mb, p, bs, (long long)ies, nbt, A, B, C);
+      // Under a capture the kernel below is only recorded: it writes the
+      // pointers when the graph runs, so the host cache is not marked valid
+      // (an eager call before the first replay recomputes them). With
+      // staging, the first per-batch product may well be a captured one.
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+      const bool valid = tc.table == tc.ptrs.ptr && tc.src == src && tc.dst == dst && tc.n == n && tc.lda == lda &&
+                         tc.ldc == ldc && tc.bs == bs && tc.es == ies;
+      if (!valid) {
+        tile_pointers<<<1, 256, 0, stream>>>(xs, Mb, ldc, bs, (long long)ies, (long long)oes, nbt, A, B, C);
         LAUNCH_CHECK("tile_pointers");
-        tiles_for_p_ = (int)p;
-        tiles_for_bs_ = (int)bs;
-        tiles_elem_ = ies;
+        if (capture == cudaStreamCaptureStatusNone) {
+          tc.table = tc.ptrs.ptr;
+          tc.src = src;
+          tc.dst = dst;
+          tc.n = n;
+          tc.lda = lda;
+          tc.ldc = ldc;
+          tc.bs = bs;
+          tc.es = ies;
+        } else {
+          tc.table = nullptr;
+        }
       }
       const float one = 1.0f, zero = 0.0f;
-      CUBLAS_CHECK(cublasGemmBatchedEx(handle_, CUBLAS_OP_N, CUBLAS_OP_T, (int)bs, (int)bs, (int)nb, &one, A,
-                                       in_type(prec), (int)p, B, in_type(prec), (int)p, &zero, C, out_type(prec),
-                                       (int)p, (int)count, compute_type(prec), CUBLAS_GEMM_DEFAULT));
+      CUBLAS_CHECK(cublasGemmBatchedEx(handle_, CUBLAS_OP_N, CUBLAS_OP_T, (int)bs, (int)bs, (int)k, &one, A,
+                                       in_type(prec), (int)lda, B, in_type(prec), (int)lda, &zero, C, out_type(prec),
+                                       (int)ldc, (int)count, compute_type(prec), CUBLAS_GEMM_DEFAULT));
       break;
     }
     default:
@@ -722,18 +1077,19 @@ void CudaMoments::product_M(Precision prec, int64_t nb, cudaStream_t stream) {
   }
 }
 
-void CudaMoments::product_cross(Precision prec, int64_t nb, int64_t w, const void* gs, void* Bg, void* Ag,
-                                cudaStream_t) {
+void CudaMoments::product_cross(Precision prec, int64_t k, int64_t w, const void* gs, int64_t ldg, const void* xs,
+                                int64_t ldx, void* Bg, void* Ag) {
   // B_g (p x w row-major = w x p column-major) = G_c^T X_c.
-  gemm_nt(handle_, prec, w, p_, nb, gs, w, xs_.ptr, p_, Bg, w);
-  if (prec == Precision::fp64 || prec == Precision::fp32) syrk_lower(handle_, prec, w, nb, gs, Ag);
-  else gemm_nt(handle_, prec, w, w, nb, gs, w, gs, w, Ag, w);
+  gemm_nt(handle_, prec, w, p_, k, gs, ldg, xs, ldx, Bg, w);
+  if (prec == Precision::fp64 || prec == Precision::fp32) syrk_lower(handle_, prec, w, k, gs, ldg, Ag, w);
+  else gemm_nt(handle_, prec, w, w, k, gs, ldg, gs, ldg, Ag, w);
 }
 
 // ---- synchronising calls ----------------------------------------------------------
 
 void CudaMoments::sync_and_check() {
   DeviceGuard g(device_);
+  flush_pending();  // staged rows join the state before anything reads it
   CUDA_CHECK(cudaDeviceSynchronize());
   if (!s_.hdr) return;
   Header hh;
@@ -775,6 +1131,8 @@ void CudaMoments::reset() {
   DeviceGuard g(device_);
   CUDA_CHECK(cudaDeviceSynchronize());
   free_state();  // scratch is kept: it grows to fit whatever comes next
+  st_rows_ = 0;  // staged rows are forgotten with the rest
+  st_batches_ = 0;
   p_ = c_ = t_ = k_ = -1;
   precision_ = Precision::fp64;
   have_last_stream_ = false;

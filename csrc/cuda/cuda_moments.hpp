@@ -10,6 +10,15 @@
 // the next synchronising call (n, get_state, merge, reset). So update() never
 // waits for the device (one exception: labels without num_classes, where the
 // class arrays must be sized from the largest label).
+//
+// Staging (opt-in, set_stack): instead of one product and one merge per batch,
+// update() centers the batch on its own float64 mean and copies the narrowed
+// rows into a device buffer of `stack_rows` rows, recording the batch's count
+// and mean on the device. The staged rows are reduced with one product over
+// all of them (flush_stage) when the next batch would not fit, and before
+// anything reads or merges the state. The multi-batch Chan correction is
+// exact (see flush_stage). Whether to flush depends only on host-known row
+// counts, so update() still never waits for the device.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -34,6 +43,10 @@ enum class Product : int {
   block_rows = 3, // one cublasGemmEx per block-row of the lower triangle
   tiles = 4,      // cublasGemmBatchedEx over the lower bs x bs tiles (p % bs == 0)
 };
+
+// Most batches held in the stage at once (the float64 means and counts are
+// sized for this many; a stage that reaches it is flushed).
+constexpr int kMaxStackBatches = 256;
 
 // Device-side bookkeeping, read by the kernels (never by the host in update).
 struct Header {
@@ -97,6 +110,17 @@ class CudaMoments {
   Product product() const { return algo_; }
   int block() const { return block_; }
 
+  // Staging of up to `rows` rows before one product (0 = off: one product
+  // per batch). `joint`: with outputs/targets streamed, one product over the
+  // concatenated [X | F | T] rows gives M, B, A (and Bt, At) at once; else
+  // one product per block, as without staging. Pending rows are flushed first
+  // (this call synchronises).
+  void set_stack(int64_t rows, bool joint);
+  int64_t stack_rows() const { return stack_rows_; }
+  bool stack_joint() const { return stack_joint_; }
+  int64_t staged_rows() const { return st_rows_; }      // host-known, not yet merged
+  int staged_batches() const { return st_batches_; }
+
  private:
   int device_;
   int64_t num_classes_;
@@ -119,21 +143,54 @@ class CudaMoments {
     void* ptr = nullptr;
     size_t bytes = 0;
   };
-  Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_, tiles_;
-  int tiles_for_p_ = -1, tiles_for_bs_ = -1;
-  long long tile_count_ = 0;
-  size_t tiles_elem_ = 0;
+  Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_;
+  // Pointer arrays of the batched lower-tile product, valid for `key`
+  // (source, destination, sizes): recomputed on the device when it changes.
+  struct TileCache {
+    Buf ptrs;
+    const void* table = nullptr;  // ptrs.ptr when the pointers were written (a regrown table holds nothing)
+    const void* src = nullptr;
+    const void* dst = nullptr;
+    int64_t n = -1, lda = -1, ldc = -1, bs = -1;
+    size_t es = 0;
+  };
+  TileCache tiles_, st_tiles_;
+
+  // Staging (see set_stack). Host-known: rows and batches staged, and the
+  // product precision they were narrowed to. Device: the rows (st_x_,
+  // row width st_width_ = p + c + t rounded up to 8 elements), the float64
+  // means (st_means_: row 0 is scratch for the state's deviation, row 1 + b
+  // batch b's means), the counts (st_counts_: 0 for a bad batch) and the
+  // product (st_prod_).
+  int64_t stack_rows_ = 0;
+  bool stack_joint_ = true;
+  int64_t st_rows_ = 0;
+  int st_batches_ = 0;
+  Precision st_prec_ = Precision::fp32;
+  int64_t st_width_ = 0;
+  Buf st_x_, st_means_, st_counts_, st_prod_;
 
   void ensure(Buf& b, size_t bytes);
   void free_all();
   void free_state();
   void shape(int64_t p, int64_t c, int64_t t, int64_t k);
   void grow_classes(int64_t k, cudaStream_t stream);
-  void sync_and_check();  // waits for the device; raises and clears pending errors
+  void sync_and_check();  // flushes the stage, waits for the device; raises and clears pending errors
   void order_after_last(cudaStream_t stream);
-  void product_M(Precision prec, int64_t nb, cudaStream_t stream);
-  void product_cross(Precision prec, int64_t nb, int64_t width, const void* gs, void* Bg, void* Ag,
-                     cudaStream_t stream);
+  Product resolve(Precision prec, int64_t n) const;  // the algorithm product_lower will use
+  void prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, int64_t t);
+  // Lower triangle of C = S^T S, S a k x n row-major block (row stride lda)
+  // = column-major n x k; C column-major n x n with leading dimension ldc.
+  void product_lower(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst, int64_t ldc,
+                     TileCache& tc, cudaStream_t stream);
+  // B_g = X^T G (w x p column-major, ld w) and the lower triangle of A_g =
+  // G^T G (ld w) over k rows; G and X row-major with row strides ldg, ldx.
+  void product_cross(Precision prec, int64_t k, int64_t w, const void* gs, int64_t ldg, const void* xs, int64_t ldx,
+                     void* Bg, void* Ag);
+  void stage_batch(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
+                   Precision prec, cudaStream_t stream);
+  void flush_stage(cudaStream_t stream);  // enqueues the reduction of the staged rows on `stream`
+  void flush_pending();                   // outside update: waits for the device, flushes, leaves it queued
   void merge_state_device(const CudaMoments& other, int64_t other_n);
 };
 
