@@ -222,6 +222,25 @@ def test_constructor_arguments():
         richness.Moments(device="tpu")
 
 
+def test_stack_rows_is_a_cuda_option():
+    # The CPU backend has no staging: a clear error, raised before any state exists.
+    for bad in (-1, 2.5, True, "1024", 2**31):
+        with pytest.raises(ValueError, match=r"stack_rows must be an integer"):
+            richness.Moments(stack_rows=bad)
+    with pytest.raises(ValueError, match=r"stack_rows is an option of the CUDA backend"):
+        richness.Moments(device="cpu", stack_rows=1024)
+    m = richness.Moments(stack_rows=1024)  # device from the first batch
+    with pytest.raises(ValueError, match=r"stack_rows is an option of the CUDA backend"):
+        m.update(X, F)
+    assert m.device is None and m.n == 0
+    with pytest.raises(ValueError, match=r"stack_rows is an option of the CUDA backend"):
+        m.load_state_dict(started().state_dict())
+    assert m.n == 0
+    off = richness.Moments(device="cpu", stack_rows=0)  # 0 = off, the default
+    off.update(X, F)
+    assert off.n == N
+
+
 def test_dlr_needs_outputs_or_head():
     with pytest.raises(ValueError, match=r"needs outputs or a head"):
         richness.dlr(X)

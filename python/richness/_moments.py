@@ -11,6 +11,9 @@ from . import _adapt, _finish, _io, _uncertainty
 from ._core import CpuMoments
 from ._report import Report
 
+_STACK_CPU = ("stack_rows is an option of the CUDA backend (it stages rows before one device product); "
+              "the CPU backend has no staging: use stack_rows=0 with CPU data")
+
 _STATE_SHAPES = {
     "mean": ("p",), "M": ("p", "p"), "out_mean": ("c",), "B": ("p", "c"), "A": ("c", "c"),
     "tgt_mean": ("t",), "Bt": ("p", "t"), "At": ("t", "t"), "class_counts": ("k",),
@@ -47,6 +50,20 @@ class Moments:
             ``update`` (and each ``merge``) goes whole to one group: in turn, or
             at random when ``group_seed`` is given. Costs k times the memory.
         group_seed: seed for the random assignment of updates to groups.
+        stack_rows: CUDA only (a ``ValueError`` on the CPU). 0 (default): one
+            product and one float64 merge per batch. N > 0: each batch is
+            centered on its own float64 mean and staged (narrowed to the
+            product precision) until the next would pass N rows; then one
+            product over all staged rows and one exact multi-batch merge.
+            Larger products fill the tensor cores better. Costs ``N * (p + C
+            + T)`` device elements in the product precision (4 bytes fp32/tf32,
+            2 bf16, 8 fp64) plus a ``(p + C + T)^2`` product, per Moments (per
+            group with ``groups``). The state, ``n``, ``state_dict`` and
+            ``compute`` are those of the per-batch path up to the products'
+            rounding (staged rows are merged before anything reads the state);
+            ``update`` still never waits for the device. An ``update`` captured
+            in a CUDA graph takes the per-batch path (a replay must add its
+            batch again); rows staged before the capture are merged later.
 
     ``update`` adds a batch; ``merge`` adds another state; ``compute`` finishes
     a ``Report`` without touching the state. Invalid input raises and leaves
@@ -55,7 +72,7 @@ class Moments:
 
     def __init__(self, num_classes: Optional[int] = None, *, device: Optional[str] = None,
                  precision: Optional[str] = None, groups: Optional[int] = None,
-                 group_seed: Optional[int] = None) -> None:
+                 group_seed: Optional[int] = None, stack_rows: int = 0) -> None:
         if groups is not None and (not isinstance(groups, (int, np.integer)) or groups < 2):
             raise ValueError(f"groups must be an integer >= 2 or None, got {groups!r}")
         if group_seed is not None and groups is None:
@@ -73,6 +90,12 @@ class Moments:
         if device in (None, "cpu") and precision in ("tf32", "bf16"):
             if device == "cpu":
                 raise ValueError(f"precision {precision!r} needs device='cuda'; the CPU multiplies in fp32 or fp64")
+        if (isinstance(stack_rows, (bool, np.bool_)) or not isinstance(stack_rows, (int, np.integer))
+                or not 0 <= stack_rows < 2**31):
+            raise ValueError(f"stack_rows must be an integer in [0, 2**31), got {stack_rows!r}")
+        if stack_rows and device == "cpu":
+            raise ValueError(_STACK_CPU)
+        self.stack_rows = int(stack_rows)
         self.num_classes = None if num_classes is None else int(num_classes)
         self.precision = precision
         self._device = device
@@ -89,8 +112,13 @@ class Moments:
     def _make_backend(self, device: str):
         nc = -1 if self.num_classes is None else self.num_classes
         if device == "cpu":
+            if self.stack_rows:
+                raise ValueError(_STACK_CPU)
             return CpuMoments(nc)
-        return _cuda_backend(nc, device)
+        impl = _cuda_backend(nc, device)
+        if self.stack_rows:
+            impl.set_stack(self.stack_rows)
+        return impl
 
     @property
     def device(self) -> Optional[str]:
@@ -98,6 +126,8 @@ class Moments:
         return self._device
 
     def _create(self, device: str) -> None:
+        if device == "cpu" and self.stack_rows:  # before anything changes
+            raise ValueError(_STACK_CPU)
         self._device = device
         if self._groups is None:
             self._impl = self._make_backend(device)
