@@ -358,3 +358,331 @@ def test_repeated_compute_does_not_change_state():
 def test_cuda_device_without_gpu_raises_clearly():
     with pytest.raises(RuntimeError, match="CUDA"):
         richness.Moments(device="cuda")
+
+
+# -- staging (Moments(stack_rows=...)) ------------------------------------------------------
+#
+# Staged and per-batch accumulation narrow the same centered rows (each batch on
+# its own float64 mean), so their states differ only by the products'
+# accumulation (one product over the stage vs one per batch, summed in float64)
+# and float64 rounding of the multi-batch merge: a bound far below the DLR
+# tolerances, relative to the largest entry of each block.
+STACK_EPS = {"fp64": 1e-12, "fp32": 2e-5, "tf32": 1e-4, "bf16": 1e-4}
+STACK = 600
+UNEVEN = [300, 17, 512, 1, 700, 130, 388]  # 2048 rows; with STACK = 600: two flushes inside update,
+#                                            700 > STACK goes per batch while 513 rows are staged,
+#                                            518 rows still staged at the end
+
+
+def row_slices(sizes):
+    edges = np.concatenate([[0], np.cumsum(sizes)])
+    return [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def stacked(stack=STACK, joint=True, *args, **kwargs):
+    m = richness.Moments(*args, device="cuda", stack_rows=stack, **kwargs)
+    if not joint:
+        m._impl.set_stack(stack, joint=False)
+    return m
+
+
+def assert_states_close(got, want, keys, eps, err=""):
+    assert got["n"] == want["n"]
+    for key in keys:
+        scale = max(np.abs(want[key]).max(), 1e-300)
+        np.testing.assert_allclose(got[key], want[key], rtol=0, atol=eps * scale, err_msg=f"{err} {key}")
+
+
+STACK_CASES = [("float32", "fp32"), ("float32", "tf32"), ("bfloat16", "bf16"), ("float64", "fp64"),
+               ("float16", "fp32")]
+
+
+@pytest.mark.parametrize("mode", ["head", "outputs_joint", "outputs_split"])
+@pytest.mark.parametrize("dtype_name,precision", STACK_CASES)
+@needs_gpu
+def test_stacked_matches_unstacked_and_reference(dtype_name, precision, mode):
+    X, F, Xv, Fv, W, b, want, want_head, r = problem(dtype_name)
+    assert sum(UNEVEN) == X.shape[0]
+    with_outputs = mode != "head"
+    plain = richness.Moments(device="cuda", precision=precision)
+    stack = stacked(joint=mode != "outputs_split", precision=precision)
+    for sl in row_slices(UNEVEN):
+        args = (X[sl], F[sl]) if with_outputs else (X[sl],)
+        plain.update(*args)
+        stack.update(*args)
+    assert stack._impl.staged_rows == 130 + 388 and stack._impl.staged_batches == 2
+    a, s = plain.state_dict(), stack.state_dict()  # state_dict flushes
+    assert stack._impl.staged_rows == 0 and s["precision"] == precision
+    keys = ("mean", "M") + (("out_mean", "B", "A") if with_outputs else ())
+    assert_states_close(s, a, keys, STACK_EPS[precision], mode)
+    tol = TOL[precision]
+    if with_outputs:
+        rs, rp, ref = stack.compute(), plain.compute(), want
+        assert rs.rank == r
+    else:
+        rs, rp, ref = stack.compute(head=(W, b)), plain.compute(head=(W, b)), want_head
+    assert abs(rs.dlr - ref) < tol, (rs.dlr, ref)
+    assert abs(rs.dlr - rp.dlr) < tol
+
+
+@pytest.mark.parametrize("joint", [True, False])
+@pytest.mark.parametrize("num_classes", [None, 6])
+@needs_gpu
+def test_stacked_labels_and_targets_match_cpu(joint, num_classes):
+    rng = np.random.default_rng(12)
+    n, p, C, K, T = 1500, 24, 5, 6, 3
+    X = features(rng, n, p)
+    F = X @ rng.normal(size=(p, C)) + rng.normal(size=(n, C))
+    y = rng.integers(0, K, n)
+    y[:400] = np.minimum(y[:400], 2)  # without num_classes, the class range grows mid-stack
+    Tg = rng.normal(size=(n, T))
+    cpu = richness.Moments(num_classes)
+    cpu.update(X, F, y, Tg)
+    plain = richness.Moments(num_classes, device="cuda")
+    stack = stacked(700, joint, num_classes)
+    t = lambda a: torch.from_numpy(a).to(DEV)  # noqa: E731
+    for sl in row_slices([400, 250, 13, 600, 237]):
+        for m in (plain, stack):
+            m.update(t(X[sl]), t(F[sl]), t(y[sl]), t(Tg[sl]))
+    a, b, c = plain.state_dict(), stack.state_dict(), cpu.state_dict()
+    assert b["precision"] == "fp64" and b["k"] == c["k"] == K
+    np.testing.assert_array_equal(b["class_counts"], c["class_counts"])
+    keys = ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_sums")
+    assert_states_close(b, a, keys, 1e-11, "vs unstacked")
+    assert_states_close(b, c, keys, 1e-11, "vs cpu")
+    rb, rc = stack.compute(), cpu.compute()
+    assert abs(rb.dlr - rc.dlr) < 1e-11
+    assert abs(rb.nc1 - nc1_naive(X, y)) < 1e-9 * max(1.0, rb.nc1)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@needs_gpu
+def test_stacked_bad_batches_add_nothing(precision):
+    rng = np.random.default_rng(13)
+    nb, p, C, K = 256, 16, 3, 3
+    X = torch.from_numpy(features(rng, 4 * nb, p)).to(DEV, torch.float32)
+    F = X[:, :C] * 2 + 1 + 0.1 * torch.randn(4 * nb, C, device=DEV)
+    y = torch.from_numpy(rng.integers(0, K, 4 * nb)).to(DEV)
+    part = row_slices([nb] * 4)
+    bad_x = X[part[1]].clone()
+    bad_x[3, 2], bad_x[7, 0], bad_x[9, 5] = float("nan"), float("inf"), float("-inf")
+    bad_y = y[part[2]].clone()
+    bad_y[0], bad_y[1] = K, -1
+    m = stacked(4096, precision=precision, num_classes=K)  # the four batches share one stage
+    m.update(X[part[0]], F[part[0]], y[part[0]])
+    m.update(bad_x, F[part[1]], y[part[1]])  # returns at once: checked on the device
+    m.update(X[part[2]], F[part[2]], bad_y)
+    m.update(X[part[3]], F[part[3]], y[part[3]])
+    assert m._impl.staged_batches == 4
+    with pytest.raises(ValueError, match=r"2 batches were not added.*features contain 3 non-finite.*"
+                                         r"labels out of range: 2 labels"):
+        _ = m.n
+    good = richness.Moments(K, device="cuda", precision=precision)
+    for i in (0, 3):
+        good.update(X[part[i]], F[part[i]], y[part[i]])
+    a, b = good.state_dict(), m.state_dict()  # reported once; the state holds the good batches only
+    assert b["n"] == 2 * nb
+    np.testing.assert_array_equal(b["class_counts"], a["class_counts"])
+    assert_states_close(b, a, ("mean", "M", "out_mean", "B", "A", "class_sums"), STACK_EPS[precision])
+    assert np.isfinite(b["M"]).all()
+    m.update(X[part[1]], F[part[1]], y[part[1]])  # still usable
+    assert m.n == 3 * nb
+
+    # A stage of bad batches only: nothing is added, the next good batch starts the state.
+    e = stacked(4096, precision=precision, num_classes=K)
+    e.update(bad_x, F[part[1]], y[part[1]])
+    with pytest.raises(ValueError, match=r"1 batch was not added"):
+        e.compute()
+    assert e.n == 0
+    e.update(X[part[0]], F[part[0]], y[part[0]])
+    one = richness.Moments(K, device="cuda", precision=precision)
+    one.update(X[part[0]], F[part[0]], y[part[0]])
+    assert_states_close(e.state_dict(), one.state_dict(), ("mean", "M", "B", "A"), STACK_EPS[precision])
+
+
+@needs_gpu
+def test_stacked_merge_state_dict_and_save_mid_stack(tmp_path):
+    rng = np.random.default_rng(14)
+    n, p, C = 3000, 20, 4
+    X64 = features(rng, n, p)
+    F64 = X64 @ rng.normal(size=(p, C)) + rng.normal(size=(n, C))
+    X, F = torch.from_numpy(X64).to(DEV, torch.float32), torch.from_numpy(F64).to(DEV, torch.float32)
+    keys = ("mean", "M", "out_mean", "B", "A")
+    chunks = torch.arange(n).chunk(10)  # 300 rows each
+
+    def unstacked(*parts):
+        m = richness.Moments(device="cuda", precision="fp32")
+        for idx in parts:
+            m.update(X[idx], F[idx])
+        return m.state_dict()
+
+    a, b = stacked(1000, precision="fp32"), stacked(1000, precision="fp32")
+    for i, ch in enumerate(chunks[:6]):
+        (a if i % 2 == 0 else b).update(X[ch], F[ch])
+    assert a._impl.staged_rows == b._impl.staged_rows == 900
+    sd = a.state_dict()  # mid-stack: flushes; same keys and shapes as ever
+    assert a._impl.staged_rows == 0 and sd["n"] == 900
+    assert_states_close(sd, unstacked(chunks[0], chunks[2], chunks[4]), keys, STACK_EPS["fp32"])
+    a.update(X[chunks[6]], F[chunks[6]])  # staged again
+    a.merge(b)  # flushes both sides first
+    assert b._impl.staged_rows == 0 and a.n == 2100
+    for ch in chunks[7:]:
+        a.update(X[ch], F[ch])
+    assert a._impl.staged_rows > 0
+    a.save(tmp_path / "s.npz")  # flushes
+    st = a.state_dict()
+    assert_states_close(st, unstacked(torch.arange(n)), keys, STACK_EPS["fp32"])
+    for device in ("cpu", "cuda"):
+        back = richness.Moments.load(tmp_path / "s.npz", device=device).state_dict()
+        for key in keys:
+            np.testing.assert_array_equal(back[key], st[key], err_msg=key)
+    # into a stacked Moments with rows of its own pending, and into itself
+    c = stacked(1000)
+    c.update(X[:100], F[:100])
+    c.merge(a)
+    assert_states_close(c.state_dict(), unstacked(slice(0, 100), torch.arange(n)), keys, STACK_EPS["fp32"])
+    c.update(X[:100], F[:100])
+    c.merge(c)
+    assert_states_close(c.state_dict(), unstacked(slice(0, 100), torch.arange(n), slice(0, 100), slice(0, 100),
+                                                  torch.arange(n), slice(0, 100)), keys, STACK_EPS["fp32"])
+    # load_state_dict replaces the state, pending rows included
+    d = stacked(1000)
+    d.update(X[:50], F[:50])
+    d.load_state_dict(sd)
+    assert d.n == 900
+    d.update(X[:50], F[:50])
+    assert d.n == 950
+
+
+@needs_gpu
+def test_stacked_precision_switch_reset_and_width_change():
+    rng = np.random.default_rng(15)
+    X64 = features(rng, 900, 12)
+    X = torch.from_numpy(X64).to(DEV)
+    plain, stack = richness.Moments(device="cuda"), stacked(4096)
+    for m in (plain, stack):
+        m.update(X[:300])  # float64: fp64 products
+        m.update(X[300:600].float())  # float32: fp32 (the stage is flushed before the switch)
+        m.update(X[600:])
+    a, b = plain.state_dict(), stack.state_dict()
+    assert a["precision"] == b["precision"] == "fp32"
+    assert_states_close(b, a, ("mean", "M"), STACK_EPS["fp32"])
+    stack.update(X[:10].float())
+    stack.reset()  # forgets the staged rows too
+    assert stack.n == 0 and stack._impl.staged_rows == 0
+    Y = torch.from_numpy(features(rng, 500, 30)).to(DEV, torch.float32)
+    F = Y[:, :5] * 3
+    stack.update(Y[:250], F[:250])  # new widths after reset
+    stack.update(Y[250:], F[250:])
+    ref = richness.Moments(device="cuda")
+    ref.update(Y, F)
+    assert_states_close(stack.state_dict(), ref.state_dict(), ("mean", "M", "B", "A"), STACK_EPS["fp32"])
+
+
+@pytest.mark.parametrize("algo,block", [("auto", 512), ("syrk", 512), ("gemm", 512), ("block_rows", 16),
+                                        ("tiles", 16)])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@needs_gpu
+def test_stacked_product_algorithms_agree(algo, block, precision):
+    # p = 48 and p + C = 64: tiles of 16 divide both the head and the joint product.
+    X, F, Xv, Fv, W, b, want, want_head, r = problem("float32", C=16)
+    for joint in (True, False):
+        m = stacked(1000, joint, precision=precision)
+        h = stacked(1000, precision=precision)
+        for mm in (m, h):
+            mm._impl.set_product(algo, block)
+        for sl in row_slices(UNEVEN):
+            m.update(X[sl], F[sl])
+            h.update(X[sl])
+        assert abs(m.compute().dlr - want) < TOL[precision]
+        assert abs(h.compute(head=(W, b)).dlr - want_head) < TOL[precision]
+
+
+@needs_gpu
+def test_stacked_fp32_large_mean_small_spread():
+    rng = np.random.default_rng(3)
+    n, p, C = 4096, 16, 4
+    X64 = 1e4 + 1e-2 * features(rng, n, p, mean=0.0)
+    X = torch.from_numpy(X64).to(DEV, torch.float32)
+    Xv = X.double().cpu().numpy()
+    W = rng.normal(size=(C, p))
+    F = (torch.from_numpy(Xv @ W.T + 1e-3 * rng.normal(size=(n, C)))).to(DEV, torch.float32)
+    want, _ = dlr_naive(Xv, F.double().cpu().numpy())
+    m = stacked(4096, precision="fp32")  # three batches, three different means, one product
+    for chunk in torch.arange(n).chunk(3):
+        m.update(X[chunk], F[chunk])
+    assert abs(m.compute().dlr - want) < 1e-6
+
+
+@needs_gpu
+def test_stacked_update_on_side_streams_is_ordered():
+    # The second batch's update (on s2) flushes the first's rows, staged on s1
+    # behind a long spin: the flush must wait for them.
+    rng = np.random.default_rng(10)
+    n, p = 4096, 32
+    src = torch.from_numpy(features(rng, 3 * n, p)).to(DEV, torch.float32)
+    want = richness.Moments(precision="fp32")
+    want.update(src.cpu())
+    m = stacked(n + n // 2, precision="fp32")
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    bufs = [torch.zeros(n, p, device=DEV) for _ in range(3)]
+    torch.cuda.synchronize()
+    for i, (s, buf) in enumerate(zip(streams, bufs)):
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(20_000_000)
+            buf.copy_(src[i * n:(i + 1) * n])
+            m.update(buf)
+    ref = want.state_dict()["M"]
+    np.testing.assert_allclose(m.state_dict()["M"], ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    assert m.n == 3 * n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@needs_gpu
+def test_update_captures_in_cuda_graph_with_stacking(precision):
+    # A captured update takes the per-batch path (a replay would otherwise
+    # rewrite the same stage rows); rows staged before the capture stay staged
+    # and are merged once. No allocation or host sync inside the capture.
+    rng = np.random.default_rng(11)
+    n, p, C, K = 1024, 64, 10, 10
+    X = torch.from_numpy(features(rng, n, p)).to(DEV, torch.float32)
+    F = X @ torch.randn(p, C, device=DEV) + torch.randn(n, C, device=DEV)
+    y = torch.from_numpy(rng.integers(0, K, n)).to(DEV)
+    m = stacked(4096, num_classes=K, precision=precision)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m.update(X, F, y)  # warm-up: staged; sizes the per-batch scratch as well
+    torch.cuda.current_stream().wait_stream(s)
+    assert m._impl.staged_rows == n
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        m.update(X, F, y)
+    assert m._impl.staged_rows == n
+    for _ in range(3):
+        g.replay()
+    m.update(X, F, y)  # eager again: staged next to the warm-up batch
+    assert m._impl.staged_rows == 2 * n
+    assert m.n == 5 * n  # warm-up, three replays, one eager update (the capture itself runs nothing)
+    ref = richness.Moments(K, device="cuda", precision=precision)
+    for _ in range(5):
+        ref.update(X, F, y)
+    a, b = ref.state_dict(), m.state_dict()
+    np.testing.assert_array_equal(b["class_counts"], a["class_counts"])
+    np.testing.assert_allclose(b["M"], a["M"], rtol=1e-6, atol=STACK_EPS[precision] * np.abs(a["M"]).max())
+    assert abs(m.compute().dlr - ref.compute().dlr) < TOL[precision]
+
+
+@needs_gpu
+def test_stacked_groups_and_repeated_compute():
+    X, F, *_ = problem("float32")
+    plain = richness.Moments(device="cuda", precision="fp32", groups=4)
+    stack = stacked(precision="fp32", groups=4)
+    for sl in row_slices(UNEVEN):
+        plain.update(X[sl], F[sl])
+        stack.update(X[sl], F[sl])
+    ra, rb = plain.compute(uncertainty=True), stack.compute(uncertainty=True)
+    assert abs(ra.dlr - rb.dlr) < TOL["fp32"] and abs(ra.dlr_stderr - rb.dlr_stderr) < TOL["fp32"]
+    again = stack.compute(uncertainty=True)
+    assert again.dlr == rb.dlr
+    np.testing.assert_array_equal(again.eigenvalues, rb.eigenvalues)
