@@ -584,8 +584,9 @@ def test_stacked_precision_switch_reset_and_width_change():
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @needs_gpu
 def test_stacked_product_algorithms_agree(algo, block, precision):
-    # p = 48 and p + C = 64: tiles of 16 divide both the head and the joint product.
-    X, F, Xv, Fv, W, b, want, want_head, r = problem("float32", C=16)
+    # p + C = 56 + 8 = 64: tiles of 16 divide the joint product (p = 56 alone
+    # falls back to block rows; test_product_algorithms_agree covers head tiles).
+    X, F, Xv, Fv, W, b, want, want_head, r = problem("float32", p=56)
     for joint in (True, False):
         m = stacked(1000, joint, precision=precision)
         h = stacked(1000, precision=precision)
