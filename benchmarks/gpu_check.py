@@ -136,11 +136,15 @@ def benchmark(torch, args) -> dict:
         log(f"torch {prec}: {results['torch'][prec]:.4f} s")
 
     # -- ours: streamed outputs and head mode, each precision ------------------------
-    def run_ours(prec, with_outputs, algo="auto", block=512, keep=False):
+    def run_ours(prec, with_outputs, algo="auto", block=512, keep=False, stack=0, joint=True):
         Xs, Fs = inputs(prec)
         best, m = float("inf"), None
         for _ in range(2):
-            m = richness.Moments(device="cuda", precision=prec)
+            if stack:
+                m = richness.Moments(device="cuda", precision=prec, stack_rows=stack)
+                m._impl.set_stack(stack, joint)
+            else:
+                m = richness.Moments(device="cuda", precision=prec)
             m._impl.set_product(algo, block)
 
             def step(i):
@@ -154,6 +158,8 @@ def benchmark(torch, args) -> dict:
             t0 = time.perf_counter()
             for i in range(1, steps):
                 step(i)
+            if stack:
+                _ = m.n  # merges the rows still staged: the last flush belongs to the stream's cost
             torch.cuda.synchronize()
             best = min(best, (time.perf_counter() - t0) * steps / (steps - 1))
         assert m.n == steps * nb
@@ -186,6 +192,25 @@ def benchmark(torch, args) -> dict:
     for prec, (m_out, m_head) in states.items():
         results["dlr"][prec] = {"outputs": m_out.compute().dlr, "head": m_head.compute(head=Wd).dlr}
         log(f"DLR {prec}: outputs {results['dlr'][prec]['outputs']:.6f}, head {results['dlr'][prec]['head']:.6f}")
+
+    # -- staging: Moments(stack_rows=N), same stream; the time includes the last flush ---------
+    # (opt-in, not the default path; each state's DLR is compared with the unstaged one above)
+    results["stacked"], results["dlr_stacked"] = {}, {}
+    for prec in ("fp32", "tf32", "bf16"):
+        for mode, joint, rows_list in (("head", True, STACK_ROWS), ("outputs", True, STACK_ROWS),
+                                       ("outputs_split", False, STACK_ROWS[-1:])):
+            for rows in rows_list:
+                key = f"{prec}/{mode}/{rows}"
+                try:
+                    t, m = run_ours(prec, mode != "head", keep=True, stack=rows, joint=joint)
+                    d = m.compute(head=Wd).dlr if mode == "head" else m.compute().dlr
+                    results["dlr_stacked"][key] = d
+                    del m
+                except Exception as e:  # a failing variant must not stop the run
+                    t = f"error: {e}"
+                results["stacked"][key] = t
+                log(f"  stacked {key}: {t if isinstance(t, str) else f'{t:.4f} s'}"
+                    + (f", DLR {results['dlr_stacked'][key]:.6f}" if key in results["dlr_stacked"] else ""))
 
     # -- compute() timings -------------------------------------------------------------
     m_out, m_head = states["fp32"]
@@ -223,6 +248,43 @@ def benchmark(torch, args) -> dict:
     return results
 
 
+STACK_ROWS = (16384, 32768)
+
+
+def stacked_table(results: dict) -> list:
+    """Staging side by side with the unstaged rows of the same run (speedups against torch)."""
+    st = results.get("stacked")
+    if not st:
+        return []
+    cols = [(r, "joint") for r in STACK_ROWS]
+    lines = ["staging (Moments(stack_rows=N); opt-in; times include the last flush; "
+             "dDLR = |DLR staged - DLR unstaged| of the same stream)"]
+    head = f"{'precision':<10}{'mode':<9}{'unstaged':>17}"
+    for rows, _ in cols:
+        head += f"{'N=' + str(rows):>17}"
+    head += f"{'N=' + str(STACK_ROWS[-1]) + ' split':>19}{'max dDLR':>11}"
+    lines.append(head)
+
+    def cell(t, tt, width=17):
+        if isinstance(t, str) or t is None:
+            return f"{'error' if isinstance(t, str) else '-':>{width}}"
+        return f"{t:>{width - 8}.4f}s {tt / t:>5.2f}x"
+
+    for prec in ("fp32", "tf32", "bf16"):
+        tt = results["torch"][prec]
+        for mode in ("head", "outputs"):
+            row = f"{prec:<10}{mode:<9}{cell(results['ours'][prec][mode], tt)}"
+            for rows, _ in cols:
+                row += cell(st.get(f"{prec}/{mode}/{rows}"), tt)
+            row += cell(st.get(f"{prec}/outputs_split/{STACK_ROWS[-1]}"), tt, 19) if mode == "outputs" else " " * 19
+            base = results["dlr"][prec][mode]
+            diffs = [abs(d - base) for k, d in results.get("dlr_stacked", {}).items()
+                     if k.startswith(f"{prec}/{mode}")]
+            row += f"{max(diffs):>11.1e}" if diffs else f"{'-':>11}"
+            lines.append(row)
+    return lines
+
+
 def table(results: dict) -> str:
     lines = []
     sh = results["shape"]
@@ -241,6 +303,7 @@ def table(results: dict) -> str:
     lines.append(f"compute (fp32 state, p={sh['p']}, C={sh['C']}): DLR alone {c['dlr_alone_outputs'] * 1e3:.1f} ms "
                  f"(outputs), {c['dlr_alone_head'] * 1e3:.1f} ms (head); report {c['report_outputs'] * 1e3:.1f} ms; "
                  f"full report with NC1 {c['report_full_with_nc1'] * 1e3:.1f} ms")
+    lines += stacked_table(results)
     return "\n".join(lines)
 
 
