@@ -140,15 +140,18 @@ inline int64_t label_at(const Matrix& y, int64_t i) {
 // Column means in float64 (SPEC: the batch mean is never formed in a narrower
 // type). Also the finiteness check: a finite sum of finite values is finite,
 // so only a non-finite sum needs the element-wise count.
+void add_column_sums(const Matrix& m, int64_t r0, int64_t r1, double* s) {
+  for_each_row(m, r0, r1, [&](int64_t, auto get) {
+    for (int64_t j = 0; j < m.cols; ++j) s[j] += get(j);
+  });
+}
+
 void column_means(const Matrix& m, std::vector<double>& out) {
   const int64_t w = m.cols;
   std::vector<std::vector<double>> partial(std::max(1, blas_get_num_threads()));
   parallel_rows(m.rows, w, [&](int64_t t, int64_t r0, int64_t r1) {
     partial[t].assign(w, 0.0);
-    double* s = partial[t].data();
-    for_each_row(m, r0, r1, [&](int64_t, auto get) {
-      for (int64_t j = 0; j < w; ++j) s[j] += get(j);
-    });
+    add_column_sums(m, r0, r1, partial[t].data());
   });
   out.assign(w, 0.0);
   for (const auto& part : partial)
@@ -191,6 +194,13 @@ inline void syrk(int64_t n, int64_t k, const float* a, float* c) {
 }
 inline void syrk(int64_t n, int64_t k, const double* a, double* c) {
   RB(dsyrk)(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)k, 1.0, a, (int)n, 0.0, c, (int)n);
+}
+// C (n x n, lower, row-major) = A A^T for row-major A (n x k): the Gram of rows.
+inline void syrk_rows(int64_t n, int64_t k, const float* a, float* c) {
+  RB(ssyrk)(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0f, a, (int)k, 0.0f, c, (int)n);
+}
+inline void syrk_rows(int64_t n, int64_t k, const double* a, double* c) {
+  RB(dsyrk)(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0, a, (int)k, 0.0, c, (int)n);
 }
 // C (m x n) = A^T B for row-major A (k x m), B (k x n).
 inline void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c) {
@@ -475,6 +485,51 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
   s.precision = std::max(s.precision, precision);
 }
 
+
+// ---- Gram matrices of row blocks (the Monitor's one-batch windows) ----------
+
+namespace {
+size_t elem_size(DType d) {
+  return d == DType::f64 || d == DType::i64 ? 8 : d == DType::f32 || d == DType::i32 ? 4 : 2;
+}
+
+template <typename T>
+void grams_typed(const Matrix& x, int64_t per, T* out) {
+  const int64_t blocks = x.rows / per, p = x.cols;
+  const size_t es = elem_size(x.dtype);
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(blas_get_num_threads(), blocks));
+  run_workers(workers, blocks, [&](int64_t, int64_t g0, int64_t g1) {
+    std::vector<double> mu((size_t)p);
+    std::vector<T> xc((size_t)(per * p));
+    for (int64_t g = g0; g < g1; ++g) {
+      Matrix b = x;
+      b.ptr = static_cast<const char*>(x.ptr) + (size_t)(g * per * x.ld) * es;
+      b.rows = per;
+      std::fill(mu.begin(), mu.end(), 0.0);
+      add_column_sums(b, 0, per, mu.data());
+      for (double& v : mu) v /= (double)per;
+      center_rows<T>(b, mu, xc.data(), 0, per);
+      T* c = out + g * per * per;
+      syrk_rows(per, p, xc.data(), c);
+      for (int64_t i = 0; i < per; ++i)
+        for (int64_t j = i + 1; j < per; ++j) c[i * per + j] = c[j * per + i];
+    }
+  });
+}
+}  // namespace
+
+void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out) {
+  check_float_shape(x, "features", x.rows, -1);
+  if (per < 1 || x.rows % per != 0) {
+    Msg os;
+    os << "centered_grams: " << x.rows << " rows do not split into blocks of " << per;
+    throw std::invalid_argument(os.str());
+  }
+  if (precision == Precision::fp64)
+    grams_typed<double>(x, per, static_cast<double*>(out));
+  else
+    grams_typed<float>(x, per, static_cast<float*>(out));
+}
 
 // ---- BLAS facts -------------------------------------------------------------
 

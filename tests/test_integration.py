@@ -600,8 +600,18 @@ def _one_batch_records(lag, sizes, dtype=torch.float64, seed=0, labels=True):
     return mon.history, want, seen
 
 
+@pytest.fixture(params=["core", "torch"])
+def gram_route(request, monkeypatch):
+    """The one-batch Monitor path's Gram: through the core (CPU buffers) or
+    through torch (GPU buffers; run here on the CPU)."""
+    from richness import _monitor
+
+    monkeypatch.setattr(_monitor, "CORE_GRAMS", request.param == "core")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
-def test_monitor_grouped_one_batch_records_match_oracle_in_step_order(dtype, tol):
+def test_monitor_grouped_one_batch_records_match_oracle_in_step_order(dtype, tol, gram_route):
     sizes = [32] * 21 + [20, 20] + [80] + [32] * 3  # a smaller batch, a batch with n >= p (Moments path)
     hist, want, seen = _one_batch_records(8, sizes, dtype)
     assert [r["step"] for r in hist] == list(range(1, len(sizes) + 1))
@@ -626,7 +636,7 @@ def test_monitor_lag_one_equals_grouped():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 5e-3)])
-def test_monitor_one_batch_centering_survives_a_large_mean(dtype, tol):
+def test_monitor_one_batch_centering_survives_a_large_mean(dtype, tol, gram_route):
     # SPEC.md: float32 features with a mean of 1e4 and a spread of 1e-2 give DLR to
     # 1e-6 (one-pass float32 centering gives 6e-2); bfloat16 features (spacing 64
     # near 1e4 cannot hold that case) with a mean of 10 and a spread of 1.
@@ -648,7 +658,7 @@ def test_monitor_one_batch_centering_survives_a_large_mean(dtype, tol):
         assert abs(rec["dlr"] - d) < tol
 
 
-def test_monitor_one_batch_more_outputs_than_samples():
+def test_monitor_one_batch_more_outputs_than_samples(gram_route):
     # C = 40 outputs > n = 16 samples (< p = 64): the projector is formed in sample space
     torch.manual_seed(1)
     head = nn.Linear(64, 40).double()
@@ -670,6 +680,35 @@ def test_monitor_one_batch_more_outputs_than_samples():
         assert rec["rank"] == r == 8
         assert abs(rec["dlr"] - d) < 1e-10
         assert abs(rec["nc1"] - nc1) < 1e-8 * nc1
+
+
+def test_monitor_window_buffer_with_uneven_batches_matches_oracle():
+    # window steps are buffered (copies) and added as one batch at emission; a
+    # batch of another size flushes the buffer into the Moments first
+    torch.manual_seed(2)
+    head = nn.Linear(8, 4).double()
+    sizes = [30, 30, 12, 30, 30, 30, 5, 30]
+    want, H, F, Y = [], [], [], []
+    with richness.Monitor(head, every=4, window=3) as mon:
+        for s, n in enumerate(sizes, start=1):
+            X = torch.randn(n, 8, dtype=torch.float64) * 3 + 1
+            y = torch.randint(0, 4, (n,))
+            if (s - 1) % 4 >= 1:
+                with torch.no_grad():
+                    H.append(X.numpy().copy())
+                    F.append(head(X).numpy())
+                    Y.append(y.numpy())
+            head(X)
+            mon.step(labels=y)
+            X.zero_()
+            if s % 4 == 0:
+                Hw, Fw, Yw = np.concatenate(H), np.concatenate(F), np.concatenate(Y)
+                want.append((dlr_naive(Hw, Fw), nc1_naive(Hw, Yw), len(Hw)))
+                H, F, Y = [], [], []
+    assert [r["step"] for r in mon.history] == [4, 8]
+    for rec, ((d, r), nc1, n) in zip(mon.history, want):
+        assert rec["n"] == n and rec["rank"] == r
+        assert abs(rec["dlr"] - d) < 1e-10 and abs(rec["nc1"] - nc1) < 1e-8 * nc1
 
 
 def test_monitor_group_flush_and_bad_lag():

@@ -2,9 +2,9 @@
 
 Window mode (default): a forward hook on the head captures the training
 batches of the last ``window`` steps before every ``every``-th step; each
-``step()`` feeds the captured batch to a ``Moments`` and drops it; at every
-``every``-th step DLR (and NC1 with labels) is finished from the window and
-emitted. Windows of one batch with fewer samples than features (every=1)
+``step()`` copies the captured batch into the window's buffer and drops it; at
+every ``every``-th step the window is added to a ``Moments`` as one batch, and
+DLR (and NC1 with labels) is finished from it and emitted. Windows of one batch with fewer samples than features (every=1)
 take a cheaper exact route: each step's head input and output are copied into
 a buffer, and groups of up to ``lag`` steps are reduced at once from the n x n
 Gram of each batch (``_BatchGroup``). Probe mode (``probe=``): every ``every``
@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import numpy as np
 
-from . import _finish
+from . import _adapt, _core, _finish
 from ._evaluate import (BlasThreads, HeadFinder, check_tokens, collect, label_kwargs,
                         require_torch, resolve_head, select_rows)
 from ._moments import Moments
@@ -212,6 +212,7 @@ class Monitor:
         self.lag = lag
         self._group: Optional[_BatchGroup] = None  # one-batch windows waiting for one batched reduction
         self._deferred = False  # this step's window went to the group
+        self._window_buf: Optional[_StepBuffer] = None  # the window's steps, added at emission
         self._inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
         self._classes: Optional[int] = None
         self._window_labels: Optional[bool] = None
@@ -312,13 +313,34 @@ class Monitor:
         if self._batch_path_fits(feats, outs):
             self._defer(feats, outs, lk.get("labels"))
             return
-        self._threads.set_for(feats)
-        if self._uses_weights():
-            self._moments.update(feats, **lk)
-        else:
+        parts = {"features": feats}
+        if not self._uses_weights():
             if outs is None:
                 raise ValueError(f"the head {type(self._head).__name__} did not return a tensor")
-            self._moments.update(feats, outs, **lk)
+            parts["outputs"] = outs
+        parts.update(lk)
+        w = self._window_buf
+        if w is not None and not w.fits(parts):
+            self._update_window()
+            if not w.fits(parts):
+                w = None
+        if w is None:
+            w = self._window_buf = _StepBuffer(parts, self.window)
+        w.add(parts)
+
+    def _update_window(self) -> None:
+        """Add the buffered steps of the window to the Moments as one batch: one
+        update of window x n rows instead of one per step (one merge, one call,
+        larger products; on a GPU a few launches per window instead of per step)."""
+        w = self._window_buf
+        if w is None or not w.metas:
+            return
+        try:
+            rows = w.rows()
+            self._threads.set_for(rows["features"])
+            self._moments.update(**rows)
+        finally:
+            w.clear()
 
     def _batch_path_fits(self, feats: Any, outs: Any) -> bool:
         """A window of one batch with fewer rows than features (every=1 with a
@@ -333,8 +355,11 @@ class Monitor:
         """Queue this step's one-batch window in the group (see ``_BatchGroup``)."""
         import torch
 
+        parts = {"features": feats, "outputs": outs}
+        if labels is not None:
+            parts["labels"] = labels
         g = self._group
-        if g is not None and not g.fits(feats, outs, labels):
+        if g is not None and not g.fits(parts):
             self._reduce_group()
             g = self._group = None
         if g is None:
@@ -342,8 +367,8 @@ class Monitor:
                 head = self._head
                 self._classes = (head.out_features if isinstance(head, torch.nn.Linear)
                                  else int(labels.max()) + 1)  # one sync, on the first group only
-            g = self._group = _BatchGroup(feats, outs, labels, self.lag, self._classes or 0)
-        g.add(feats, outs, labels, self.steps, round(time.time() - self._t0, 6))
+            g = self._group = _BatchGroup(parts, self.lag, self._classes or 0)
+        g.add(parts, (self.steps, round(time.time() - self._t0, 6)))
         self._deferred = True
 
     def _reduce_group(self) -> None:
@@ -367,7 +392,7 @@ class Monitor:
             meta = (list(g.metas), n, n if g.sample_space else int(f.shape[2]),
                     g.classes if g.y is not None else 0, rtol, g.sample_space)
         finally:
-            g.metas.clear()  # the buffers are reused by the next group (same stream: ordered)
+            g.clear()  # the buffers are reused by the next group (same stream: ordered)
         if packed.device.type == "cuda":
             host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
             host.copy_(packed, non_blocking=True)
@@ -441,6 +466,7 @@ class Monitor:
         self.flush()  # queued records first: history stays in step order
         m = self._moments
         try:
+            self._update_window()
             if self.distributed:
                 m.all_reduce()  # collective: all ranks emit at the same step
             if m.n < 2:
@@ -494,7 +520,7 @@ class Monitor:
             self.flush()  # queued records, and those still on their way from the GPU
         finally:
             self._pending = []
-            self._group = None
+            self._group = self._window_buf = None
             if self._capture is not None:
                 self._capture.remove()
             if self._finder is not None:
@@ -540,57 +566,68 @@ class _PendingCapture:
         self.handle.remove()
 
 
-class _BatchGroup:
-    """One-batch windows (``window=1`` with fewer rows than features, as with
-    every=1) waiting to be reduced together.
+CORE_GRAMS = True  # False: the torch route on the CPU as well (tests)
 
-    ``add`` copies a step's head input, head output and labels into
-    preallocated buffers (one copy each; no reference to the activations is
-    kept); ``reduce`` turns all of them at once into a handful of small float64
-    matrices per step, with batched products, so that the per-step cost is the
-    copy and the fixed costs of the reduction (Python, kernel launches, cold
-    caches after the training step) are paid once per group.
 
-    Per step (SPEC.md's quantities, rewritten so that nothing of size p or n
-    leaves the device): ||M||_F = ||Xc Xc^T||_F; tr(B A^+ B^T) from
-    A = Fc^T Fc and Q = B^T B (C x C, B = Xc^T Fc); for NC1 the class counts,
-    D D^T and D M D^T = (Xc D^T)^T (Xc D^T), D the class means of Xc (K x K).
-    Each batch is centered on its own float64 mean before the products, which
-    run in float32 unless every input is float64 (the core's rule).
-    """
+class _StepBuffer:
+    """Copies of the head's input, output and labels of consecutive steps, in
+    preallocated buffers with a leading step axis (one copy per tensor and
+    step; no reference to the activations is kept). Steps of one buffer have
+    the same shapes, dtypes and device (``fits``); the buffers are reused
+    after ``clear``. Their size is capped at ``BUDGET`` bytes."""
 
-    BUDGET = 32 << 20  # bytes of buffered head inputs per group (the reduction's scratch: about as much again)
+    BUDGET = 32 << 20
 
-    def __init__(self, feats: Any, outs: Any, labels: Any, capacity: int, classes: int) -> None:
+    def __init__(self, parts: Dict[str, Any], capacity: int) -> None:
         import torch
 
-        n, p = int(feats.shape[0]), int(feats.shape[1])
-        per_step = n * p * feats.element_size() + n * int(outs.shape[1]) * outs.element_size()
+        per_step = sum(t.numel() * t.element_size() for t in parts.values())
         self.capacity = max(1, min(capacity, self.BUDGET // max(per_step, 1)))
-        self.key = self._key(feats, outs, labels)
-        self.classes = classes
-        self.sample_space = int(outs.shape[1]) > n  # more outputs than samples: n x n forms
-        dev = feats.device
-        self.x = torch.empty((self.capacity, n, p), dtype=feats.dtype, device=dev)
-        self.f = torch.empty((self.capacity,) + tuple(outs.shape), dtype=outs.dtype, device=dev)
-        self.y = None if labels is None else torch.empty((self.capacity, n), dtype=torch.int64, device=dev)
-        self.metas: list = []  # (step, time) of each buffered step
-        self.scratch: Optional[tuple] = None  # reduction buffers, made on the first reduce
+        self.key = self._key(parts)
+        self.bufs = {name: torch.empty((self.capacity,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+                     for name, t in parts.items()}
+        self.metas: list = []  # one entry per buffered step
 
     @staticmethod
-    def _key(feats: Any, outs: Any, labels: Any) -> tuple:
-        return (tuple(feats.shape), feats.dtype, feats.device, tuple(outs.shape), outs.dtype, labels is None)
+    def _key(parts: Dict[str, Any]) -> tuple:
+        return tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in parts.items())
 
-    def fits(self, feats: Any, outs: Any, labels: Any) -> bool:
-        return len(self.metas) < self.capacity and self._key(feats, outs, labels) == self.key
+    def fits(self, parts: Dict[str, Any]) -> bool:
+        return len(self.metas) < self.capacity and self._key(parts) == self.key
 
-    def add(self, feats: Any, outs: Any, labels: Any, step: int, t: float) -> None:
+    def add(self, parts: Dict[str, Any], meta: Any = None) -> None:
         j = len(self.metas)
-        self.x[j].copy_(feats)
-        self.f[j].copy_(outs)
-        if self.y is not None:
-            self.y[j].copy_(labels)
-        self.metas.append((step, t))
+        for name, t in parts.items():
+            self.bufs[name][j].copy_(t)
+        self.metas.append(meta)
+
+    def rows(self) -> Dict[str, Any]:
+        """The buffered steps as one batch: (steps x n, ...) views."""
+        j = len(self.metas)
+        return {name: b[:j].reshape((-1,) + tuple(b.shape[2:])) for name, b in self.bufs.items()}
+
+    def clear(self) -> None:
+        self.metas.clear()
+
+
+class _BatchGroup(_StepBuffer):
+    """One-batch windows (``window=1`` with fewer rows than features, as with
+    every=1) waiting to be reduced together: ``reduce`` turns all of them at
+    once into a handful of small float64 matrices per step, with batched
+    products, so that the per-step cost is the copy and the fixed costs of the
+    reduction (Python, kernel launches, cold caches after the training step)
+    are paid once per group."""
+
+    def __init__(self, parts: Dict[str, Any], capacity: int, classes: int) -> None:
+        super().__init__(parts, capacity)
+        feats, outs = parts["features"], parts["outputs"]
+        self.x, self.f, self.y = self.bufs["features"], self.bufs["outputs"], self.bufs.get("labels")
+        self.classes = classes
+        self.sample_space = int(outs.shape[1]) > int(feats.shape[0])  # more outputs than samples: n x n forms
+        self.scratch: Optional[tuple] = None  # reduction buffers, made on the first reduce
+        # CPU buffers go through the core (one syrk per batch); device buffers
+        # through torch (the tests run that route on the CPU too)
+        self.core_grams = feats.device.type == "cpu" and CORE_GRAMS
 
     def reduce(self, prec: str) -> Any:
         """The small matrices of every buffered step, one row each: a (steps, m)
@@ -613,19 +650,25 @@ class _BatchGroup:
         if self.scratch is None or self.scratch[0] != pdt:
             # kept across groups: fresh temporaries of this size page-fault on every group
             x = self.x
-            self.scratch = (pdt, torch.empty(x.shape, dtype=pdt, device=x.device),
+            self.scratch = (pdt, None if self.core_grams else torch.empty(x.shape, dtype=pdt, device=x.device),
                             torch.empty((x.shape[0], x.shape[1], x.shape[1]), dtype=pdt, device=x.device))
         _, xc, g = self.scratch
         X = self.x[:j]
-        # Compensated centering (SPEC.md: "computed in float64 (or compensated)"):
-        # x - m is exact where x is within a factor 2 of m (Sterbenz), and the
-        # second pass removes what the first mean's rounding left, now at the
-        # scale of the spread: a mean of 1e4 with a spread of 1e-2 still gives
-        # DLR to 1e-6. Two fast passes in the product precision instead of a
-        # float64 copy of the buffer.
-        Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=xc[:j])
-        Xc.sub_(Xc.mean(dim=1, keepdim=True))
-        G = torch.bmm(Xc, Xc.transpose(1, 2), out=g[:j])  # steps x n x n
+        G = g[:j]  # steps x n x n
+        if self.core_grams:
+            # the core: float64 means, centering before narrowing, one syrk per batch
+            _core.centered_grams(_adapt.as_matrix(X.reshape(-1, X.shape[2]), "features").arg(), X.shape[1],
+                                 _adapt.PRECISIONS.index(prec), G.data_ptr())
+        else:
+            # Compensated centering on the device (SPEC.md: "computed in float64
+            # (or compensated)"): x - m is exact where x is within a factor 2 of
+            # m (Sterbenz), and the second pass removes what the first mean's
+            # rounding left, now at the scale of the spread: a mean of 1e4 with a
+            # spread of 1e-2 still gives DLR to 1e-6. Two fast passes in the
+            # product precision instead of a float64 copy of the buffer.
+            Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=xc[:j])
+            Xc.sub_(Xc.mean(dim=1, keepdim=True))
+            torch.bmm(Xc, Xc.transpose(1, 2), out=G)
         norm_m = torch.linalg.vector_norm(G, dim=(1, 2), dtype=f64)
         F64 = self.f[:j].to(f64, copy=True)
         Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
@@ -633,7 +676,7 @@ class _BatchGroup:
         labels = self.y is not None and self.classes > 0
         if labels:
             k = self.classes
-            lab = self.y[:j]
+            lab = self.y[:j].long()
             valid = (lab >= 0) & (lab < k)
             Y = torch.zeros(lab.shape + (k,), dtype=pdt, device=lab.device).scatter_(
                 2, lab.clamp(0, k - 1)[..., None], valid.to(pdt)[..., None])
