@@ -418,6 +418,22 @@ void launch_means(const Matrix& m, double* partial, double* mean, unsigned long 
   LAUNCH_CHECK("column_means");
 }
 
+// Float64 class sums and counts of a batch's features (skipped by the kernel
+// for a batch the checks marked bad).
+void launch_class_sums(const Matrix& x, const Matrix& labels, double* sums, long long* counts, const Header* h,
+                       cudaStream_t s) {
+  dim3 grid((unsigned)((x.cols + 255) / 256), grid_y(x.rows));
+  dispatch_float(x.dtype, [&](auto xt) {
+    using Tin = decltype(xt);
+    dispatch_int(labels.dtype, [&](auto yt) {
+      using Ti = decltype(yt);
+      class_sums<Tin, Ti><<<grid, 256, 0, s>>>(static_cast<const Tin*>(x.ptr), x.rows, x.cols, x.ld,
+                                                static_cast<const Ti*>(labels.ptr), labels.ld, sums, counts, h);
+    });
+  });
+  LAUNCH_CHECK("class_sums");
+}
+
 // Centered rows of m into out (row stride ldo; packed: ldo = m.cols).
 void launch_center(const Matrix& m, const double* mean, Precision prec, void* out, long long ldo,
                    const Header* zero_if_bad, cudaStream_t s) {
@@ -757,19 +773,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
     cross(s_.Bt, Btb_.ptr, t, s_.tgt_mean, tau);
     sym(s_.At, Atb_.ptr, t, s_.tgt_mean, tau);
   }
-  if (labels) {
-    dim3 grid((unsigned)((p + 255) / 256), grid_y(nb));
-    dispatch_float(x.dtype, [&](auto xt) {
-      using Tin = decltype(xt);
-      dispatch_int(labels->dtype, [&](auto yt) {
-        using Ti = decltype(yt);
-        class_sums<Tin, Ti><<<grid, 256, 0, stream>>>(static_cast<const Tin*>(x.ptr), nb, p, x.ld,
-                                                       static_cast<const Ti*>(labels->ptr), labels->ld, s_.class_sums,
-                                                       s_.class_counts, h);
-      });
-    });
-    LAUNCH_CHECK("class_sums");
-  }
+  if (labels) launch_class_sums(x, *labels, s_.class_sums, s_.class_counts, h, stream);
   finalize<<<1, 1024, 0, stream>>>(h, nb, s_.mean, mu, p, s_.out_mean, nu, outputs ? c : 0, s_.tgt_mean, tau,
                                     targets ? t : 0, true);
   LAUNCH_CHECK("finalize");
@@ -845,19 +849,8 @@ void CudaMoments::stage_batch(const Matrix& x, const Matrix* outputs, const Matr
   launch_center(x, means, prec, rows, width, h, stream);
   if (outputs) launch_center(*outputs, means + p, prec, rows + p * ies, width, h, stream);
   if (targets) launch_center(*targets, means + p + c, prec, rows + (p + c) * ies, width, h, stream);
-  if (labels) {  // class sums stay per batch (raw float64 sums: nothing to stage)
-    dim3 grid((unsigned)((p + 255) / 256), grid_y(nb));
-    dispatch_float(x.dtype, [&](auto xt) {
-      using Tin = decltype(xt);
-      dispatch_int(labels->dtype, [&](auto yt) {
-        using Ti = decltype(yt);
-        class_sums<Tin, Ti><<<grid, 256, 0, stream>>>(static_cast<const Tin*>(x.ptr), nb, p, x.ld,
-                                                       static_cast<const Ti*>(labels->ptr), labels->ld, s_.class_sums,
-                                                       s_.class_counts, h);
-      });
-    });
-    LAUNCH_CHECK("class_sums");
-  }
+  // class sums stay per batch (raw float64 sums: nothing to stage)
+  if (labels) launch_class_sums(x, *labels, s_.class_sums, s_.class_counts, h, stream);
   stage_record<<<1, 1, 0, stream>>>(h, static_cast<long long*>(st_counts_.ptr) + slot, nb);
   LAUNCH_CHECK("stage_record");
   st_rows_ += nb;
