@@ -46,16 +46,17 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "centered_grams",
-      [](const MatrixArg& x, int64_t per, int precision, uintptr_t out) {
+      [](const MatrixArg& x, int64_t per, int precision, uintptr_t out, uintptr_t norms) {
         const Matrix mx = to_matrix(x);
         const Precision prec = to_precision(precision);
         py::gil_scoped_release release;
-        centered_grams(mx, per, prec, reinterpret_cast<void*>(out));
+        centered_grams(mx, per, prec, reinterpret_cast<void*>(out), reinterpret_cast<double*>(norms));
       },
-      py::arg("x"), py::arg("per"), py::arg("precision"), py::arg("out"),
+      py::arg("x"), py::arg("per"), py::arg("precision"), py::arg("out"), py::arg("norms"),
       "Centered Gram matrices of blocks of `per` rows into the caller's contiguous buffer at `out` "
-      "((rows / per) x per x per, float64 for precision fp64 (0), float32 otherwise). Internal: the "
-      "Monitor's one-batch windows.");
+      "((rows / per) x per x per, float64 for precision fp64 (0), float32 otherwise) and their "
+      "Frobenius norms into the float64 buffer at `norms` (rows / per). Internal: the Monitor's "
+      "one-batch windows.");
   m.def("blas_info", &blas_info);
   m.def("blas_get_num_threads", &blas_get_num_threads);
   m.def("blas_set_num_threads", &blas_set_num_threads, py::arg("n"));

@@ -494,7 +494,7 @@ size_t elem_size(DType d) {
 }
 
 template <typename T>
-void grams_typed(const Matrix& x, int64_t per, T* out) {
+void grams_typed(const Matrix& x, int64_t per, T* out, double* norms) {
   const int64_t blocks = x.rows / per, p = x.cols;
   const size_t es = elem_size(x.dtype);
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(blas_get_num_threads(), blocks));
@@ -511,14 +511,23 @@ void grams_typed(const Matrix& x, int64_t per, T* out) {
       center_rows<T>(b, mu, xc.data(), 0, per);
       T* c = out + g * per * per;
       syrk_rows(per, p, xc.data(), c);
-      for (int64_t i = 0; i < per; ++i)
-        for (int64_t j = i + 1; j < per; ++j) c[i * per + j] = c[j * per + i];
+      double sq = 0.0;  // ||G||_F^2 from the lower triangle, in float64
+      for (int64_t i = 0; i < per; ++i) {
+        const double d = (double)c[i * per + i];
+        sq += d * d;
+        for (int64_t j = i + 1; j < per; ++j) {
+          const double v = (double)c[j * per + i];
+          sq += 2.0 * v * v;
+          c[i * per + j] = c[j * per + i];
+        }
+      }
+      norms[g] = std::sqrt(sq);
     }
   });
 }
 }  // namespace
 
-void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out) {
+void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out, double* norms) {
   check_float_shape(x, "features", x.rows, -1);
   if (per < 1 || x.rows % per != 0) {
     Msg os;
@@ -526,9 +535,9 @@ void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out
     throw std::invalid_argument(os.str());
   }
   if (precision == Precision::fp64)
-    grams_typed<double>(x, per, static_cast<double*>(out));
+    grams_typed<double>(x, per, static_cast<double*>(out), norms);
   else
-    grams_typed<float>(x, per, static_cast<float*>(out));
+    grams_typed<float>(x, per, static_cast<float*>(out), norms);
 }
 
 // ---- BLAS facts -------------------------------------------------------------

@@ -268,9 +268,10 @@ class CpuMoments {
 // Gram matrices of consecutive blocks of `per` rows of x, each block centered
 // on its own float64 column means before narrowing (as in an update): out holds
 // rows / per full symmetric per x per matrices, row-major, in double for fp64
-// and float otherwise. Non-finite inputs propagate (no check). Runs on the
-// worker threads, one block per BLAS call.
-void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out);
+// and float otherwise; norms their Frobenius norms (float64). Non-finite
+// inputs propagate (no check). Runs on the worker threads, one block per BLAS
+// call.
+void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out, double* norms);
 
 // BLAS facts for `richness info`, and the number of worker threads an update
 // uses (each calls BLAS single-threaded; see CpuMoments::update_typed).

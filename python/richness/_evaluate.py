@@ -62,11 +62,14 @@ class BlasThreads:
 
     def set_for(self, feats: Any) -> None:
         """Pick the count for an update of ``feats`` (rows x p) on the CPU."""
-        import torch
-
         if getattr(feats, "device", None) is not None and feats.device.type != "cpu":
             return
-        work = int(feats.shape[0]) * int(feats.shape[-1]) ** 2
+        self.set_for_work(int(feats.shape[0]) * int(feats.shape[-1]) ** 2)
+
+    def set_for_work(self, work: int) -> None:
+        """Pick the count for ``work`` multiply-adds of core products on the CPU."""
+        import torch
+
         want = 1 if work < self.SMALL else max(1, int(torch.get_num_threads()))
         if want != self.now:
             self._core.blas_set_num_threads(want)

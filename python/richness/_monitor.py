@@ -390,6 +390,8 @@ class Monitor:
         prec = self.precision or ("fp64" if all64 else "fp32")
         rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[prec]
         try:
+            if g.core_grams:  # the core's workers: never more than torch's threads
+                self._threads.set_for_work(len(g.metas) * int(x.shape[1]) ** 2 * int(x.shape[2]))
             packed = g.reduce(prec)
             n = int(x.shape[1])
             meta = (list(g.metas), n, n if g.sample_space else int(f.shape[2]),
@@ -661,8 +663,9 @@ class _BatchGroup(_StepBuffer):
         G = g[:j]  # steps x n x n
         if self.core_grams:
             # the core: float64 means, centering before narrowing, one syrk per batch
+            norm_m = torch.empty(j, dtype=f64)
             _core.centered_grams(_adapt.as_matrix(X.reshape(-1, X.shape[2]), "features").arg(), X.shape[1],
-                                 _adapt.PRECISIONS.index(prec), G.data_ptr())
+                                 _adapt.PRECISIONS.index(prec), G.data_ptr(), norm_m.data_ptr())
         else:
             # Compensated centering on the device (SPEC.md: "computed in float64
             # (or compensated)"): x - m is exact where x is within a factor 2 of
@@ -673,7 +676,7 @@ class _BatchGroup(_StepBuffer):
             Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=xc[:j])
             Xc.sub_(Xc.mean(dim=1, keepdim=True))
             torch.bmm(Xc, Xc.transpose(1, 2), out=G)
-        norm_m = torch.linalg.vector_norm(G, dim=(1, 2), dtype=f64)
+            norm_m = torch.linalg.vector_norm(G, dim=(1, 2), dtype=f64)
         F64 = self.f[:j].to(f64, copy=True)
         Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
         Fc = Fc64.to(pdt)
@@ -687,11 +690,11 @@ class _BatchGroup(_StepBuffer):
             counts = Y.sum(dim=1)  # steps x k
             Yn = Y.div_(counts.clamp(min=1.0)[:, None, :])
         if self.sample_space:
-            A = torch.bmm(Fc64, Fc64.transpose(1, 2))
+            A = torch.bmm(Fc, Fc.transpose(1, 2)).to(f64)
             Q = G.to(f64)
             Z = Yn if labels else None
         else:
-            A = torch.bmm(Fc64.transpose(1, 2), Fc64)
+            A = torch.bmm(Fc.transpose(1, 2), Fc).to(f64)
             Z = torch.cat([Fc, Yn], dim=2) if labels else Fc
         if Z is not None:
             H = torch.bmm(G, Z)  # G [Fc | Yn]
