@@ -390,7 +390,7 @@ class Monitor:
         prec = self.precision or ("fp64" if all64 else "fp32")
         rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[prec]
         try:
-            if g.core_grams:  # the core's workers: never more than torch's threads
+            if _core_route(x):  # the core's workers: never more than torch's threads
                 self._threads.set_for_work(len(g.metas) * int(x.shape[1]) ** 2 * int(x.shape[2]))
             packed = g.reduce(prec)
             n = int(x.shape[1])
@@ -571,7 +571,22 @@ class _PendingCapture:
         self.handle.remove()
 
 
-CORE_GRAMS = True  # False: the torch route on the CPU as well (tests)
+# The route of a CPU group's Gram matrices: None chooses by torch's thread
+# count (benchmarks/bench_monitor.py, 2 cores: with torch on one thread the
+# core's ssyrk and float64 centering cost 5.3-6.6% of a step against 7.6-9.6%
+# for torch's batched product; with torch on two threads torch's product, on
+# its own still-spinning OpenMP pool, costs 5.6-6.3% against 8.4-9.0% for
+# the core's workers, which contend with that pool). True/False force the
+# core/torch route (tests). Device buffers always take the torch route.
+CORE_GRAMS: Optional[bool] = None
+
+
+def _core_route(x: Any) -> bool:
+    import torch
+
+    if x.device.type != "cpu":
+        return False
+    return CORE_GRAMS if CORE_GRAMS is not None else torch.get_num_threads() == 1
 
 
 class _StepBuffer:
@@ -631,9 +646,6 @@ class _BatchGroup(_StepBuffer):
         self.classes = classes
         self.sample_space = int(outs.shape[1]) > int(feats.shape[0])  # more outputs than samples: n x n forms
         self.scratch: Optional[tuple] = None  # reduction buffers, made on the first reduce
-        # CPU buffers go through the core (one syrk per batch); device buffers
-        # through torch (the tests run that route on the CPU too)
-        self.core_grams = feats.device.type == "cpu" and CORE_GRAMS
 
     def reduce(self, prec: str) -> Any:
         """The small matrices of every buffered step, one row each: a (steps, m)
@@ -653,15 +665,17 @@ class _BatchGroup(_StepBuffer):
         f64 = torch.float64
         pdt = torch.float64 if prec == "fp64" else torch.float32
         j = len(self.metas)
+        core = _core_route(self.x)
+        x = self.x
+        # kept across groups: fresh temporaries of this size page-fault on every group
         if self.scratch is None or self.scratch[0] != pdt:
-            # kept across groups: fresh temporaries of this size page-fault on every group
-            x = self.x
-            self.scratch = (pdt, None if self.core_grams else torch.empty(x.shape, dtype=pdt, device=x.device),
-                            torch.empty((x.shape[0], x.shape[1], x.shape[1]), dtype=pdt, device=x.device))
+            self.scratch = (pdt, None, torch.empty((x.shape[0], x.shape[1], x.shape[1]), dtype=pdt, device=x.device))
+        if not core and self.scratch[1] is None:
+            self.scratch = (pdt, torch.empty(x.shape, dtype=pdt, device=x.device), self.scratch[2])
         _, xc, g = self.scratch
-        X = self.x[:j]
+        X = x[:j]
         G = g[:j]  # steps x n x n
-        if self.core_grams:
+        if core:
             # the core: float64 means, centering before narrowing, one syrk per batch
             norm_m = torch.empty(j, dtype=f64)
             _core.centered_grams(_adapt.as_matrix(X.reshape(-1, X.shape[2]), "features").arg(), X.shape[1],
@@ -676,7 +690,7 @@ class _BatchGroup(_StepBuffer):
             Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=xc[:j])
             Xc.sub_(Xc.mean(dim=1, keepdim=True))
             torch.bmm(Xc, Xc.transpose(1, 2), out=G)
-            norm_m = torch.linalg.vector_norm(G, dim=(1, 2), dtype=f64)
+            norm_m = torch.linalg.vector_norm(G, dim=(1, 2)).to(f64)  # a float32 G's own accuracy
         F64 = self.f[:j].to(f64, copy=True)
         Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
         Fc = Fc64.to(pdt)
