@@ -204,6 +204,34 @@ def test_blas_threads_never_exceed_torch_and_are_restored(monkeypatch):
     assert _core.blas_get_num_threads() == before
 
 
+def test_monitor_window_update_threads(monkeypatch):
+    # the Monitor's window is added as one batch; one core worker below 2^30
+    # multiply-adds (torch's threads are still spinning from the step), torch's
+    # count above
+    seen = []
+    orig = richness.Moments.update
+
+    def spy(self, features, *args, **kwargs):
+        seen.append((int(features.shape[0]), _core.blas_get_num_threads()))
+        return orig(self, features, *args, **kwargs)
+
+    monkeypatch.setattr(richness.Moments, "update", spy)
+    torch.manual_seed(0)
+    head = nn.Linear(1024, 3)
+    before, old = _core.blas_get_num_threads(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with richness.Monitor(head, every=2, window=2) as mon:
+            for rows in (300, 300, 512, 512):  # windows of 600 and 1,024 rows (p = 1,024)
+                head(torch.randn(rows, 1024))
+                mon.step()
+        assert seen == [(600, 1), (1024, 2)]
+        assert [r["n"] for r in mon.history] == [600, 1024]
+    finally:
+        torch.set_num_threads(old)
+    assert _core.blas_get_num_threads() == before
+
+
 def test_progress_bar_reports_samples(capsys):
     pytest.importorskip("tqdm")
     model, X, y = make()

@@ -53,9 +53,10 @@ class BlasThreads:
 
     SMALL = 2 ** 27
 
-    def __init__(self) -> None:
+    def __init__(self, small: int = SMALL) -> None:
         from . import _core
 
+        self.small = small
         self._core = _core
         self.old = _core.blas_get_num_threads()
         self.now = self.old
@@ -70,7 +71,7 @@ class BlasThreads:
         """Pick the count for ``work`` multiply-adds of core products on the CPU."""
         import torch
 
-        want = 1 if work < self.SMALL else max(1, int(torch.get_num_threads()))
+        want = 1 if work < self.small else max(1, int(torch.get_num_threads()))
         if want != self.now:
             self._core.blas_set_num_threads(want)
             self.now = want

@@ -230,7 +230,13 @@ class Monitor:
             else:
                 self._finder = HeadFinder(model)
                 self._model_hook = model.register_forward_hook(self._on_model_output)
-        self._threads = BlasThreads()  # restored by close()
+        # Restored by close(). One core worker below 2^30 multiply-adds (the
+        # default window's update, 1,280 x 512^2, is 3.4e8): right after a
+        # training step torch's OpenMP threads are still spinning, and a second
+        # worker contends with them instead of helping (bench_monitor.py, torch
+        # on 2 threads: default settings +1.1-1.2% with one worker, +1.9-2.7%
+        # with two; RESULTS_INTEGRATION.md).
+        self._threads = BlasThreads(small=2 ** 30)
 
     # -- hooks ----------------------------------------------------------------
 
