@@ -652,6 +652,30 @@ void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, i
   }
 }
 
+// A batch's float64 column means (features, outputs, targets) and its device
+// checks (non-finite values, labels out of range), counted in the header's
+// batch_bad for the kernels after them to read.
+void CudaMoments::means_and_checks(const Matrix& x, const Matrix* outputs, const Matrix* labels,
+                                   const Matrix* targets, double* mu, double* nu, double* tau, cudaStream_t stream) {
+  Header* h = s_.hdr;
+  unsigned long long* bad = reinterpret_cast<unsigned long long*>(h->batch_bad);
+  double* partial = static_cast<double*>(partial_.ptr);
+  const long long nb = x.rows;
+  CUDA_CHECK(cudaMemsetAsync(h->batch_bad, 0, sizeof(h->batch_bad), stream));
+  launch_means(x, partial, mu, bad + 0, stream);
+  if (outputs) launch_means(*outputs, partial, nu, bad + 1, stream);
+  if (targets) launch_means(*targets, partial, tau, bad + 2, stream);
+  if (labels) {
+    const long long limit = num_classes_ >= 0 ? num_classes_ : k_;
+    dispatch_int(labels->dtype, [&](auto tag) {
+      using Ti = decltype(tag);
+      check_labels<Ti><<<(unsigned)std::min<long long>(1024, (nb + 255) / 256), 256, 0, stream>>>(
+          static_cast<const Ti*>(labels->ptr), nb, labels->ld, limit, h);
+    });
+    LAUNCH_CHECK("check_labels");
+  }
+}
+
 void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
                          Precision prec, cudaStream_t stream) {
   Batch batch;
@@ -670,7 +694,6 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
           labels ? std::max<int64_t>(num_classes_, 0) : -1);
   order_after_last(stream);
   Header* h = s_.hdr;
-  unsigned long long* bad = reinterpret_cast<unsigned long long*>(h->batch_bad);
 
   if (labels && num_classes_ < 0) {
     // Without num_classes the class arrays follow the largest label, which
@@ -714,23 +737,10 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   const int64_t c = outputs ? outputs->cols : 0, t = targets ? targets->cols : 0;
   prepare_batch_scratch(prec, nb, c, t);
 
-  CUDA_CHECK(cudaMemsetAsync(h->batch_bad, 0, sizeof(h->batch_bad), stream));
   double* mu = static_cast<double*>(mu_.ptr);
   double* nu = static_cast<double*>(nu_.ptr);
   double* tau = static_cast<double*>(tau_.ptr);
-  double* partial = static_cast<double*>(partial_.ptr);
-  launch_means(x, partial, mu, bad + 0, stream);
-  if (outputs) launch_means(*outputs, partial, nu, bad + 1, stream);
-  if (targets) launch_means(*targets, partial, tau, bad + 2, stream);
-  if (labels) {
-    const long long limit = num_classes_ >= 0 ? num_classes_ : k_;
-    dispatch_int(labels->dtype, [&](auto tag) {
-      using Ti = decltype(tag);
-      check_labels<Ti><<<(unsigned)std::min<long long>(1024, (nb + 255) / 256), 256, 0, stream>>>(
-          static_cast<const Ti*>(labels->ptr), nb, labels->ld, limit, h);
-    });
-    LAUNCH_CHECK("check_labels");
-  }
+  means_and_checks(x, outputs, labels, targets, mu, nu, tau, stream);
 
   launch_center(x, mu, prec, xs_.ptr, p, nullptr, stream);
   if (outputs) launch_center(*outputs, nu, prec, fs_.ptr, c, nullptr, stream);
@@ -826,24 +836,10 @@ void CudaMoments::stage_batch(const Matrix& x, const Matrix* outputs, const Matr
   const int slot = st_batches_;
   const int64_t row0 = st_rows_;
   Header* h = s_.hdr;
-  unsigned long long* bad = reinterpret_cast<unsigned long long*>(h->batch_bad);
   double* means = static_cast<double*>(st_means_.ptr) + (int64_t)(1 + slot) * width;  // [mu | nu | tau]
-  double* partial = static_cast<double*>(partial_.ptr);
   char* rows = static_cast<char*>(st_x_.ptr) + (size_t)row0 * width * ies;
 
-  CUDA_CHECK(cudaMemsetAsync(h->batch_bad, 0, sizeof(h->batch_bad), stream));
-  launch_means(x, partial, means, bad + 0, stream);
-  if (outputs) launch_means(*outputs, partial, means + p, bad + 1, stream);
-  if (targets) launch_means(*targets, partial, means + p + c, bad + 2, stream);
-  if (labels) {
-    const long long limit = num_classes_ >= 0 ? num_classes_ : k_;
-    dispatch_int(labels->dtype, [&](auto tag) {
-      using Ti = decltype(tag);
-      check_labels<Ti><<<(unsigned)std::min<long long>(1024, (nb + 255) / 256), 256, 0, stream>>>(
-          static_cast<const Ti*>(labels->ptr), nb, labels->ld, limit, h);
-    });
-    LAUNCH_CHECK("check_labels");
-  }
+  means_and_checks(x, outputs, labels, targets, means, means + p, means + p + c, stream);
   // Every check above has run (stream order) before the centering reads the
   // verdict: a bad batch's rows are staged as zeros.
   launch_center(x, means, prec, rows, width, h, stream);

@@ -178,6 +178,8 @@ class CudaMoments {
   void sync_and_check();  // flushes the stage, waits for the device; raises and clears pending errors
   void order_after_last(cudaStream_t stream);
   Product resolve(Precision prec, int64_t n) const;  // the algorithm product_lower will use
+  void means_and_checks(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
+                        double* mu, double* nu, double* tau, cudaStream_t stream);
   void prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, int64_t t);
   // Lower triangle of C = S^T S, S a k x n row-major block (row stride lda)
   // = column-major n x k; C column-major n x n with leading dimension ldc.
