@@ -353,11 +353,12 @@ class Monitor:
     def _batch_path_fits(self, feats: Any, outs: Any) -> bool:
         """A window of one batch with fewer rows than features (every=1 with a
         training batch of 128 and p = 512): its exact moments come cheaper from
-        the n x n Gram, O(n^2 p), than from the p x p update, O(n p^2)."""
+        the n x n Gram, O(n^2 p), than from the p x p update, O(n p^2). (With
+        window = 1 the Moments are empty between steps: each window is added
+        and reset at its own emission; asking them for n could sync a GPU.)"""
         n, p = int(feats.shape[0]), int(feats.shape[1])
         return (self.window == 1 and not self.distributed and 2 <= n < p and outs is not None
-                and not self._uses_weights() and self.precision in (None, "fp32", "fp64")
-                and self._moments.n == 0)
+                and not self._uses_weights() and self.precision in (None, "fp32", "fp64"))
 
     def _defer(self, feats: Any, outs: Any, labels: Any) -> None:
         """Queue this step's one-batch window in the group (see ``_BatchGroup``)."""
