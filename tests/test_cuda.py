@@ -278,6 +278,31 @@ def test_host_validation_raises_at_once():
     assert m.n == 10
 
 
+def update_behind_spins(m, src, n: int, count: int) -> None:
+    """Updates ``m`` with ``count`` batches of ``n`` rows of ``src``, each
+    written on its own side stream behind a long spin and added on that stream:
+    an update that ran on any other stream would read a buffer before it is
+    written."""
+    streams = [torch.cuda.Stream() for _ in range(count)]
+    bufs = [torch.zeros(n, src.shape[1], device=DEV) for _ in range(count)]
+    torch.cuda.synchronize()
+    for i, (s, buf) in enumerate(zip(streams, bufs)):
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(20_000_000)
+            buf.copy_(src[i * n:(i + 1) * n])
+            m.update(buf)
+
+
+def graph_problem():
+    """n, K and a batch (features, outputs, labels) on the GPU for the CUDA-graph tests."""
+    rng = np.random.default_rng(11)
+    n, p, C, K = 1024, 64, 10, 10
+    X = torch.from_numpy(features(rng, n, p)).to(DEV, torch.float32)
+    F = X @ torch.randn(p, C, device=DEV) + torch.randn(n, C, device=DEV)
+    y = torch.from_numpy(rng.integers(0, K, n)).to(DEV)
+    return n, K, X, F, y
+
+
 @needs_gpu
 def test_update_on_side_stream_is_ordered():
     # Each batch is produced on a side stream behind a long spin: an update
@@ -289,14 +314,7 @@ def test_update_on_side_stream_is_ordered():
     want = richness.Moments(precision="fp32")
     want.update(src.cpu())
     m = richness.Moments(device="cuda", precision="fp32")
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    bufs = [torch.zeros(n, p, device=DEV) for _ in range(2)]
-    torch.cuda.synchronize()
-    for i, (s, buf) in enumerate(zip((s1, s2), bufs)):
-        with torch.cuda.stream(s):
-            torch.cuda._sleep(20_000_000)
-            buf.copy_(src[i * n:(i + 1) * n])
-            m.update(buf)
+    update_behind_spins(m, src, n, 2)
     np.testing.assert_allclose(m.state_dict()["M"], want.state_dict()["M"], rtol=1e-5,
                                atol=1e-6 * np.abs(want.state_dict()["M"]).max())
     assert m.n == 2 * n
@@ -306,11 +324,7 @@ def test_update_on_side_stream_is_ordered():
 @needs_gpu
 def test_update_captures_in_cuda_graph(precision):
     # A host synchronisation inside update would abort the capture.
-    rng = np.random.default_rng(11)
-    n, p, C, K = 1024, 64, 10, 10
-    X = torch.from_numpy(features(rng, n, p)).to(DEV, torch.float32)
-    F = X @ torch.randn(p, C, device=DEV) + torch.randn(n, C, device=DEV)
-    y = torch.from_numpy(rng.integers(0, K, n)).to(DEV)
+    n, K, X, F, y = graph_problem()
     m = richness.Moments(K, device="cuda", precision=precision)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -625,14 +639,7 @@ def test_stacked_update_on_side_streams_is_ordered():
     want = richness.Moments(precision="fp32")
     want.update(src.cpu())
     m = stacked(n + n // 2, precision="fp32")
-    streams = [torch.cuda.Stream() for _ in range(3)]
-    bufs = [torch.zeros(n, p, device=DEV) for _ in range(3)]
-    torch.cuda.synchronize()
-    for i, (s, buf) in enumerate(zip(streams, bufs)):
-        with torch.cuda.stream(s):
-            torch.cuda._sleep(20_000_000)
-            buf.copy_(src[i * n:(i + 1) * n])
-            m.update(buf)
+    update_behind_spins(m, src, n, 3)
     ref = want.state_dict()["M"]
     np.testing.assert_allclose(m.state_dict()["M"], ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
     assert m.n == 3 * n
@@ -644,11 +651,7 @@ def test_update_captures_in_cuda_graph_with_stacking(precision):
     # A captured update takes the per-batch path (a replay would otherwise
     # rewrite the same stage rows); rows staged before the capture stay staged
     # and are merged once. No allocation or host sync inside the capture.
-    rng = np.random.default_rng(11)
-    n, p, C, K = 1024, 64, 10, 10
-    X = torch.from_numpy(features(rng, n, p)).to(DEV, torch.float32)
-    F = X @ torch.randn(p, C, device=DEV) + torch.randn(n, C, device=DEV)
-    y = torch.from_numpy(rng.integers(0, K, n)).to(DEV)
+    n, K, X, F, y = graph_problem()
     m = stacked(4096, num_classes=K, precision=precision)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

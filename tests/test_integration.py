@@ -177,15 +177,21 @@ def test_hooks_removed_and_modes_restored_after_exception():
     assert hook_count(model) == 0
 
 
-def test_blas_threads_never_exceed_torch_and_are_restored(monkeypatch):
+def spy_update_threads(monkeypatch) -> list:
+    """(rows, the core's thread count) of every Moments.update from now on."""
     seen = []
     orig = richness.Moments.update
 
-    def spy(self, feats, *args, **kwargs):
-        seen.append((int(feats.shape[0]), _core.blas_get_num_threads()))
-        return orig(self, feats, *args, **kwargs)
+    def spy(self, features, *args, **kwargs):
+        seen.append((int(features.shape[0]), _core.blas_get_num_threads()))
+        return orig(self, features, *args, **kwargs)
 
     monkeypatch.setattr(richness.Moments, "update", spy)
+    return seen
+
+
+def test_blas_threads_never_exceed_torch_and_are_restored(monkeypatch):
+    seen = spy_update_threads(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 3))
     X = torch.randn(700, 8)
@@ -208,14 +214,7 @@ def test_monitor_window_update_threads(monkeypatch):
     # the Monitor's window is added as one batch; one core worker below 2^30
     # multiply-adds (torch's threads are still spinning from the step), torch's
     # count above
-    seen = []
-    orig = richness.Moments.update
-
-    def spy(self, features, *args, **kwargs):
-        seen.append((int(features.shape[0]), _core.blas_get_num_threads()))
-        return orig(self, features, *args, **kwargs)
-
-    monkeypatch.setattr(richness.Moments, "update", spy)
+    seen = spy_update_threads(monkeypatch)
     torch.manual_seed(0)
     head = nn.Linear(1024, 3)
     before, old = _core.blas_get_num_threads(), torch.get_num_threads()
