@@ -23,7 +23,6 @@ import platform
 import statistics
 import time
 
-import numpy as np
 import torch
 import torch.nn as nn
 

@@ -23,7 +23,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn as nn
 

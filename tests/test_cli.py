@@ -1,7 +1,6 @@
 """The command line: eval / plot / info / demo, against the n x n oracles."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -219,7 +219,7 @@ class Monitor:
         self._classes: Optional[int] = None
         self._window_labels: Optional[bool] = None
         self._active = self._is_window_step(1)
-        self._capture: Optional[Capture] = None
+        self._capture: Optional[_PendingCapture] = None
         self._finder: Optional[HeadFinder] = None
         self._model_hook = None
         self._closed = False

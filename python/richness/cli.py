@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import zipfile
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 import numpy as np
 
@@ -546,7 +546,7 @@ def demo(args: argparse.Namespace) -> int:
     alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else []
     sweep = []
     if alphas:
-        print(f"\ntarget-downscaled sweep: squared error toward y / alpha on f - f_0 (larger alpha = lazier)")
+        print("\ntarget-downscaled sweep: squared error toward y / alpha on f - f_0 (larger alpha = lazier)")
         print(f"{'alpha':>8} {'DLR':>7} {'NC1':>8} {'test acc':>9} {'eff. dim':>9}")
         for a in alphas:
             if not a > 0:
