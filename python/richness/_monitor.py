@@ -397,9 +397,7 @@ class Monitor:
         prec = self.precision or ("fp64" if all64 else "fp32")
         rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[prec]
         try:
-            if _core_route(x):  # the core's workers: never more than torch's threads
-                self._threads.set_for_work(len(g.metas) * int(x.shape[1]) ** 2 * int(x.shape[2]))
-            packed = g.reduce(prec)
+            packed = g.reduce(prec, self._threads)
             n = int(x.shape[1])
             meta = (list(g.metas), n, n if g.sample_space else int(f.shape[2]),
                     g.classes if g.y is not None else 0, rtol, g.sample_space)
@@ -652,9 +650,10 @@ class _BatchGroup(_StepBuffer):
         self.x, self.f, self.y = self.bufs["features"], self.bufs["outputs"], self.bufs.get("labels")
         self.classes = classes
         self.sample_space = int(outs.shape[1]) > int(feats.shape[0])  # more outputs than samples: n x n forms
-        self.scratch: Optional[tuple] = None  # reduction buffers, made on the first reduce
+        self.grams: Any = None  # reduction scratch, made on the first reduce
+        self.centered: Any = None
 
-    def reduce(self, prec: str) -> Any:
+    def reduce(self, prec: str, threads: BlasThreads) -> Any:
         """The small matrices of every buffered step, one row each: a (steps, m)
         float64 tensor on the buffers' device. Issues no host synchronisation.
 
@@ -672,18 +671,19 @@ class _BatchGroup(_StepBuffer):
         f64 = torch.float64
         pdt = torch.float64 if prec == "fp64" else torch.float32
         j = len(self.metas)
-        core = _core_route(self.x)
         x = self.x
-        # kept across groups: fresh temporaries of this size page-fault on every group
-        if self.scratch is None or self.scratch[0] != pdt:
-            self.scratch = (pdt, None, torch.empty((x.shape[0], x.shape[1], x.shape[1]), dtype=pdt, device=x.device))
-        if not core and self.scratch[1] is None:
-            self.scratch = (pdt, torch.empty(x.shape, dtype=pdt, device=x.device), self.scratch[2])
-        _, xc, g = self.scratch
+        core = _core_route(x)
+        # Scratch kept across groups (fresh temporaries of this size page-fault
+        # on every group): the Grams, and the centered rows on the torch route.
+        if self.grams is None or self.grams.dtype != pdt:
+            self.grams = torch.empty((x.shape[0], x.shape[1], x.shape[1]), dtype=pdt, device=x.device)
+            self.centered = None
         X = x[:j]
-        G = g[:j]  # steps x n x n
+        G = self.grams[:j]  # steps x n x n
         if core:
-            # the core: float64 means, centering before narrowing, one syrk per batch
+            # the core: float64 means, centering before narrowing, one syrk per
+            # batch, on at most torch's thread count
+            threads.set_for_work(j * int(x.shape[1]) ** 2 * int(x.shape[2]))
             norm_m = torch.empty(j, dtype=f64)
             _core.centered_grams(_adapt.as_matrix(X.reshape(-1, X.shape[2]), "features").arg(), X.shape[1],
                                  _adapt.PRECISIONS.index(prec), G.data_ptr(), norm_m.data_ptr())
@@ -694,7 +694,9 @@ class _BatchGroup(_StepBuffer):
             # rounding left, now at the scale of the spread: a mean of 1e4 with a
             # spread of 1e-2 still gives DLR to 1e-6. Two fast passes in the
             # product precision instead of a float64 copy of the buffer.
-            Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=xc[:j])
+            if self.centered is None:
+                self.centered = torch.empty(x.shape, dtype=pdt, device=x.device)
+            Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=self.centered[:j])
             Xc.sub_(Xc.mean(dim=1, keepdim=True))
             torch.bmm(Xc, Xc.transpose(1, 2), out=G)
             norm_m = torch.linalg.vector_norm(G, dim=(1, 2)).to(f64)  # a float32 G's own accuracy
