@@ -85,8 +85,10 @@ def test_dlr_gpu_vs_cpu_vs_reference(dtype_name, precision):
 
 
 @needs_gpu
-def test_fp32_large_mean_small_spread():
-    # SPEC.md: mean 1e4, spread 1e-2 in float32 must give DLR to 1e-6.
+@pytest.mark.parametrize("stack", [0, 4096])
+def test_fp32_large_mean_small_spread(stack):
+    # SPEC.md: mean 1e4, spread 1e-2 in float32 must give DLR to 1e-6; staged
+    # (stack=4096): three batches, three different means, one product.
     rng = np.random.default_rng(3)
     n, p, C = 4096, 16, 4
     X64 = 1e4 + 1e-2 * features(rng, n, p, mean=0.0)
@@ -95,7 +97,7 @@ def test_fp32_large_mean_small_spread():
     W = rng.normal(size=(C, p))
     F = (torch.from_numpy(Xv @ W.T + 1e-3 * rng.normal(size=(n, C)))).to(DEV, torch.float32)
     want, _ = dlr_naive(Xv, F.double().cpu().numpy())
-    m = richness.Moments(device="cuda", precision="fp32")
+    m = richness.Moments(device="cuda", precision="fp32", stack_rows=stack)
     for chunk in torch.arange(n).chunk(3):
         m.update(X[chunk], F[chunk])
     assert abs(m.compute().dlr - want) < 1e-6
@@ -611,22 +613,6 @@ def test_stacked_product_algorithms_agree(algo, block, precision):
             h.update(X[sl])
         assert abs(m.compute().dlr - want) < TOL[precision]
         assert abs(h.compute(head=(W, b)).dlr - want_head) < TOL[precision]
-
-
-@needs_gpu
-def test_stacked_fp32_large_mean_small_spread():
-    rng = np.random.default_rng(3)
-    n, p, C = 4096, 16, 4
-    X64 = 1e4 + 1e-2 * features(rng, n, p, mean=0.0)
-    X = torch.from_numpy(X64).to(DEV, torch.float32)
-    Xv = X.double().cpu().numpy()
-    W = rng.normal(size=(C, p))
-    F = (torch.from_numpy(Xv @ W.T + 1e-3 * rng.normal(size=(n, C)))).to(DEV, torch.float32)
-    want, _ = dlr_naive(Xv, F.double().cpu().numpy())
-    m = stacked(4096, precision="fp32")  # three batches, three different means, one product
-    for chunk in torch.arange(n).chunk(3):
-        m.update(X[chunk], F[chunk])
-    assert abs(m.compute().dlr - want) < 1e-6
 
 
 @needs_gpu
