@@ -1,0 +1,3 @@
+// Emulator stub (tests/cuda_emu): never the real CUDA header.
+#pragma once
+#include "../cuda_emu.hpp"
