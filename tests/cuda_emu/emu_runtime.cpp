@@ -939,4 +939,7 @@ long long emu_live_allocations() {
   for (auto& [k, a] : g_allocs) n += !a.external;
   return n;
 }
+// The conversions, for bit-exact tests against numpy.
+unsigned emu_double2bfloat16(double d) { return __double2bfloat16(d).x; }
+float emu_half2float(unsigned bits) { return __half2float(__half{(unsigned short)bits}); }
 }

@@ -1,0 +1,797 @@
+"""The CUDA backend (csrc/cuda) run on the CPU under an emulator (tests/cuda_emu).
+
+The .cu file is compiled with g++ against emulated CUDA runtime and cuBLAS
+(tests/cuda_emu/build.py), and the resulting ``_cuda.CudaMoments`` is compared
+with the CPU backend ``_core.CpuMoments`` and with float64 oracles computed
+here from the raw data. This tests the host logic, index arithmetic, kernels
+and cuBLAS calls of the CUDA backend without a GPU; it cannot test timing,
+concurrency between blocks, or the real cuBLAS. In the emulator device
+pointers are host pointers, so batches are numpy arrays; work is queued per
+stream and runs at synchronising calls, so every array passed to update is
+kept alive until the next synchronising call (as on a GPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
+import build as emu_build  # noqa: E402
+from translate import kernels_with_sync, translate  # noqa: E402
+
+sys.path.pop(0)
+
+from reference import center_rows  # noqa: E402
+
+_why = emu_build.missing_tools()
+pytestmark = pytest.mark.skipif(bool(_why), reason=f"CUDA emulator build needs g++ and pybind11: {_why}")
+
+F32, F64, F16, BF16, I32, I64 = 0, 1, 2, 3, 4, 5
+PREC = {"fp64": 0, "fp32": 1, "tf32": 2, "bf16": 3}
+CODES = {np.dtype(np.float32): F32, np.dtype(np.float64): F64, np.dtype(np.float16): F16,
+         np.dtype(np.int32): I32, np.dtype(np.int64): I64}
+KEYS = ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_sums")
+SEED = 20261201
+
+
+class Emu:
+    def __init__(self, path: Path):
+        self.mod = emu_build.load(path)
+        lib = ctypes.CDLL(str(path))
+        lib.emu_errors.restype = ctypes.c_char_p
+        lib.emu_count.restype = ctypes.c_longlong
+        lib.emu_count.argtypes = [ctypes.c_char_p]
+        lib.emu_pending.restype = ctypes.c_longlong
+        lib.emu_host_syncs.restype = ctypes.c_longlong
+        lib.emu_live_allocations.restype = ctypes.c_longlong
+        lib.emu_set_schedule.argtypes = [ctypes.c_int, ctypes.c_uint]
+        lib.emu_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.emu_unregister.argtypes = [ctypes.c_void_p]
+        lib.emu_double2bfloat16.restype = ctypes.c_uint
+        lib.emu_double2bfloat16.argtypes = [ctypes.c_double]
+        lib.emu_half2float.restype = ctypes.c_float
+        lib.emu_half2float.argtypes = [ctypes.c_uint]
+        self.lib = lib
+
+    def count(self, name: str) -> int:
+        return self.lib.emu_count(name.encode())
+
+
+@pytest.fixture(scope="session")
+def emu():
+    return Emu(emu_build.build())
+
+
+@pytest.fixture(autouse=True)
+def emulator_clean(emu):
+    """Every test starts with a fixed random schedule and ends without emulator-detected errors
+    (out-of-bounds cuBLAS operands or copies, invalid launches, writes past allocations)."""
+    emu.lib.emu_set_schedule(1, SEED)
+    emu.lib.emu_clear_errors()
+    emu.lib.emu_reset_counts()
+    yield
+    errors = emu.lib.emu_errors().decode()
+    emu.lib.emu_clear_errors()
+    assert errors == "", "emulator detected:\n" + errors
+
+
+# ---- batches as the core sees them ----------------------------------------------------------
+
+def bf16_bits(x) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of x, rounded to nearest even through float32."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+class Bf16Bits(np.ndarray):
+    """A uint16 array holding bfloat16 bits (the core reads it with dtype code 3)."""
+
+
+def as_bf16(x) -> np.ndarray:
+    return bf16_bits(x).view(Bf16Bits)
+
+
+def marg(a: np.ndarray) -> tuple:
+    """(ptr, rows, cols, ld, code) of a 2-D row-major view (rows may be strided), or of 1-D labels."""
+    code = BF16 if isinstance(a, Bf16Bits) else CODES[a.dtype]
+    item = a.itemsize
+    if a.ndim == 1:
+        assert a.strides[0] % item == 0
+        return (a.__array_interface__["data"][0], a.shape[0], 1, a.strides[0] // item, code)
+    assert a.strides[1] == item and a.strides[0] % item == 0
+    ld = a.strides[0] // item if a.shape[0] > 1 else a.shape[1]
+    return (a.__array_interface__["data"][0], a.shape[0], a.shape[1], ld, code)
+
+
+def values(a: np.ndarray) -> np.ndarray:
+    """What the core reads from a, in float64."""
+    if isinstance(a, Bf16Bits):
+        return bf16_value(np.asarray(a).view(np.uint16))
+    return np.asarray(a, dtype=np.float64)
+
+
+class Twin:
+    """The emulated CUDA backend and, optionally, the CPU backend fed the same batches; keeps every
+    array alive (the emulated device reads them when the queued work runs)."""
+
+    def __init__(self, emu, num_classes=-1, cpu=True, product=None, stack=None, stream=0):
+        from richness._core import CpuMoments
+
+        self.gpu = emu.mod.CudaMoments(num_classes, 0)
+        self.cpu = CpuMoments(num_classes) if cpu else None
+        self.keep = []
+        self.stream = stream
+        if product:
+            self.gpu.set_product(*product)
+        if stack:
+            self.gpu.set_stack(*stack)
+
+    def update(self, x, f=None, y=None, t=None, precision="fp64", cpu_precision=None, stream=None):
+        self.keep += [x, f, y, t]
+        args = [marg(x)] + [None if v is None else marg(v) for v in (f, y, t)]
+        self.gpu.update(*args, precision=PREC[precision], stream=self.stream if stream is None else stream)
+        if self.cpu is not None:
+            self.cpu.update(*args, precision=PREC[cpu_precision or precision])
+
+
+def oracle(X, F=None, T=None, y=None, k=None) -> dict:
+    """Float64 state from all rows at once (SPEC.md's definitions; no streaming)."""
+    X = np.asarray(X, dtype=np.float64)
+    Xc = center_rows(X)
+    s = {"n": X.shape[0], "mean": X.mean(0), "M": Xc.T @ Xc}
+    if F is not None:
+        Fc = center_rows(F)
+        s.update(out_mean=np.asarray(F, np.float64).mean(0), B=Xc.T @ Fc, A=Fc.T @ Fc)
+    if T is not None:
+        Tc = center_rows(T)
+        s.update(tgt_mean=np.asarray(T, np.float64).mean(0), Bt=Xc.T @ Tc, At=Tc.T @ Tc)
+    if y is not None:
+        y = np.asarray(y)
+        k = int(y.max()) + 1 if k is None else k
+        s["class_counts"] = np.bincount(y, minlength=k)
+        sums = np.zeros((k, X.shape[1]))
+        np.add.at(sums, y, X)
+        s["class_sums"] = sums
+    return s
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if a.size == 0:
+        return 0.0
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def assert_close(got: dict, want: dict, rtol: float, keys=KEYS, what=""):
+    for key in ("n", "p", "c", "t", "k"):
+        if key in want and key in got:
+            assert got[key] == want[key], f"{what} {key}: {got[key]} != {want[key]}"
+    if "class_counts" in want:
+        np.testing.assert_array_equal(got["class_counts"], want["class_counts"], err_msg=f"{what} class_counts")
+    for key in keys:
+        if key in want:
+            r = rel(got[key], want[key])
+            assert r <= rtol, f"{what} {key}: relative error {r:.3g} > {rtol:.3g}"
+
+
+def assert_equal_states(got: dict, want: dict, what=""):
+    """Bit for bit, except the class sums, whose atomic additions may come in any order."""
+    assert set(got) == set(want)
+    for key in got:
+        if key == "class_sums":
+            assert rel(got[key], want[key]) <= 1e-15, what
+        elif isinstance(want[key], np.ndarray):
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{what} {key}")
+        else:
+            assert got[key] == want[key], f"{what} {key}: {got[key]} != {want[key]}"
+
+
+def problem(n=300, p=40, c=7, t=3, k=5, seed=0, mean=3.0):
+    rng = np.random.default_rng(seed)
+    W = rng.normal(size=(p, p)) / np.sqrt(p)
+    X = rng.normal(size=(n, p)) @ W + mean * rng.normal(size=p)  # correlated, off-centre
+    F = X[:, :c] @ rng.normal(size=(c, c)) + rng.normal(size=(n, c)) + 1.0
+    T = rng.normal(size=(n, t)) - 2.0
+    y = rng.integers(0, k, size=n)
+    return X, F, T, y
+
+
+SIZES = (64, 1, 100, 135)  # uneven, with a one-row batch
+
+
+def slices(sizes=SIZES):
+    out, r = [], 0
+    for s in sizes:
+        out.append(slice(r, r + s))
+        r += s
+    return out
+
+
+# ---- the emulator itself ----------------------------------------------------------------------
+
+def test_translate_rewrites_multiline_template_launches():
+    src = """
+template <typename T>
+__global__ void k1(const T* x, int n) { __shared__ double s[4]; __syncthreads(); }
+__global__ void k2(int* y) { y[threadIdx.x] = 1; }  // no barrier
+void host(int n, cudaStream_t s) {
+  k1<std::pair<int,
+              float>><<<dim3(n, 2), 256, 0,
+                        s>>>(
+      nullptr, std::min<int>(n, 3));
+  k2<<<1, 32>>>(nullptr);
+}
+"""
+    assert kernels_with_sync(src) == {"k1": True, "k2": False}
+    out, launches, _ = translate(src, "x.cu")
+    assert launches == ["k1", "k2"]
+    assert "<<<" not in out and ">>>" not in out
+    assert out.count("\n") == src.count("\n") + 1  # line numbers kept (plus the #line directive)
+    assert '::emu::Launch("k1", true, dim3(n, 2), 256, 0,' in out
+    assert "k1<std::pair<int,\n              float>>(a...)" in out
+    assert '::emu::Launch("k2", false, 1, 32).run([](const auto&... a) { k2(a...); }, nullptr)' in out
+
+
+def test_bfloat16_and_half_conversions_bit_exact(emu):
+    rng = np.random.default_rng(1)
+    # doubles near bf16 rounding ties (where rounding through float32 first would err), and at
+    # the ends of the range
+    with np.errstate(invalid="ignore"):
+        base = bf16_value(rng.integers(0, 1 << 16, size=400).astype(np.uint16))
+    base = base[np.isfinite(base)]
+    ulp = np.abs(base) * 2.0**-8
+    cases = np.concatenate([base, base + ulp / 2, base - ulp / 2, base + ulp / 2 * (1 + 2**-40),
+                            base + ulp / 2 * (1 - 2**-40), rng.normal(size=200) * 10.0 ** rng.integers(-40, 38, 200),
+                            [0.0, -0.0, 3.4e38, 3.5e38, 1e-45, -1e-41, np.inf, -np.inf]])
+    def rne(d: float) -> int:
+        """bfloat16 bits of d: one exact rounding to nearest even (Fraction arithmetic)."""
+        sign = 0x8000 if np.signbit(d) else 0
+        a = abs(d)
+        if a == 0:
+            return sign
+        if np.isinf(a):
+            return sign | 0x7F80
+        ex = math.frexp(a)[1]  # a = m 2^ex, m in [0.5, 1)
+        ulp = Fraction(2) ** (max(ex, -125) - 8)  # 8 significant bits; subnormal spacing 2^-133
+        v = round(Fraction(a) / ulp) * ulp  # round() of a Fraction: ties to even
+        if v >= 2**128:
+            return sign | 0x7F80
+        return sign | int(np.array([float(v)], np.float32).view(np.uint32)[0] >> 16)
+
+    for d in cases:
+        got = emu.lib.emu_double2bfloat16(float(d))
+        assert got == rne(float(d)), (d, hex(got), hex(rne(float(d))))
+    assert emu.lib.emu_double2bfloat16(float("nan")) & 0x7FFF > 0x7F80
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    want = halves.view(np.float16).astype(np.float32)
+    got = np.array([emu.lib.emu_half2float(int(h)) for h in halves[::37]], np.float32)
+    np.testing.assert_array_equal(got, want[::37])
+
+
+# ---- per-batch updates --------------------------------------------------------------------
+
+def test_features_only_fp64_matches_cpu_and_oracle(emu):
+    X, _, _, _ = problem()
+    tw = Twin(emu)
+    for s in slices():
+        tw.update(X[s])
+    g, c = tw.gpu.get_state(), tw.cpu.get_state()
+    assert g["n"] == 300 and g["c"] == g["t"] == g["k"] == -1 and g["precision"] == "fp64"
+    assert_close(g, c, 1e-12, what="vs cpu")
+    assert_close(g, oracle(X), 1e-12, what="vs oracle")
+
+
+@pytest.mark.parametrize("label_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("num_classes", [-1, 6])
+def test_outputs_labels_targets_fp64(emu, label_dtype, num_classes):
+    X, F, T, y = problem()
+    y = y.astype(label_dtype)
+    tw = Twin(emu, num_classes)
+    for s in slices():
+        tw.update(X[s], F[s], y[s], T[s])
+    g, c = tw.gpu.get_state(), tw.cpu.get_state()
+    assert g["k"] == (6 if num_classes == 6 else y.max() + 1)
+    assert_close(g, c, 1e-12, what="vs cpu")
+    assert_close(g, oracle(X, F, T, y, g["k"]), 1e-12, what="vs oracle")
+
+
+def test_strided_rows_and_labels(emu):
+    X, F, T, y = problem()
+    wide = np.zeros((300, 53))
+    wide[:, 5:45] = X  # features at a column offset, row stride 53 > 40
+    fw = np.zeros((300, 9), np.float32)
+    fw[:, :7] = F
+    yy = np.zeros(600, np.int64)
+    yy[::2] = y  # labels with element stride 2
+    tw = Twin(emu)
+    for s in slices():
+        tw.update(wide[s, 5:45], fw[s, :7], yy[::2][s], T[s])
+    assert marg(wide[0:64, 5:45])[3] == 53 and marg(yy[::2])[3] == 2
+    g = tw.gpu.get_state()
+    assert_close(g, tw.cpu.get_state(), 1e-12, what="vs cpu")
+    assert_close(g, oracle(X, F.astype(np.float32), T, y), 1e-12, what="vs oracle")
+
+
+def test_float32_inputs_at_fp32(emu):
+    X, F, T, y = problem(seed=3)
+    X, F = X.astype(np.float32), F.astype(np.float32)
+    tw = Twin(emu)
+    for s in slices():
+        tw.update(X[s], F[s], y[s], precision="fp32")
+    g = tw.gpu.get_state()
+    assert g["precision"] == "fp32"
+    assert_close(g, tw.cpu.get_state(), 2e-5, what="vs cpu")
+    assert_close(g, oracle(X, F, None, y), 2e-5, what="vs oracle")
+    assert emu.count("cublasSsyrk") > 0 and emu.count("cublasDsyrk") == 0
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_half_and_bfloat16_inputs(emu, kind):
+    X, F, _, _ = problem(seed=4)
+    conv = (lambda a: a.astype(np.float16)) if kind == "float16" else as_bf16
+    Xh, Fh = conv(X), conv(F)
+    tw = Twin(emu)
+    for s in slices():
+        tw.update(Xh[s], Fh[s])
+    g = tw.gpu.get_state()
+    assert_close(g, tw.cpu.get_state(), 1e-12, what="vs cpu")
+    assert_close(g, oracle(values(Xh), values(Fh)), 1e-12, what="vs oracle")
+    tw32 = Twin(emu)
+    for s in slices():
+        tw32.update(Xh[s], Fh[s], precision="fp32")
+    assert_close(tw32.gpu.get_state(), oracle(values(Xh), values(Fh)), 2e-5, what="fp32 vs oracle")
+
+
+@pytest.mark.parametrize("precision, rtol", [("tf32", 3e-3), ("bf16", 2e-2)])
+def test_reduced_precisions(emu, precision, rtol):
+    X, F, T, y = problem(seed=5)
+    tw = Twin(emu, cpu=False)
+    for s in slices():
+        tw.update(X[s].astype(np.float32), F[s].astype(np.float32), y[s], T[s], precision=precision)
+    g = tw.gpu.get_state()
+    assert g["precision"] == precision
+    want = oracle(X.astype(np.float32), F.astype(np.float32), T, y)
+    # the means and class sums are float64 whatever the product precision
+    assert_close(g, want, 1e-12, keys=("mean", "out_mean", "tgt_mean", "class_sums"))
+    assert_close(g, want, rtol, keys=("M", "B", "A", "Bt", "At"))
+    assert rel(g["M"], want["M"]) > 1e-9  # the reduced precision was really used
+
+
+# ---- product algorithms -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["fp64", "fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("algo", ["syrk", "gemm", "block_rows", "tiles"])
+@pytest.mark.parametrize("p, block", [(48, 16), (40, 16), (10, 16)])
+def test_product_algorithms(emu, algo, precision, p, block):
+    X, F, T, _ = problem(n=200, p=p, c=5, seed=6)
+    tw = Twin(emu, cpu=False, product=(algo, block))
+    for s in slices((90, 1, 109)):
+        tw.update(X[s].astype(np.float32), F[s].astype(np.float32), None, T[s], precision=precision)
+    g = tw.gpu.get_state()
+    rtol = {"fp64": 1e-12, "fp32": 2e-5, "tf32": 3e-3, "bf16": 2e-2}[precision]
+    assert_close(g, oracle(X.astype(np.float32), F.astype(np.float32), T), rtol)
+    tiles = algo == "tiles" and precision != "fp64" and p % block == 0 and p // block >= 2
+    assert (emu.count("cublasGemmBatchedEx") > 0) == tiles
+    if algo == "syrk" and precision in ("fp64", "fp32", "tf32"):
+        assert emu.count("cublasDsyrk" if precision == "fp64" else "cublasSsyrk") >= 3  # M, A, At per batch
+
+
+def test_automatic_product_choice(emu):
+    X, _, _, _ = problem(n=100, p=64)
+    for precision, fn in (("fp64", "cublasDsyrk"), ("fp32", "cublasSsyrk"), ("tf32", "cublasGemmEx"),
+                          ("bf16", "cublasGemmBatchedEx")):
+        emu.lib.emu_reset_counts()
+        tw = Twin(emu, cpu=False, product=("auto", 16))
+        tw.update(X.astype(np.float32), precision=precision)
+        assert tw.gpu.n == 100
+        assert emu.count(fn) > 0, precision
+
+
+# ---- staging ----------------------------------------------------------------------------------
+
+def staged_vs_plain(emu, sizes, stack, joint, precision="fp64", labels=True, outputs=True, targets=True,
+                    product=None, num_classes=-1, seed=7, dtype=np.float64):
+    n = sum(sizes)
+    X, F, T, y = problem(n=n, seed=seed)
+    X, F = X.astype(dtype), F.astype(dtype)
+    st = Twin(emu, num_classes, stack=(stack, joint), product=product,
+              cpu=precision in ("fp64", "fp32"))
+    plain = Twin(emu, num_classes, cpu=False, product=product)
+    staged = []
+    for s in slices(sizes):
+        args = (X[s], F[s] if outputs else None, y[s] if labels else None, T[s] if targets else None)
+        st.update(*args, precision=precision)
+        plain.update(*args, precision=precision)
+        staged.append((st.gpu.staged_rows, st.gpu.staged_batches))
+    return st, plain, staged, oracle(X, F if outputs else None, T if targets else None, y if labels else None)
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_stage_fills_exactly_overflows_and_is_bypassed(emu, joint):
+    # stage of 100 rows: 60 + 40 fill it; 30 overflows it (flush, then staged); 150 is bigger than
+    # the stage (per batch, 30 rows stay staged); 1 row; 69 more rows overflow again
+    sizes = (60, 40, 30, 150, 1, 70)
+    st, plain, staged, want = staged_vs_plain(emu, sizes, 100, joint)
+    assert staged == [(60, 1), (100, 2), (30, 1), (30, 1), (31, 2), (70, 1)]
+    assert st.gpu.stack_rows == 100 and st.gpu.stack_joint == joint
+    g = st.gpu.get_state()  # flushes
+    assert st.gpu.staged_rows == 0 and st.gpu.staged_batches == 0
+    assert_close(g, plain.gpu.get_state(), 1e-12, what="vs per batch")
+    assert_close(g, st.cpu.get_state(), 1e-12, what="vs cpu")
+    assert_close(g, want, 1e-12, what="vs oracle")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("joint", [True, False])
+def test_stage_reduced_precisions(emu, precision, joint):
+    st, plain, _, want = staged_vs_plain(emu, (50, 70, 1, 79, 100), 128, joint, precision, dtype=np.float32)
+    g = st.gpu.get_state()
+    assert g["precision"] == precision
+    rtol = {"fp32": 2e-5, "tf32": 3e-3, "bf16": 2e-2}[precision]
+    assert_close(g, want, rtol, what="vs oracle")
+    assert_close(g, want, 1e-12, keys=("mean", "out_mean", "tgt_mean", "class_sums"), what="means")
+    assert_close(plain.gpu.get_state(), want, rtol, what="per batch vs oracle")
+
+
+@pytest.mark.parametrize("algo", ["syrk", "gemm", "block_rows", "tiles"])
+@pytest.mark.parametrize("joint", [True, False])
+def test_stage_product_algorithms(emu, algo, joint):
+    # p = 40, joint width 40 + 7 + 3 = 50 (padded row width 56): block 16 splits neither evenly;
+    # block 25 tiles the joint product (50 = 2 x 25) but not the features alone
+    for block in (16, 25):
+        emu.lib.emu_reset_counts()
+        st, plain, _, want = staged_vs_plain(emu, (60, 60, 1, 39), 200, joint, "fp32", product=(algo, block),
+                                             dtype=np.float32)
+        g = st.gpu.get_state()
+        assert_close(g, want, 2e-5, what=f"block {block}")
+        assert_close(g, plain.gpu.get_state(), 2e-5, what=f"block {block} vs per batch")
+        if algo == "tiles":
+            assert emu.count("cublasGemmBatchedEx") > 0 or not (block == 25 and joint)
+
+
+def test_stage_features_only_and_many_small_batches(emu):
+    # more batches than the stage holds means for (256): flushed at 256 batches
+    sizes = (2,) * 300
+    st, plain, staged, want = staged_vs_plain(emu, sizes, 100000, True, labels=False, outputs=False,
+                                              targets=False)
+    assert staged[255] == (512, 256) and staged[256] == (2, 1)
+    assert_close(st.gpu.get_state(), want, 1e-12)
+    assert_close(plain.gpu.get_state(), want, 1e-12)
+
+
+@pytest.mark.parametrize("num_classes", [-1, 5])
+def test_stage_labels_growing(emu, num_classes):
+    X, F, T, y = problem(n=300, k=5, seed=8)
+    y = y.copy()
+    y[:150] = np.minimum(y[:150], 1)  # the class range grows mid-stage without num_classes
+    tw = Twin(emu, num_classes, stack=(1000, True))
+    for s in slices((100, 50, 150)):
+        tw.update(X[s], F[s], y[s], T[s])
+    g = tw.gpu.get_state()
+    assert_close(g, tw.cpu.get_state(), 1e-12)
+    assert_close(g, oracle(X, F, T, y), 1e-12)
+
+
+def test_stage_precision_switch_flushes(emu):
+    X, F, _, _ = problem(n=200)
+    tw = Twin(emu, cpu=False, stack=(1000, True))
+    tw.update(X[:100], F[:100], precision="fp64")
+    tw.update(X[100:].astype(np.float32), F[100:].astype(np.float32), precision="fp32")
+    assert tw.gpu.staged_batches == 1 and tw.gpu.staged_rows == 100  # the fp64 rows were flushed
+    g = tw.gpu.get_state()
+    assert g["precision"] == "fp32"
+    assert_close(g, oracle(np.vstack([X[:100], X[100:].astype(np.float32)]),
+                           np.vstack([F[:100], F[100:].astype(np.float32)])), 2e-5)
+
+
+def test_set_stack_flushes_and_turns_off(emu):
+    X, F, _, _ = problem(n=300)
+    tw = Twin(emu, stack=(1000, True))
+    tw.update(X[:100], F[:100])
+    tw.gpu.set_stack(0, True)  # flushes
+    assert tw.gpu.staged_rows == 0 and tw.gpu.stack_rows == 0
+    tw.update(X[100:], F[100:])
+    assert tw.gpu.staged_rows == 0
+    assert_close(tw.gpu.get_state(), tw.cpu.get_state(), 1e-12)
+    with pytest.raises(ValueError, match="stack_rows"):
+        tw.gpu.set_stack(-1, True)
+
+
+# ---- bad batches --------------------------------------------------------------------------------
+
+BAD_MSG = {
+    "nan": r"1 batch was not added \(checked on the device\): features contain 3 non-finite values",
+    "inf": r"1 batch was not added \(checked on the device\): outputs contain 1 non-finite value \(NaN or Inf\)",
+    "label": r"1 batch was not added \(checked on the device\): labels out of range: 2 labels outside 0..4",
+}
+
+
+def spoil(kind, x, f, y):
+    x, f, y = x.copy(), f.copy(), y.copy()
+    if kind == "nan":
+        x[3, 1] = x[7, 0] = x[0, 39] = np.nan
+    elif kind == "inf":
+        f[2, 2] = -np.inf
+    else:
+        y[5] = 5
+        y[9] = -1
+    return x, f, y
+
+
+@pytest.mark.parametrize("stack", [None, (1000, True), (1000, False), (120, True)])
+@pytest.mark.parametrize("kind", ["nan", "inf", "label"])
+@pytest.mark.parametrize("where", ["first", "middle"])
+def test_bad_batch_adds_nothing_and_raises_at_next_sync(emu, kind, stack, where):
+    X, F, T, y = problem(n=300, k=5, seed=9)
+    parts = slices((100, 60, 140))
+    bad_at = 0 if where == "first" else 1
+    with_bad = Twin(emu, 5, cpu=False, stack=stack)
+    without = Twin(emu, 5, cpu=False, stack=stack)
+    for i, s in enumerate(parts):
+        x, f, yy = X[s], F[s], y[s]
+        if i == bad_at:
+            bx, bf, by = spoil(kind, x, f, yy)
+            with_bad.update(bx, bf, by, T[s])  # no error here: update never waits for the device
+        else:
+            with_bad.update(x, f, yy, T[s])
+            without.update(x, f, yy, T[s])
+    if stack == (1000, True) or stack == (1000, False):
+        assert with_bad.gpu.staged_batches == 3  # the bad batch is in the middle of (or opens) the stage
+    with pytest.raises(ValueError, match=BAD_MSG[kind]):
+        with_bad.gpu.n
+    assert with_bad.gpu.n == (200 if bad_at == 0 else 240)  # the error was cleared; the state is usable
+    want = without.gpu.get_state()
+    if stack == (120, True):
+        # the bad batch's rows take stage space (the host cannot know it is bad), so the stages
+        # flush at other times than without it and the merges come in another order: rounding
+        assert_close(with_bad.gpu.get_state(), want, 1e-15)
+    else:
+        assert_equal_states(with_bad.gpu.get_state(), want)
+    good = np.r_[100:300] if bad_at == 0 else np.r_[0:100, 160:300]
+    assert_close(want, oracle(X[good], F[good], T[good], y[good], 5), 1e-12)
+
+
+def test_bad_batches_counted_together(emu):
+    X, F, T, y = problem(n=300, k=5, seed=10)
+    tw = Twin(emu, 5, cpu=False)
+    bx, bf, by = spoil("nan", X[:100], F[:100], y[:100])
+    tw.update(bx, bf, by, T[:100])
+    cx, cf, cy = spoil("label", X[100:200], F[100:200], y[100:200])
+    tw.update(cx, cf, cy, T[100:200])
+    tw.update(X[200:], F[200:], y[200:], T[200:])
+    with pytest.raises(ValueError, match=r"2 batches were not added .*features contain 3 non-finite values \(NaN or Inf\); "
+                                         r"labels out of range: 2 labels"):
+        tw.gpu.get_state()
+    assert_close(tw.gpu.get_state(), oracle(X[200:], F[200:], T[200:], y[200:], 5), 1e-12)
+
+
+def test_negative_label_without_num_classes(emu):
+    X, _, _, y = problem(n=200, k=4, seed=11)
+    tw = Twin(emu, -1, cpu=False)
+    tw.update(X[:100], None, y[:100])
+    yb = y[100:].copy()
+    yb[3] = -2
+    tw.update(X[100:], None, yb)
+    with pytest.raises(ValueError, match=r"labels out of range: 1 label negative"):
+        tw.gpu.n
+    assert_close(tw.gpu.get_state(), oracle(X[:100], None, None, y[:100], 4), 1e-12)
+
+
+def test_all_staged_batches_bad(emu):
+    X, F, _, _ = problem(n=200)
+    tw = Twin(emu, cpu=False, stack=(1000, True))
+    tw.update(X[:100], F[:100])
+    tw.gpu.n  # flushed
+    bx, bf, _ = spoil("nan", X[100:150], F[100:150], np.zeros(50, np.int64))
+    tw.update(bx, bf)
+    tw.update(bx, bf)
+    with pytest.raises(ValueError, match="2 batches were not added"):
+        tw.gpu.get_state()
+    assert_close(tw.gpu.get_state(), oracle(X[:100], F[:100]), 1e-12)
+
+
+# ---- merge, state round trips, export, reset ---------------------------------------------------
+
+@pytest.mark.parametrize("stack", [None, (1000, True)])
+def test_merge_two_states(emu, stack):
+    X, F, T, y = problem(n=300, k=5, seed=12)
+    a, b = Twin(emu, -1, stack=stack), Twin(emu, -1, stack=stack)
+    a.update(X[:50], F[:50], np.minimum(y[:50], 2), T[:50])  # fewer classes here than in b
+    b.update(X[50:170], F[50:170], y[50:170], T[50:170])
+    b.update(X[170:], F[170:], y[170:], T[170:])
+    a.gpu.merge(b.gpu)  # both staged (with stack): merge flushes
+    a.cpu.merge(b.cpu)
+    yy = np.concatenate([np.minimum(y[:50], 2), y[50:]])
+    g = a.gpu.get_state()
+    assert_close(g, a.cpu.get_state(), 1e-12, what="vs cpu")
+    assert_close(g, oracle(X, F, T, yy), 1e-12, what="vs oracle")
+    assert_close(b.gpu.get_state(), oracle(X[50:], F[50:], T[50:], y[50:]), 1e-12, what="other unchanged")
+    # merge into an empty one and into itself
+    e = Twin(emu, -1)
+    e.gpu.merge(a.gpu)
+    assert_close(e.gpu.get_state(), g, 1e-15, what="into empty")
+    a.gpu.merge(a.gpu)
+    twice = a.gpu.get_state()
+    assert twice["n"] == 600
+    np.testing.assert_array_equal(twice["class_counts"], 2 * g["class_counts"])
+    assert_close(twice, {**g, "n": 600, "class_counts": 2 * g["class_counts"], "M": 2 * g["M"], "B": 2 * g["B"], "A": 2 * g["A"], "Bt": 2 * g["Bt"],
+                         "At": 2 * g["At"], "class_sums": 2 * g["class_sums"]}, 1e-12,
+                 keys=("mean", "M", "B", "A", "Bt", "At", "class_sums"))
+
+
+def test_merge_raises_the_others_pending_error(emu):
+    X, F, _, _ = problem(n=200)
+    a, b = Twin(emu, cpu=False), Twin(emu, cpu=False)
+    a.update(X[:100], F[:100])
+    bx, bf, _ = spoil("nan", X[100:], F[100:], np.zeros(100, np.int64))
+    b.update(bx, bf)
+    with pytest.raises(ValueError, match="features contain 3"):
+        a.gpu.merge(b.gpu)
+    assert a.gpu.n == 100
+
+
+def test_set_state_get_state_round_trip(emu):
+    X, F, T, y = problem(n=300, k=5, seed=13)
+    tw = Twin(emu, 7)
+    for s in slices((150, 150)):
+        tw.update(X[s], F[s], y[s], T[s])
+    cpu_state = tw.cpu.get_state()
+    g = emu.mod.CudaMoments(-1, 0)
+    g.set_state(cpu_state)
+    assert_equal_states(g.get_state(), cpu_state, "cpu -> emu -> dict")
+    from richness._core import CpuMoments
+
+    c = CpuMoments(-1)
+    c.set_state(tw.gpu.get_state())
+    assert_close(c.get_state(), cpu_state, 1e-12, what="emu -> cpu")
+    # a restored state keeps streaming
+    g.update(marg(X[:10]), marg(F[:10]), marg(y[:10]), marg(T[:10]), precision=0)
+    tw.cpu.update(marg(X[:10]), marg(F[:10]), marg(y[:10]), marg(T[:10]), precision=0)
+    assert_close(g.get_state(), tw.cpu.get_state(), 1e-12, what="after more batches")
+    empty = emu.mod.CudaMoments(3, 0)
+    empty.set_state(CpuMoments(3).get_state())
+    assert empty.n == 0 and empty.get_state()["num_classes"] == 3
+
+
+def test_export_to_host_buffers(emu):
+    X, F, T, y = problem(n=300, k=5, seed=14)
+    tw = Twin(emu, 5, stack=(1000, True))
+    for s in slices():
+        tw.update(X[s], F[s], y[s], T[s])
+    want = tw.gpu.get_state()
+    bufs = {key: np.full_like(want[key], np.nan if want[key].dtype == np.float64 else -7)
+            for key in KEYS + ("class_counts",)}
+    for b in bufs.values():
+        emu.lib.emu_register(b.ctypes.data, b.nbytes)  # as device memory, for the emulator's checks
+    try:
+        tw.update(X[:30], F[:30], y[:30], T[:30])  # staged: export_to flushes first
+        want = oracle(np.vstack([X, X[:30]]), np.vstack([F, F[:30]]), np.vstack([T, T[:30]]),
+                      np.concatenate([y, y[:30]]), 5)
+        tw.gpu.export_to({key: b.ctypes.data for key, b in bufs.items()})
+    finally:
+        for b in bufs.values():
+            emu.lib.emu_unregister(b.ctypes.data)
+    got = tw.gpu.get_state()
+    assert_close(got, want, 1e-12)
+    for key, b in bufs.items():
+        np.testing.assert_array_equal(b, got[key], err_msg=key)
+
+
+def test_reset_forgets_state_and_staged_rows(emu):
+    X, F, _, _ = problem(n=300)
+    tw = Twin(emu, cpu=False, stack=(1000, True))
+    tw.update(X[:100], F[:100])
+    tw.gpu.n
+    tw.update(X[100:150], F[100:150])
+    assert tw.gpu.staged_rows == 50
+    tw.gpu.reset()
+    assert tw.gpu.n == 0 and tw.gpu.staged_rows == 0 and tw.gpu.p == -1
+    Y = X[:, :13].copy()
+    tw.update(Y[:120])  # new width, no outputs
+    tw.update(Y[120:])
+    g = tw.gpu.get_state()
+    assert g["p"] == 13 and g["c"] == -1
+    assert_close(g, oracle(Y), 1e-12)
+
+
+# ---- asynchrony and streams ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("stack", [None, (250, True)])
+def test_update_never_waits_for_the_device(emu, stack):
+    X, F, T, y = problem(n=600, seed=15)
+    tw = Twin(emu, 5, cpu=False, stack=stack)
+    tw.update(X[:100], F[:100], y[:100], T[:100])  # first batch: allocates (synchronises)
+    tw.gpu.n
+    before = emu.lib.emu_host_syncs()
+    for s in (slice(100, 200), slice(200, 300), slice(300, 400), slice(400, 500)):
+        tw.update(X[s], F[s], y[s], T[s])  # with the stack: 100 + 100 rows staged, flushed in update
+        assert emu.lib.emu_pending() > 0
+    assert emu.lib.emu_host_syncs() == before
+    assert tw.gpu.n == 500
+    assert_close(tw.gpu.get_state(), oracle(X[:500], F[:500], T[:500], y[:500], 5), 1e-12)
+
+
+@pytest.mark.parametrize("stack", [None, (150, True)])
+def test_updates_on_alternating_streams_are_ordered(emu, stack):
+    # Streams are opaque handles to the emulator: work on two of them interleaves at random unless
+    # the backend orders them (order_after_last)
+    X, F, T, y = problem(n=600, seed=16)
+    tw = Twin(emu, 5, stack=stack)
+    for i, s in enumerate(slices((100,) * 6)):
+        tw.update(X[s], F[s], y[s], T[s], stream=0x1000 if i % 2 else 0x2000)
+    g = tw.gpu.get_state()
+    assert_close(g, tw.cpu.get_state(), 1e-12)
+
+
+def test_device_info_and_module_surface(emu):
+    assert "CPU emulator" in emu.mod.info()
+    assert "sm_90" in emu.mod.device_info(0)
+    with pytest.raises(ValueError, match="does not exist"):
+        emu.mod.CudaMoments(-1, 1)
+    g = emu.mod.CudaMoments(-1, 0)
+    assert g.n == 0 and g.p == -1
+    with pytest.raises(ValueError, match="product must be"):
+        g.set_product("fast", 64)
+    with pytest.raises(ValueError, match="at least 16"):
+        g.set_product("tiles", 8)
+    X = np.ones((4, 3))
+    with pytest.raises(TypeError):
+        g.update((X.ctypes.data, 4, 3, 3, I32))
+    g.update(marg(X))
+    with pytest.raises(ValueError, match="columns"):
+        g.update(marg(np.ones((4, 5))))
+    assert g.get_state()["M"].shape == (3, 3) and g.n == 4
+
+
+@pytest.mark.parametrize("stack", [None, (1000, True)])
+def test_skipped_batch_does_not_grow_the_classes(emu, stack):
+    # Without num_classes, update() sizes the class arrays from the batch's largest label before the
+    # device has checked the batch; a skipped batch must not leave its labels in the state's k.
+    X, _, _, y = problem(n=300, k=3, seed=17)
+    tw = Twin(emu, -1, stack=stack)
+    tw.update(X[:100], None, y[:100])
+    bx, by = X[100:200].copy(), y[100:200].copy()
+    bx[0, 0] = np.nan
+    by[1] = 7
+    tw.gpu.update(marg(bx), None, marg(by), None, precision=0)
+    with pytest.raises(ValueError, match="features contain 1 non-finite value"):
+        tw.gpu.n
+    g = tw.gpu.get_state()
+    assert g["k"] == 3 and tw.gpu.shape()["k"] == 3
+    assert_close(g, tw.cpu.get_state(), 1e-12)
+    tw.update(X[200:], None, np.maximum(y[200:], 1))
+    assert_close(tw.gpu.get_state(), tw.cpu.get_state(), 1e-12, what="after growing again")
+    # a state shaped by a skipped first batch: empty, and merging into it takes the other's shape
+    e = Twin(emu, -1, cpu=False, stack=stack)
+    e.gpu.update(marg(bx), None, marg(by), None, precision=0)
+    with pytest.raises(ValueError):
+        e.gpu.n
+    assert e.gpu.get_state()["n"] == 0 and e.gpu.get_state()["k"] == -1
+    e.gpu.merge(tw.gpu)
+    assert_close(e.gpu.get_state(), tw.cpu.get_state(), 1e-12, what="merged into skipped-shaped")
+
+
+@pytest.mark.parametrize("stack", [None, (2000, True), (2000, False)])
+def test_wide_and_long_batches(emu, stack):
+    # several row chunks of 256 in the column means, several 256-column blocks in the centering,
+    # several 128-column blocks in the cross merge, several 32 x 32 tiles in the merges
+    X, F, T, y = problem(n=700, p=300, c=140, t=3, k=4, seed=18)
+    tw = Twin(emu, 4, stack=stack)
+    for s in slices((520, 1, 179)):
+        tw.update(X[s], F[s], y[s], T[s])
+    g = tw.gpu.get_state()
+    assert_close(g, tw.cpu.get_state(), 1e-12, what="vs cpu")
+    assert_close(g, oracle(X, F, T, y, 4), 1e-12, what="vs oracle")
