@@ -1088,6 +1088,17 @@ void CudaMoments::sync_and_check() {
   // were skipped), so the object stays usable after the exception.
   CUDA_CHECK(cudaMemset(&s_.hdr->total_bad, 0, sizeof(hh.total_bad) + sizeof(hh.skipped)));
   CUDA_CHECK(cudaDeviceSynchronize());
+  if (num_classes_ < 0 && k_ > 0) {
+    // update() grew the class arrays to a skipped batch's largest label before
+    // the device had checked the batch. Without num_classes, k is one past the
+    // largest label of the batches added (as on the CPU), which is the last
+    // class with a count: trim back to it (the arrays stay allocated).
+    std::vector<long long> counts((size_t)k_);
+    CUDA_CHECK(cudaMemcpy(counts.data(), s_.class_counts, counts.size() * 8, cudaMemcpyDeviceToHost));
+    int64_t k = k_;
+    while (k > 0 && counts[(size_t)(k - 1)] == 0) --k;
+    k_ = k;
+  }
   Msg os;
   os << hh.skipped << (hh.skipped == 1 ? " batch was" : " batches were") << " not added (checked on the device): ";
   const char* names[3] = {"features", "outputs", "targets"};
