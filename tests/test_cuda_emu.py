@@ -795,3 +795,45 @@ def test_wide_and_long_batches(emu, stack):
     g = tw.gpu.get_state()
     assert_close(g, tw.cpu.get_state(), 1e-12, what="vs cpu")
     assert_close(g, oracle(X, F, T, y, 4), 1e-12, what="vs oracle")
+
+
+# ---- CUDA graph capture -----------------------------------------------------------------------
+
+def setup_capture(emu):
+    emu.lib.emu_begin_capture.argtypes = [ctypes.c_size_t]
+    emu.lib.emu_end_capture.restype = ctypes.c_longlong
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("stack", [None, (4096, True)])
+@pytest.mark.parametrize("algo", ["auto", "tiles"])
+def test_update_captures_in_a_graph_and_replays(emu, precision, stack, algo):
+    # Captured on a side stream (global mode): no synchronisation, allocation or legacy-stream work
+    # may happen inside update (the emulator records any as an error). Each replay re-reads the
+    # same input buffers, refilled by the host in between, as a training loop would.
+    setup_capture(emu)
+    n, K = 256, 6
+    X, F, _, y = problem(n=5 * n, p=64, c=8, k=K, seed=19)
+    X, F = X.astype(np.float32), F.astype(np.float32)
+    bx, bf, by = X[:n].copy(), F[:n].copy(), y[:n].copy()
+    side = 0x5000
+    tw = Twin(emu, K, cpu=False, stack=stack, product=(algo, 16), stream=side)
+    tw.update(X[:n], F[:n], y[:n], precision=precision)  # warm-up: allocates the state and scratch
+    tw.gpu.n
+    before = emu.lib.emu_host_syncs()
+    emu.lib.emu_begin_capture(side)
+    try:
+        tw.update(bx, bf, by, precision=precision)
+    finally:
+        captured = emu.lib.emu_end_capture()
+    assert captured > 5 and emu.lib.emu_host_syncs() == before
+    assert tw.gpu.staged_rows == 0  # a captured update never stages
+    for i in range(1, 5):
+        tw.gpu.n  # the host's refill must not race the previous replay
+        bx[:], bf[:], by[:] = X[i * n:(i + 1) * n], F[i * n:(i + 1) * n], y[i * n:(i + 1) * n]
+        emu.lib.emu_replay()
+    g = tw.gpu.get_state()
+    assert g["n"] == 5 * n
+    rtol = {"fp32": 2e-5, "tf32": 3e-3, "bf16": 2e-2}[precision]
+    assert_close(g, oracle(X, F, None, y, K), rtol)
+    assert_close(g, oracle(X, F, None, y, K), 1e-12, keys=("mean", "out_mean", "class_sums"))

@@ -342,6 +342,9 @@ void emu_set_schedule(int mode, unsigned seed);  // 0 fifo, 1 random (default)
 void emu_register(void* p, size_t bytes);        // host memory the tests pass as device memory
 void emu_unregister(void* p);
 long long emu_live_allocations();
+void emu_begin_capture(uintptr_t stream);  // work on `stream` is recorded from now
+long long emu_end_capture();                // number of operations captured
+void emu_replay();                          // enqueues the captured work once more
 unsigned emu_double2bfloat16(double d);
 float emu_half2float(unsigned bits);
 }

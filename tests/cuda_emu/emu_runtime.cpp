@@ -122,12 +122,31 @@ uintptr_t stream_id(cudaStream_t s) {
   return v == 1 ? 0 : v;  // cudaStreamLegacy is the legacy default stream
 }
 
+// Graph capture (global mode, as torch.cuda.graph): work enqueued on the
+// capturing stream is recorded, not run; emu_replay enqueues it again.
+bool g_capturing = false;
+uintptr_t g_capture_stream = 0;
+std::vector<std::function<void()>> g_graph;
+
 }  // namespace
+
+// Calls that are illegal while a stream is captured in global mode (they
+// synchronise or allocate): recorded as errors, and they fail as in CUDA.
+bool capture_forbids(const char* what) {
+  if (!g_capturing) return false;
+  record(std::string(what) + " during a CUDA graph capture (global mode): cudaErrorStreamCaptureUnsupported");
+  return true;
+}
 
 // Streams other than the legacy default one are taken to be non-blocking (as
 // torch's are): nothing orders them against stream 0 but events and syncs.
 uint64_t enqueue(cudaStream_t st, std::function<void()> fn) {
   const uintptr_t s = stream_id(st);
+  if (g_capturing && s == g_capture_stream) {
+    g_graph.push_back(std::move(fn));
+    return 0;
+  }
+  if (g_capturing && s == 0) record("work on the legacy default stream during a graph capture (cudaErrorStreamCaptureImplicit)");
   Op op;
   op.seq = g_seq++;
   op.fn = std::move(fn);
@@ -349,6 +368,7 @@ struct CUevent_st {
 };
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
+  if (capture_forbids("cudaMalloc")) return g_last_error = cudaErrorStreamCaptureUnsupported;
   const size_t pg = page_size();
   const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
   const size_t body = (rounded + pg - 1) / pg * pg;
@@ -373,6 +393,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 
 cudaError_t cudaFree(void* p) {
   if (!p) return cudaSuccess;
+  if (capture_forbids("cudaFree")) return g_last_error = cudaErrorStreamCaptureUnsupported;
   ++g_host_syncs;
   drain_all();  // cudaFree waits for the device
   auto it = g_allocs.find((uintptr_t)p);
@@ -414,6 +435,7 @@ bool dst_is_host(const void* dst, cudaMemcpyKind kind) {
 }  // namespace
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  if (capture_forbids("cudaMemcpy")) return g_last_error = cudaErrorStreamCaptureUnsupported;
   if (!check_copy(dst, src, bytes, kind, "cudaMemcpy")) return g_last_error = cudaErrorInvalidValue;
   if (bytes == 0) return cudaSuccess;
   if (kind == cudaMemcpyHostToHost) {
@@ -455,21 +477,27 @@ cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t s) 
   return cudaSuccess;
 }
 // Device memory: asynchronous with respect to the host, on the legacy stream.
-cudaError_t cudaMemset(void* dst, int value, size_t bytes) { return cudaMemsetAsync(dst, value, bytes, 0); }
+cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
+  if (capture_forbids("cudaMemset")) return g_last_error = cudaErrorStreamCaptureUnsupported;
+  return cudaMemsetAsync(dst, value, bytes, 0);
+}
 
 cudaError_t cudaDeviceSynchronize() {
+  if (capture_forbids("cudaDeviceSynchronize")) return g_last_error = cudaErrorStreamCaptureUnsupported;
   ++g_host_syncs;
   drain_all();
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  if (capture_forbids("cudaStreamSynchronize")) return g_last_error = cudaErrorStreamCaptureUnsupported;
   ++g_host_syncs;
   drain_stream(s);
   check_canaries();
   return cudaSuccess;
 }
-cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* status) {
-  *status = cudaStreamCaptureStatusNone;
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  *status = g_capturing && stream_id(s) == g_capture_stream ? cudaStreamCaptureStatusActive
+                                                             : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
@@ -483,6 +511,10 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   if (!e) return g_last_error = cudaErrorInvalidValue;
+  if (g_capturing && stream_id(s) == g_capture_stream) {
+    record("cudaEventRecord on the capturing stream (not modelled by the emulator)");
+    return cudaSuccess;
+  }
   e->deps.clear();
   auto it = g_last_in_stream.find(stream_id(s));
   if (it != g_last_in_stream.end() && g_pending.count(it->second)) e->deps.push_back(it->second);
@@ -490,6 +522,11 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   if (!e) return g_last_error = cudaErrorInvalidValue;
+  if (g_capturing && stream_id(s) == g_capture_stream && !e->deps.empty()) {
+    record("cudaStreamWaitEvent on the capturing stream for an event recorded outside the capture "
+           "(cudaErrorStreamCaptureIsolation)");
+    return g_last_error = cudaErrorStreamCaptureUnsupported;
+  }
   auto& w = g_waits[stream_id(s)];
   w.insert(w.end(), e->deps.begin(), e->deps.end());
   return cudaSuccess;
@@ -938,6 +975,19 @@ long long emu_live_allocations() {
   long long n = 0;
   for (auto& [k, a] : g_allocs) n += !a.external;
   return n;
+}
+// Graph capture of one stream (global mode), and replays of the captured work.
+void emu_begin_capture(uintptr_t stream) {
+  g_capturing = true;
+  g_capture_stream = stream == 1 ? 0 : stream;
+  g_graph.clear();
+}
+long long emu_end_capture() {
+  g_capturing = false;
+  return (long long)g_graph.size();
+}
+void emu_replay() {
+  for (auto& fn : g_graph) enqueue((cudaStream_t)g_capture_stream, fn);
 }
 // The conversions, for bit-exact tests against numpy.
 unsigned emu_double2bfloat16(double d) { return __double2bfloat16(d).x; }
