@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import re
 import sys
 from fractions import Fraction
@@ -39,7 +40,8 @@ PREC = {"fp64": 0, "fp32": 1, "tf32": 2, "bf16": 3}
 CODES = {np.dtype(np.float32): F32, np.dtype(np.float64): F64, np.dtype(np.float16): F16,
          np.dtype(np.int32): I32, np.dtype(np.int64): I64}
 KEYS = ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_sums")
-SEED = 20261201
+SEED = int(os.environ.get("EMU_SEED", "20261201"))  # the emulator's schedule (block order, stream interleaving)
+SCHEDULE = 0 if os.environ.get("EMU_SCHEDULE") == "fifo" else 1
 
 
 class Emu:
@@ -74,7 +76,7 @@ def emu():
 def emulator_clean(emu):
     """Every test starts with a fixed random schedule and ends without emulator-detected errors
     (out-of-bounds cuBLAS operands or copies, invalid launches, writes past allocations)."""
-    emu.lib.emu_set_schedule(1, SEED)
+    emu.lib.emu_set_schedule(SCHEDULE, SEED)
     emu.lib.emu_clear_errors()
     emu.lib.emu_reset_counts()
     yield
@@ -837,3 +839,22 @@ def test_update_captures_in_a_graph_and_replays(emu, precision, stack, algo):
     rtol = {"fp32": 2e-5, "tf32": 3e-3, "bf16": 2e-2}[precision]
     assert_close(g, oracle(X, F, None, y, K), rtol)
     assert_close(g, oracle(X, F, None, y, K), 1e-12, keys=("mean", "out_mean", "class_sums"))
+
+
+def test_set_state_into_a_staged_moments_then_stage_more(emu):
+    X, F, T, y = problem(n=400, k=5, seed=20)
+    src = Twin(emu, 5)
+    src.update(X[:150], F[:150], y[:150], T[:150])
+    tw = Twin(emu, 5, cpu=False, stack=(200, True))
+    tw.update(X[150:200], F[150:200], y[150:200], T[150:200])  # staged, then replaced by set_state
+    tw.gpu.set_state(src.cpu.get_state())
+    assert tw.gpu.staged_rows == 0 and tw.gpu.stack_rows == 200
+    for s in slices((150, 60, 1, 300 - 211)):
+        s = slice(s.start + 150, s.stop + 150)
+        tw.update(X[s], F[s], y[s], T[s])
+    bx = X[150:400].copy()  # a bad batch bigger than the stage, while rows are staged
+    bx[7, 3] = np.inf
+    tw.update(bx, F[150:400], y[150:400], T[150:400])
+    with pytest.raises(ValueError, match="features contain 1 non-finite value"):
+        tw.gpu.n
+    assert_close(tw.gpu.get_state(), oracle(X, F, T, y, 5), 1e-12)
