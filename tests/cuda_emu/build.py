@@ -27,8 +27,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CUDA_DIR = ROOT / "csrc" / "cuda"
+# -Drichness=...: the emulated classes get C++ names of their own, so that pybind11 does not see
+# them as the types the real richness._cuda registered when both are loaded in one process
+# ("generic_type: type "CudaMoments" is already registered!").
 FLAGS = ["-std=c++20", "-O1", "-fPIC", "-g0", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function",
-         "-Wno-unused-variable", "-Wno-sign-compare"]
+         "-Wno-unused-variable", "-Wno-sign-compare", "-Drichness=richness_cuda_emu"]
 SOURCES = [CUDA_DIR / "cuda_moments.cu", CUDA_DIR / "cuda_moments.hpp", CUDA_DIR / "bindings.cpp",
            ROOT / "csrc" / "moments.hpp", ROOT / "csrc" / "state_dict.hpp", ROOT / "csrc" / "msg.hpp",
            HERE / "cuda_emu.hpp", HERE / "emu_runtime.cpp", HERE / "translate.py", HERE / "build.py",
