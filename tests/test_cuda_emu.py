@@ -786,6 +786,36 @@ def test_skipped_batch_does_not_grow_the_classes(emu, stack):
     assert_close(e.gpu.get_state(), tw.cpu.get_state(), 1e-12, what="merged into skipped-shaped")
 
 
+@pytest.mark.parametrize("how", ["load", "merge"])
+def test_skipped_batch_keeps_a_loaded_states_empty_classes(emu, how):
+    # A state that ends in empty classes (counted with num_classes=8 on the CPU, labels 0..2) keeps
+    # its k = 8 when it is loaded into, or merged into, a backend without num_classes and a later
+    # batch with a larger label is skipped: the trim stops at the k of the last check.
+    from richness._core import CpuMoments
+
+    X, _, _, y = problem(n=200, k=3, seed=21)
+    src = CpuMoments(8)
+    src.update(marg(X[:100]), None, marg(y[:100]), None, precision=0)
+    want = src.get_state()
+    assert want["k"] == 8
+    g = emu.mod.CudaMoments(-1, 0)
+    if how == "load":
+        g.set_state({**want, "num_classes": -1})  # k = 8 without num_classes: the labels may grow
+    else:
+        other = emu.mod.CudaMoments(8, 0)
+        other.set_state(want)
+        g.merge(other)
+    bx, by = X[100:].copy(), y[100:].copy()
+    bx[3, 1] = np.inf
+    by[0] = 11
+    g.update(marg(bx), None, marg(by), None, precision=0)
+    with pytest.raises(ValueError, match="non-finite"):
+        g.n
+    got = g.get_state()
+    assert got["k"] == 8 and g.shape()["k"] == 8
+    assert_equal_states(got, {**want, "num_classes": got["num_classes"]}, what=how)
+
+
 @pytest.mark.parametrize("stack", [None, (2000, True), (2000, False)])
 def test_wide_and_long_batches(emu, stack):
     # several row chunks of 256 in the column means, several 256-column blocks in the centering,
@@ -797,6 +827,20 @@ def test_wide_and_long_batches(emu, stack):
     g = tw.gpu.get_state()
     assert_close(g, tw.cpu.get_state(), 1e-12, what="vs cpu")
     assert_close(g, oracle(X, F, T, y, 4), 1e-12, what="vs oracle")
+
+
+@pytest.mark.parametrize("stack", [None, (6000, True)])
+def test_tall_batch_strides_over_row_chunks(emu, stack):
+    # The emulated build caps grid.y at 7 blocks (build.py): a batch of 2,500 rows has 10 row chunks
+    # of 256 in the column means, so blocks take several chunks each (as beyond 16.7M rows on a GPU),
+    # and the centering, class sums and cross merges stride over rows too.
+    X, F, T, y = problem(n=2600, p=9, c=4, t=2, k=3, seed=23, mean=50.0)
+    tw = Twin(emu, 3, stack=stack)
+    for s in slices((2500, 100)):
+        tw.update(X[s], F[s], y[s], T[s])
+    g = tw.gpu.get_state()
+    assert_close(g, tw.cpu.get_state(), 1e-12, what="vs cpu")
+    assert_close(g, oracle(X, F, T, y, 3), 1e-11, what="vs oracle")
 
 
 # ---- CUDA graph capture -----------------------------------------------------------------------

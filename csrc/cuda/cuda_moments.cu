@@ -95,25 +95,31 @@ __global__ void column_partials(const Tin* __restrict__ x, long long rows, long 
                                 double* __restrict__ partial, unsigned long long* bad) {
   const int tx = threadIdx.x, ty = threadIdx.y;
   const long long col = (long long)blockIdx.x * kColTile + tx;
-  const long long r0 = (long long)blockIdx.y * kChunkRows;
-  const long long r1 = min(rows, r0 + kChunkRows);
-  double s = 0.0;
-  unsigned long long nbad = 0;
-  if (col < cols) {
-    for (long long r = r0 + ty; r < r1; r += kRowLanes) {
-      const double v = to_double(x[r * ld + col]);
-      s += v;
-      nbad += !isfinite(v);
-    }
-  }
+  const long long chunks = (rows + kChunkRows - 1) / kChunkRows;
   __shared__ double sh[kRowLanes][kColTile + 1];
-  sh[ty][tx] = s;
-  __syncthreads();
-  if (ty == 0 && col < cols) {
-    double acc = 0.0;
+  unsigned long long nbad = 0;
+  // grid.y is capped at 65535: a block takes every gridDim.y-th chunk (one
+  // chunk per block below 16.7M rows). The loop bounds are block-uniform.
+  for (long long chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y) {
+    const long long r0 = chunk * kChunkRows;
+    const long long r1 = min(rows, r0 + kChunkRows);
+    double s = 0.0;
+    if (col < cols) {
+      for (long long r = r0 + ty; r < r1; r += kRowLanes) {
+        const double v = to_double(x[r * ld + col]);
+        s += v;
+        nbad += !isfinite(v);
+      }
+    }
+    sh[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && col < cols) {
+      double acc = 0.0;
 #pragma unroll
-    for (int k = 0; k < kRowLanes; ++k) acc += sh[k][tx];
-    partial[blockIdx.y * cols + col] = acc;
+      for (int k = 0; k < kRowLanes; ++k) acc += sh[k][tx];
+      partial[chunk * cols + col] = acc;
+    }
+    __syncthreads();  // sh is rewritten by the next chunk
   }
   if (nbad) atomicAdd(bad, nbad);
 }
@@ -385,7 +391,15 @@ __global__ void stack_commit(Header* h, const long long* counts, int m) {
 
 // ---- launch helpers -----------------------------------------------------------
 
-inline unsigned grid_y(long long rows) { return (unsigned)std::max<long long>(1, std::min<long long>(rows, 65535)); }
+// Blocks along y (the hardware allows 65535): kernels launched with grid_y
+// stride over rows (or row chunks) by gridDim.y. The CPU emulator's build
+// (tests/cuda_emu) lowers the cap so that every stride loop runs more than once.
+#ifndef RICHNESS_GRID_Y_MAX
+#define RICHNESS_GRID_Y_MAX 65535
+#endif
+inline unsigned grid_y(long long rows) {
+  return (unsigned)std::max<long long>(1, std::min<long long>(rows, RICHNESS_GRID_Y_MAX));
+}
 
 template <typename Fn>
 void dispatch_float(DType d, Fn&& fn) {
@@ -409,7 +423,7 @@ void launch_means(const Matrix& m, double* partial, double* mean, unsigned long 
   const long long chunks = (m.rows + kChunkRows - 1) / kChunkRows;
   dispatch_float(m.dtype, [&](auto tag) {
     using T = decltype(tag);
-    dim3 grid((unsigned)((m.cols + kColTile - 1) / kColTile), (unsigned)chunks);
+    dim3 grid((unsigned)((m.cols + kColTile - 1) / kColTile), grid_y(chunks));
     column_partials<T><<<grid, dim3(kColTile, kRowLanes), 0, s>>>(static_cast<const T*>(m.ptr), m.rows, m.cols,
                                                                   m.ld, partial, bad);
   });
@@ -1083,7 +1097,10 @@ void CudaMoments::sync_and_check() {
   if (!s_.hdr) return;
   Header hh;
   CUDA_CHECK(cudaMemcpy(&hh, s_.hdr, sizeof(Header), cudaMemcpyDeviceToHost));
-  if (hh.skipped == 0) return;
+  if (hh.skipped == 0) {
+    k_floor_ = k_;
+    return;
+  }
   // Clear the pending error first: the state itself is intact (bad batches
   // were skipped), so the object stays usable after the exception.
   CUDA_CHECK(cudaMemset(&s_.hdr->total_bad, 0, sizeof(hh.total_bad) + sizeof(hh.skipped)));
@@ -1092,13 +1109,16 @@ void CudaMoments::sync_and_check() {
     // update() grew the class arrays to a skipped batch's largest label before
     // the device had checked the batch. Without num_classes, k is one past the
     // largest label of the batches added (as on the CPU), which is the last
-    // class with a count: trim back to it (the arrays stay allocated).
+    // class with a count: trim back to it (the arrays stay allocated), but
+    // never below the k of the last check, load or merge (a loaded or merged
+    // state may end in empty classes).
     std::vector<long long> counts((size_t)k_);
     CUDA_CHECK(cudaMemcpy(counts.data(), s_.class_counts, counts.size() * 8, cudaMemcpyDeviceToHost));
     int64_t k = k_;
-    while (k > 0 && counts[(size_t)(k - 1)] == 0) --k;
+    while (k > std::max<int64_t>(k_floor_, 0) && counts[(size_t)(k - 1)] == 0) --k;
     k_ = k;
   }
+  k_floor_ = k_;
   Msg os;
   os << hh.skipped << (hh.skipped == 1 ? " batch was" : " batches were") << " not added (checked on the device): ";
   const char* names[3] = {"features", "outputs", "targets"};
@@ -1133,7 +1153,7 @@ void CudaMoments::reset() {
   free_state();  // scratch is kept: it grows to fit whatever comes next
   st_rows_ = 0;  // staged rows are forgotten with the rest
   st_batches_ = 0;
-  p_ = c_ = t_ = k_ = -1;
+  p_ = c_ = t_ = k_ = k_floor_ = -1;
   precision_ = Precision::fp64;
   have_last_stream_ = false;
 }
@@ -1206,12 +1226,13 @@ void CudaMoments::upload(const State& s) {
   DeviceGuard g(device_);
   CUDA_CHECK(cudaDeviceSynchronize());
   free_all();
-  p_ = c_ = t_ = k_ = -1;
+  p_ = c_ = t_ = k_ = k_floor_ = -1;
   have_last_stream_ = false;
   num_classes_ = s.num_classes;
   precision_ = s.precision;
   if (s.p < 0 || s.n == 0) return;
   shape(s.p, s.c, s.t, s.k);
+  k_floor_ = k_;
   Header hh{};
   hh.n = s.n;
   CUDA_CHECK(cudaMemcpy(s_.hdr, &hh, sizeof(Header), cudaMemcpyHostToDevice));
@@ -1322,6 +1343,7 @@ void CudaMoments::merge_state_device(const CudaMoments& o, int64_t on) {
   CUDA_CHECK(cudaDeviceSynchronize());
   precision_ = std::max(precision_, o.precision_);
   have_last_stream_ = false;
+  k_floor_ = std::max(k_floor_, k_);
 }
 
 // ---- facts ------------------------------------------------------------------------

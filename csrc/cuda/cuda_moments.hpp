@@ -125,6 +125,9 @@ class CudaMoments {
   int device_;
   int64_t num_classes_;
   int64_t p_ = -1, c_ = -1, t_ = -1, k_ = -1;
+  // k as of the last point where every batch in the state had been checked on
+  // the device (a sync, a load, a merge): a skipped batch's trim stops there.
+  int64_t k_floor_ = -1;
   Precision precision_ = Precision::fp64;
   Product algo_ = Product::automatic;
   int block_ = 512;

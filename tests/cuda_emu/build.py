@@ -31,7 +31,10 @@ CUDA_DIR = ROOT / "csrc" / "cuda"
 # them as the types the real richness._cuda registered when both are loaded in one process
 # ("generic_type: type "CudaMoments" is already registered!").
 FLAGS = ["-std=c++20", "-O1", "-fPIC", "-g0", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function",
-         "-Wno-unused-variable", "-Wno-sign-compare", "-Drichness=richness_cuda_emu"]
+         "-Wno-unused-variable", "-Wno-sign-compare", "-Drichness=richness_cuda_emu",
+         # 7 blocks along y instead of 65535: every grid-stride loop over rows (and over the column
+         # means' row chunks, as beyond 16.7M rows on a GPU) runs several times in the tests
+         "-DRICHNESS_GRID_Y_MAX=7"]
 SOURCES = [CUDA_DIR / "cuda_moments.cu", CUDA_DIR / "cuda_moments.hpp", CUDA_DIR / "bindings.cpp",
            ROOT / "csrc" / "moments.hpp", ROOT / "csrc" / "state_dict.hpp", ROOT / "csrc" / "msg.hpp",
            HERE / "cuda_emu.hpp", HERE / "emu_runtime.cpp", HERE / "translate.py", HERE / "build.py",
