@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import re
 import sys
 from fractions import Fraction
 from pathlib import Path

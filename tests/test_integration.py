@@ -637,6 +637,63 @@ def gram_route(request, monkeypatch):
     return request.param
 
 
+def test_monitor_one_batch_products_stay_ieee_under_a_loop_allowing_tf32(gram_route, monkeypatch):
+    # A training loop that allows reduced-precision float32 products (the legacy API's "medium": TF32
+    # on CUDA, bf16 through oneDNN on the CPU) does not lower the Monitor's: its batched products run
+    # at "highest", and the loop's own setting is back after each reduction.
+    seen = []
+    real = torch.bmm
+
+    def spy(*a, **k):
+        seen.append(torch.get_float32_matmul_precision())
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "bmm", spy)
+    torch.set_float32_matmul_precision("medium")
+    try:
+        hist, want, _ = _one_batch_records(4, [32] * 6, torch.float32)
+        after = torch.get_float32_matmul_precision()
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert seen and set(seen) == {"highest"}
+    assert after == "medium"
+    assert len(hist) == 6
+    for rec, ((d, r), _, _) in zip(hist, want):
+        assert rec["rank"] == r and abs(rec["dlr"] - d) < 2e-5
+
+
+def test_monitor_one_batch_products_stay_ieee_with_the_per_backend_api():
+    # torch >= 2.9's per-backend setting (torch.backends.mkldnn.matmul.fp32_precision = "bf16"): the
+    # Monitor switches it, not the legacy one (mixing the two makes torch raise), and restores it.
+    # In a subprocess: the per-backend API, once used, stays in use for the process.
+    if not hasattr(torch.backends.mkldnn.matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has no per-backend float32 precision (covered by the legacy test)")
+    script = textwrap.dedent("""
+        import json, torch, richness
+        from richness import _monitor
+        _monitor.CORE_GRAMS = False
+        mm = torch.backends.mkldnn.matmul
+        mm.fp32_precision = "bf16"
+        seen, real = [], torch.bmm
+        def spy(*a, **k):
+            seen.append(mm.fp32_precision)
+            return real(*a, **k)
+        torch.bmm = spy
+        head = torch.nn.Linear(64, 5)
+        with richness.Monitor(head, every=1, lag=2) as mon:
+            for _ in range(4):
+                head(torch.randn(32, 64) + 3.0)
+                mon.step(labels=torch.randint(0, 5, (32,)))
+        print(json.dumps({"seen": sorted(set(seen)), "after": mm.fp32_precision, "records": len(mon.history),
+                          "dlr": [r["dlr"] for r in mon.history]}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["seen"] == ["ieee"] and got["after"] == "bf16"
+    assert got["records"] == 4 and all(0.0 <= d <= 1.0 for d in got["dlr"])
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
 def test_monitor_grouped_one_batch_records_match_oracle_in_step_order(dtype, tol, gram_route):
     sizes = [32] * 21 + [20, 20] + [80] + [32] * 3  # a smaller batch, a batch with n >= p (Moments path)

@@ -19,12 +19,13 @@ them syncs.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import os
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
 
@@ -594,6 +595,41 @@ def _core_route(x: Any) -> bool:
     return CORE_GRAMS if CORE_GRAMS is not None else torch.get_num_threads() == 1
 
 
+@contextlib.contextmanager
+def _ieee_matmul(device_type: str) -> Iterator[None]:
+    """True float32 matrix products for the duration of the block, on the
+    buffers' backend (CUDA or oneDNN on the CPU), then the caller's setting
+    back. Training loops often allow TF32 or bf16 for their own float32
+    products (``torch.set_float32_matmul_precision("high")``, or
+    ``allow_tf32``); the Monitor's fp32 DLR (within 1e-6) needs IEEE
+    products. Nothing is touched where IEEE is already the setting (torch's
+    default). The setting is changed through the API the caller used: torch
+    >= 2.9 refuses to mix the legacy and the per-backend ones."""
+    import torch
+
+    backend = getattr(torch.backends.cuda if device_type == "cuda" else torch.backends.mkldnn, "matmul", None)
+    current = getattr(backend, "fp32_precision", None)  # per-backend API (torch >= 2.9); mirrors the legacy one
+    effective = getattr(torch.backends, "fp32_precision", "none") if current == "none" else current
+    try:
+        legacy: Optional[str] = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the per-backend API is in use: reading the legacy one raises
+        legacy = None
+    if effective in ("ieee", "none") or (effective is None and legacy == "highest"):
+        yield
+    elif legacy is not None:
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(legacy)
+    else:
+        backend.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            backend.fp32_precision = current
+
+
 class _StepBuffer:
     """Copies of the head's input, output and labels of consecutive steps, in
     preallocated buffers with a leading step axis (one copy per tensor and
@@ -654,6 +690,12 @@ class _BatchGroup(_StepBuffer):
         self.centered: Any = None
 
     def reduce(self, prec: str, threads: BlasThreads) -> Any:
+        """See ``_reduce``; its products in true float32 whatever the training
+        loop allows for its own (``_ieee_matmul``)."""
+        with _ieee_matmul(self.x.device.type):
+            return self._reduce(prec, threads)
+
+    def _reduce(self, prec: str, threads: BlasThreads) -> Any:
         """The small matrices of every buffered step, one row each: a (steps, m)
         float64 tensor on the buffers' device. Issues no host synchronisation.
 
