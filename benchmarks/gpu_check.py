@@ -173,6 +173,30 @@ def benchmark(torch, args) -> dict:
         states[prec] = (m_out, m_head)
         log(f"ours  {prec}: outputs {t_out:.4f} s, head {t_head:.4f} s")
 
+    # -- where the time goes (torch.profiler, 16 batches each): the unmet ratios of issue 3 ---------
+    results["breakdown"] = {}
+    for prec, with_outputs, stack in (("fp32", True, 0), ("fp32", False, 0), ("tf32", False, 0),
+                                      ("bf16", False, 0), ("fp32", True, STACK_ROWS[-1])):
+        name = f"{prec} {'outputs' if with_outputs else 'head'}" + (f" staged {stack}" if stack else "")
+        try:
+            Xs, Fs = inputs(prec)
+            m = richness.Moments(device="cuda", precision=prec, stack_rows=stack)
+
+            def upd(i, m=m, Xs=Xs, Fs=Fs, with_outputs=with_outputs):
+                m.update(Xs[i % nbuf], Fs[i % nbuf]) if with_outputs else m.update(Xs[i % nbuf])
+
+            def flushed(i, upd=upd, m=m, stack=stack):
+                upd(i)
+                if stack and i % 8 == 0:
+                    _ = m.n  # staged rows merged within the profiled window
+            b = kernel_breakdown(torch, flushed)
+            del m
+        except Exception as e:  # diagnostics must not stop the run
+            b = {"error": repr(e)}
+        results["breakdown"][name] = b
+        for line in (breakdown_lines(name, b) if "error" not in b else [f"breakdown {name}: {b['error']}"]):
+            log(line)
+
     # -- product variants for X^T X (head mode) ----------------------------------------
     variants = {"fp32": [("syrk", 512), ("gemm", 512), ("block_rows", 512), ("tiles", 512)],
                 "tf32": [("gemm", 512), ("syrk", 512), ("block_rows", 512), ("block_rows", 1024), ("tiles", 512),
@@ -249,6 +273,45 @@ def benchmark(torch, args) -> dict:
 
 
 STACK_ROWS = (16384, 32768)
+
+
+def kernel_breakdown(torch, update, batches: int = 16, top: int = 10) -> dict:
+    """Where one configuration's time goes: ``update(i)`` for ``batches``
+    batches under torch.profiler; per kernel (device time on a GPU, CPU time
+    without one), per batch, and the wall time of the same loop. Device time
+    much below the wall time means the loop waits on the host (launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    update(0)  # warm (allocations, handles)
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for i in range(1, batches + 1):
+            update(i)
+        sync()
+        wall = time.perf_counter() - t0
+    rows = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append((us / batches, e.count / batches, e.key))
+    rows.sort(reverse=True)
+    busy = sum(r[0] for r in rows) if cuda else None
+    return {"wall_us_per_batch": wall / batches * 1e6, "device_us_per_batch": busy,
+            "kernels": [{"us_per_batch": round(u, 1), "calls_per_batch": round(c, 2), "name": k[:90]}
+                        for u, c, k in rows[:top]]}
+
+
+def breakdown_lines(name: str, b: dict) -> list:
+    dev = b["device_us_per_batch"]
+    lines = [f"breakdown {name}: wall {b['wall_us_per_batch']:.0f} us/batch"
+             + (f", device busy {dev:.0f} us/batch ({dev / b['wall_us_per_batch']:.0%})" if dev else "")]
+    for k in b["kernels"]:
+        lines.append(f"  {k['us_per_batch']:>9.1f} us  x{k['calls_per_batch']:<5g} {k['name']}")
+    return lines
 
 
 def stacked_table(results: dict) -> list:
