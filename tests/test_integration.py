@@ -766,6 +766,48 @@ def test_monitor_one_batch_more_outputs_than_samples(gram_route):
         assert abs(rec["nc1"] - nc1) < 1e-8 * nc1
 
 
+def test_monitor_one_batch_more_classes_than_samples(gram_route, monkeypatch):
+    # 1,000 classes (the head's outputs), batches of 16: NC1 uses each step's own classes, renumbered
+    # 0..15, so the per-step matrices are 16 x 16, not 1,000 x 1,000; values equal the oracle's, and
+    # a step with a label outside the head's classes gets no NC1.
+    from richness import _monitor
+
+    widths = []
+    real = _monitor._BatchGroup.reduce
+
+    def spy(self, *a):
+        out = real(self, *a)
+        widths.append(int(out.shape[1]))
+        return out
+
+    monkeypatch.setattr(_monitor._BatchGroup, "reduce", spy)
+    torch.manual_seed(3)
+    n, p, k = 16, 1024, 1000  # C <= p: the head's outputs are streamed (C > p would use its weights)
+    head = nn.Linear(p, k).double()
+    want = []
+    with richness.Monitor(head, every=1, lag=4) as mon:
+        for s in range(6):
+            X = torch.randn(n, p, dtype=torch.float64) * torch.linspace(0.1, 3.0, p, dtype=torch.float64) + 2.0
+            y = torch.randint(0, k, (n,))
+            y[:6] = torch.tensor([999, 999, 3, 3, 500, 0])  # repeats, and the first and last classes
+            if s == 4:
+                y[7] = k  # outside the head's classes
+            with torch.no_grad():
+                F = head(X)
+            want.append((dlr_naive(X.numpy(), F.numpy()), None if s == 4 else nc1_naive(X.numpy(), y.numpy())))
+            head(X)
+            mon.step(labels=y)
+    assert len(mon.history) == 6
+    for rec, ((d, r), nc1) in zip(mon.history, want):
+        assert rec["rank"] == r and abs(rec["dlr"] - d) < 1e-10
+        if nc1 is None:
+            assert rec["nc1"] is None
+        else:
+            assert abs(rec["nc1"] - nc1) < 1e-8 * nc1
+    # per step: ||M||, A and Q (n x n each: sample space), counts, D D^T and D M D^T (n x n), invalid count
+    assert widths and all(w == 1 + 2 * n * n + n + 2 * n * n + 1 for w in widths)
+
+
 def test_monitor_window_buffer_with_uneven_batches_matches_oracle():
     # window steps are buffered (copies) and added as one batch at emission; a
     # batch of another size flushes the buffer into the Moments first

@@ -401,7 +401,7 @@ class Monitor:
             packed = g.reduce(prec, self._threads)
             n = int(x.shape[1])
             meta = (list(g.metas), n, n if g.sample_space else int(f.shape[2]),
-                    g.classes if g.y is not None else 0, rtol, g.sample_space)
+                    g.label_cols if g.y is not None else 0, rtol, g.sample_space)
         finally:
             g.clear()  # the buffers are reused by the next group (same stream: ordered)
         if packed.device.type == "cuda":
@@ -685,6 +685,12 @@ class _BatchGroup(_StepBuffer):
         feats, outs = parts["features"], parts["outputs"]
         self.x, self.f, self.y = self.bufs["features"], self.bufs["outputs"], self.bufs.get("labels")
         self.classes = classes
+        # NC1 needs only the classes present in a batch, at most n of them: with
+        # more classes than samples (ImageNet's 1,000 and a batch of 256) each
+        # step's classes are renumbered 0..n-1, so that its k x k matrices are
+        # n x n (a 1,000-class k x k pair is 16 MB a step, and its host eigh
+        # costs more than the training step).
+        self.label_cols = min(classes, int(feats.shape[0]))
         self.sample_space = int(outs.shape[1]) > int(feats.shape[0])  # more outputs than samples: n x n forms
         self.grams: Any = None  # reduction scratch, made on the first reduce
         self.centered: Any = None
@@ -750,9 +756,11 @@ class _BatchGroup(_StepBuffer):
             k = self.classes
             lab = self.y[:j].long()
             valid = (lab >= 0) & (lab < k)
-            Y = torch.zeros(lab.shape + (k,), dtype=pdt, device=lab.device).scatter_(
-                2, lab.clamp(0, k - 1)[..., None], valid.to(pdt)[..., None])
-            counts = Y.sum(dim=1)  # steps x k
+            kk = self.label_cols
+            col = lab.clamp(0, k - 1) if kk == k else _batch_class_ids(lab, valid, k)
+            Y = torch.zeros(lab.shape + (kk,), dtype=pdt, device=lab.device).scatter_(
+                2, col[..., None], valid.to(pdt)[..., None])
+            counts = Y.sum(dim=1)  # steps x kk
             Yn = Y.div_(counts.clamp(min=1.0)[:, None, :])
         if self.sample_space:
             A = torch.bmm(Fc, Fc.transpose(1, 2)).to(f64)
@@ -778,11 +786,26 @@ class _BatchGroup(_StepBuffer):
         return torch.cat(parts, dim=1)
 
 
+def _batch_class_ids(lab: Any, valid: Any, k: int) -> Any:
+    """Each sample's class renumbered within its own step, in order of class
+    (steps x n, values in 0..n-1), with fixed shapes and no host sync: sort
+    each row, count the distinct labels before each position. Samples with
+    invalid labels share one number past the valid ones (they carry zero
+    weight)."""
+    import torch
+
+    key, order = torch.where(valid, lab, k).sort(dim=1)
+    new = torch.ones_like(key, dtype=torch.bool)
+    new[:, 1:] = key[:, 1:] != key[:, :-1]
+    return torch.empty_like(key).scatter_(1, order, new.cumsum(dim=1) - 1)
+
+
 def _finish_group(v: np.ndarray, n: int, c: int, k: int, rtol: float, sample_space: bool) -> tuple:
     """DLR, rank and NC1 of each row of ``_BatchGroup.reduce`` (float64, host):
     three lists, None where a value is undefined (constant features or
     outputs; fewer than two classes; labels outside the head's classes).
-    ``c`` is the side of A and Q (C, or n in sample space)."""
+    ``c`` is the side of A and Q (C, or n in sample space); ``k`` the class
+    columns (the classes, or n when renumbered within each step)."""
     steps = v.shape[0]
     norm_m = v[:, 0]
     A = v[:, 1:1 + c * c].reshape(steps, c, c)
