@@ -61,6 +61,11 @@ class Timed:
         _monitor._BatchGroup.reduce, _monitor.Monitor._finish_records = reduce, finish
 
 
+def sync(x) -> None:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+
+
 def run_group(head, xs, ys, per_class: bool, lag: int, timed: Timed) -> dict:
     timed.reduce = timed.finish = 0.0
     init = _monitor._BatchGroup.__init__
@@ -69,9 +74,11 @@ def run_group(head, xs, ys, per_class: bool, lag: int, timed: Timed) -> dict:
         init(group, parts, lag_, classes)
         group.label_cols = classes
 
+    sync(xs[0])
     t0 = time.perf_counter()
     for x in xs:  # the same forwards without a monitor
         head(x)
+    sync(xs[0])
     off = time.perf_counter() - t0
     if per_class:
         _monitor._BatchGroup.__init__ = per_class_init
@@ -81,7 +88,7 @@ def run_group(head, xs, ys, per_class: bool, lag: int, timed: Timed) -> dict:
             for x, y in zip(xs, ys):
                 head(x)
                 mon.step(labels=y)
-            mon.flush()
+            mon.flush()  # waits for the device's last group
         total = time.perf_counter() - t0
     finally:
         _monitor._BatchGroup.__init__ = init
@@ -98,14 +105,17 @@ def main() -> int:
     ap.add_argument("--lag", type=int, default=16)
     ap.add_argument("--groups", type=int, default=4, help="groups of `lag` steps per configuration")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU, reduce is launch time: the device "
+                    "work shows in the monitor column)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    head = torch.nn.Linear(args.p, args.C)
+    dev = torch.device(args.device)
+    head = torch.nn.Linear(args.p, args.C).to(dev)
     scale = torch.linspace(0.1, 2.0, args.p)
-    xs = [torch.randn(args.batch, args.p) * scale + 1.0 for _ in range(args.lag)]
-    ys = [torch.randint(0, args.C, (args.batch,)) for _ in range(args.lag)]
+    xs = [(torch.randn(args.batch, args.p) * scale + 1.0).to(dev) for _ in range(args.lag)]
+    ys = [torch.randint(0, args.C, (args.batch,)).to(dev) for _ in range(args.lag)]
     timed = Timed()
     runs: dict = {"current": [], "per-class": []}
     run_group(head, xs[:2], ys[:2], False, args.lag, timed)  # warm-up
@@ -113,16 +123,17 @@ def main() -> int:
         for name in (("current", "per-class") if g % 2 == 0 else ("per-class", "current")):
             runs[name].append(run_group(head, xs, ys, name == "per-class", args.lag, timed))
     # the last step's record against the oracle
-    x, y = xs[-1].double().numpy(), ys[-1].numpy()
+    x, y = xs[-1].double().cpu().numpy(), ys[-1].cpu().numpy()
     with torch.no_grad():
-        f = head(xs[-1]).double().numpy()
+        f = head(xs[-1]).double().cpu().numpy()
     (want_dlr, want_rank), want_nc1 = dlr_naive(x, f), nc1_naive(x, y)
-    out = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus", "torch":
+    machine = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+    out = {"machine": f"{machine}, {os.cpu_count()} cpus", "device": args.device, "torch":
            torch.__version__, "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "shape": {"p": args.p, "C": args.C, "batch": args.batch, "lag": args.lag, "groups": args.groups},
            "oracle": {"dlr": want_dlr, "nc1": want_nc1}, "configs": {}}
     print(f"Monitor every=1 at p={args.p}, C={args.C}, batch {args.batch}, labels over {args.C} classes, "
-          f"lag {args.lag}, torch {args.threads} thread(s); median over {args.groups} groups")
+          f"lag {args.lag}, {out['machine']}, torch {args.threads} thread(s); median over {args.groups} groups")
     print(f"{'config':<11}{'monitor ms/step':>17}{'reduce':>9}{'finish':>9}{'|dDLR|':>10}{'|dNC1|/NC1':>12}")
     for name, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("total_ms", "reduce_ms", "finish_ms")}

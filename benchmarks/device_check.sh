@@ -8,7 +8,7 @@
 # build/gpu_wheels (ignored by git) holds wheels the device lacks, fetched here
 # with: pip download --no-deps -d build/gpu_wheels scipy-openblas32 pytest \
 #       pluggy iniconfig packaging pygments
-# Results: $OUT/gpu_check.json, $OUT/bench_monitor_gpu.json, $OUT/*.log.
+# Results: $OUT/gpu_check.json, $OUT/bench_monitor_gpu.json, $OUT/bench_monitor_head.json, $OUT/*.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/richness-device}
@@ -22,3 +22,7 @@ echo "gpu_check exit: ${PIPESTATUS[0]}"
 # Monitor overhead: ResNet-18-like, batch 256, configurations alternating by block.
 timeout 180 python3 benchmarks/bench_monitor_gpu.py --blocks 12 --block 20 2>&1 | tee "$OUT/bench_monitor_gpu.log" | tail -12
 echo "bench_monitor_gpu exit: ${PIPESTATUS[0]}"
+# Monitor every=1 at an ImageNet head (p=2048, C=1000, batch 256): per-step cost on the device.
+timeout 60 python3 benchmarks/bench_monitor_head.py --device cuda --groups 4 --json "$OUT/bench_monitor_head.json" \
+  2>&1 | tee "$OUT/bench_monitor_head.log" | tail -4
+echo "bench_monitor_head exit: ${PIPESTATUS[0]}"
