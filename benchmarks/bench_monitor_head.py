@@ -41,24 +41,18 @@ class Timed:
 
     def __init__(self) -> None:
         self.reduce = self.finish = 0.0
-        self._reduce, self._finish = _monitor._BatchGroup.reduce, _monitor.Monitor._finish_records
-        timed = self
+        self._reduce = self._wrap(_monitor._BatchGroup.reduce, "reduce")
+        self._finish = self._wrap(_monitor.Monitor._finish_records, "finish")
+        _monitor._BatchGroup.reduce, _monitor.Monitor._finish_records = self._reduce, self._finish
 
-        def reduce(group, *a):
+    def _wrap(self, fn, field: str):
+        def timed(*a):
             t = time.perf_counter()
             try:
-                return timed._reduce(group, *a)
+                return fn(*a)
             finally:
-                timed.reduce += time.perf_counter() - t
-
-        def finish(mon, *a):
-            t = time.perf_counter()
-            try:
-                return timed._finish(mon, *a)
-            finally:
-                timed.finish += time.perf_counter() - t
-
-        _monitor._BatchGroup.reduce, _monitor.Monitor._finish_records = reduce, finish
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t)
+        return timed
 
 
 def sync(x) -> None:
