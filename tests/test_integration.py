@@ -657,6 +657,17 @@ def test_monitor_one_batch_products_stay_ieee_under_a_loop_allowing_tf32(gram_ro
         torch.set_float32_matmul_precision("highest")
     assert seen and set(seen) == {"highest"}
     assert after == "medium"
+    # the GPU buffers' branch, through the same legacy API: TF32 off inside, back on after
+    from richness._monitor import _ieee_matmul
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with _ieee_matmul("cuda"):
+            inside = torch.backends.cuda.matmul.allow_tf32
+        restored = torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    assert inside is False and restored is True
     assert len(hist) == 6
     for rec, ((d, r), _, _) in zip(hist, want):
         assert rec["rank"] == r and abs(rec["dlr"] - d) < 2e-5
@@ -684,14 +695,20 @@ def test_monitor_one_batch_products_stay_ieee_with_the_per_backend_api():
             for _ in range(4):
                 head(torch.randn(32, 64) + 3.0)
                 mon.step(labels=torch.randint(0, 5, (32,)))
+        cm = torch.backends.cuda.matmul  # the GPU buffers' branch (the setting exists without a GPU)
+        cm.fp32_precision = "tf32"
+        with _monitor._ieee_matmul("cuda"):
+            cuda_inside = (cm.fp32_precision, mm.fp32_precision)
         print(json.dumps({"seen": sorted(set(seen)), "after": mm.fp32_precision, "records": len(mon.history),
-                          "dlr": [r["dlr"] for r in mon.history]}))
+                          "dlr": [r["dlr"] for r in mon.history], "cuda_inside": cuda_inside,
+                          "cuda_after": cm.fp32_precision}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["seen"] == ["ieee"] and got["after"] == "bf16"
     assert got["records"] == 4 and all(0.0 <= d <= 1.0 for d in got["dlr"])
+    assert got["cuda_inside"] == ["ieee", "bf16"] and got["cuda_after"] == "tf32"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
