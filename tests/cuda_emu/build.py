@@ -45,9 +45,7 @@ def missing_tools() -> str:
     """Why the emulated build cannot run here ('' if it can)."""
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         return "g++ not found"
-    try:
-        import pybind11  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("pybind11") is None:
         return "pybind11 not installed"
     return ""
 
