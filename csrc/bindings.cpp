@@ -41,9 +41,28 @@ PYBIND11_MODULE(_core, m) {
       .def("reset", &CpuMoments::reset)
       .def("get_state", [](const CpuMoments& self) { return export_state(self.state()); })
       .def("set_state", [](CpuMoments& self, const py::dict& d) { self.mutable_state() = import_state(d); })
+      .def("shape", [](const CpuMoments& self) { return shape_of(self.state()); },
+           "Widths, class count and precision (the same keys as the CUDA backend's shape()).")
       .def_property_readonly("n", [](const CpuMoments& self) { return self.state().n; })
       .def_property_readonly("p", [](const CpuMoments& self) { return self.state().p; });
 
+  m.def(
+      "check_batch",
+      [](const py::dict& widths, const MatrixArg& features, std::optional<MatrixArg> outputs,
+         std::optional<MatrixArg> labels, std::optional<MatrixArg> targets) {
+        Widths w{0, widths["p"].cast<int64_t>(), widths["c"].cast<int64_t>(), widths["t"].cast<int64_t>(),
+                 widths["k"].cast<int64_t>(), widths["num_classes"].cast<int64_t>()};
+        Batch b;
+        b.features = to_matrix(features);
+        Matrix mo, ml, mt;
+        if (outputs) { mo = to_matrix(*outputs); b.outputs = &mo; }
+        if (labels) { ml = to_matrix(*labels); b.labels = &ml; }
+        if (targets) { mt = to_matrix(*targets); b.targets = &mt; }
+        validate_batch(w, b);
+      },
+      py::arg("widths"), py::arg("features"), py::arg("outputs") = py::none(), py::arg("labels") = py::none(),
+      py::arg("targets") = py::none(),
+      "Raise unless the batch fits a state of these widths (shapes and streams; reads no data).");
   m.def(
       "centered_grams",
       [](const MatrixArg& x, int64_t per, int precision, uintptr_t out, uintptr_t norms) {

@@ -17,11 +17,12 @@ import zipfile
 
 import numpy as np
 
+from ._state import FLOAT_FIELDS as FLOATS
+from ._state import INT_FIELDS as INTS
+from ._state import SCALARS
+
 FORMAT = "richness.moments"
 VERSION = 1
-SCALARS = ("n", "p", "c", "t", "k", "num_classes", "precision")
-FLOATS = ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_sums")
-INTS = ("class_counts",)
 
 
 def _digest(arrays: dict, scalars: dict) -> str:
