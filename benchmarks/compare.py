@@ -908,7 +908,7 @@ def main() -> int:
     ap.add_argument("--data", default=os.environ.get("RICHNESS_BENCH_DATA", "/tmp/richness_bench_data"),
                     help="where the generated memory-mapped files go (about 3 GB)")
     ap.add_argument("--out", default=None, help="default benchmarks/results (with --quick: DATA/quick)")
-    ap.add_argument("--md", default=None, help="default benchmarks/RESULTS_COMPARE.md (with --quick: in --out)")
+    ap.add_argument("--md", default=None, help="default benchmarks/results/compare.md (with --quick: in --out); fold a run into RESULTS.md by hand")
     ap.add_argument("--threads", type=int, default=1,
                     help="BLAS/OpenMP threads of every library (0: their defaults). 1 by default: on cores shared "
                          "with other jobs, multithreaded BLAS made compute() times swing 10-50x")
@@ -925,7 +925,7 @@ def main() -> int:
     if args.out is None:
         args.out = os.path.join(args.data, "quick") if args.quick else os.path.join(HERE, "results")
     if args.md is None:
-        args.md = os.path.join(args.out, "RESULTS_COMPARE.md") if args.quick else os.path.join(HERE, "RESULTS_COMPARE.md")
+        args.md = os.path.join(args.out, "compare.md") if args.quick else os.path.join(HERE, "results", "compare.md")
     os.makedirs(args.data, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     if args.md_only:
