@@ -1,6 +1,7 @@
-"""Trustworthy numbers: jackknife error bars, the finite-sample reference,
-rank-cut sensitivity, many outputs in p-space (SPEC.md, "Finite samples" and
-"Many outputs")."""
+"""Error bars and the numbers around DLR: the jackknife groups (their routing
+and validation included), the finite-sample isotropic reference, rank-cut
+sensitivity, many outputs in p-space (docs/MATH.md, "Jackknife error bars",
+"Finite-sample bias and the isotropic reference", "Many outputs")."""
 
 import tracemalloc
 
