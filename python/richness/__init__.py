@@ -14,7 +14,7 @@ import scipy_openblas32 as _openblas  # noqa: F401
 from ._core import blas_info
 from ._moments import Moments, dlr
 from ._report import Report
-from ._evaluate import evaluate
+from ._evaluate import RichnessWarning, evaluate
 from ._monitor import Monitor
 
 try:
@@ -27,4 +27,4 @@ except _NotFound:  # imported from a source tree that was never installed
 # progress and notes of evaluate and the command line; silent unless configured
 _logging.getLogger("richness").addHandler(_logging.NullHandler())
 
-__all__ = ["Moments", "Monitor", "Report", "dlr", "evaluate", "blas_info", "__version__"]
+__all__ = ["Moments", "Monitor", "Report", "RichnessWarning", "dlr", "evaluate", "blas_info", "__version__"]
