@@ -1,4 +1,4 @@
-"""evaluate, Monitor, torchmetrics.DLR and saved state, on the CPU with tiny models.
+"""evaluate, Monitor and saved state, on the CPU with tiny models.
 
 Every number is checked against an independent computation: tests/reference.py's
 n x n oracles on activations computed here by plain forward calls, or a
@@ -454,40 +454,6 @@ def test_monitor_default_window_is_idle_most_steps():
     mon.close()
     assert sum(active) == 10 and active[-10:] == [True] * 10
     assert mon.history[0]["step"] == 100 and mon.history[0]["n"] == 80
-
-
-# -- torchmetrics ---------------------------------------------------------------
-
-def test_torchmetrics_dlr_exact_and_compute_is_pure():
-    pytest.importorskip("torchmetrics")
-    from richness.torchmetrics import DLR
-
-    rng = np.random.default_rng(4)
-    X = rng.normal(size=(300, 10)) + 3
-    F = X @ rng.normal(size=(10, 3)) + 0.5 * rng.normal(size=(300, 3))
-    y = rng.integers(0, 3, 300)
-    want = dlr_naive(X, F)[0]
-    a, b = DLR(), DLR()
-    for i in range(0, 300, 70):
-        a.update(torch.tensor(X[i:i + 70]), torch.tensor(F[i:i + 70]), labels=torch.tensor(y[i:i + 70]))
-    for i in reversed(range(0, 300, 70)):  # other order, via forward (batch value + accumulation)
-        batch_val = b(torch.tensor(X[i:i + 70]), torch.tensor(F[i:i + 70]), labels=torch.tensor(y[i:i + 70]))
-        assert abs(float(batch_val) - dlr_naive(X[i:i + 70], F[i:i + 70])[0]) < 1e-10
-    v1, v2 = float(a.compute()), float(a.compute())
-    assert v1 == v2 and abs(v1 - want) < 1e-12 and abs(float(b.compute()) - want) < 1e-12
-    assert abs(a.report().nc1 - nc1_naive(X, y)) < 1e-9 * a.report().nc1
-    before = a.moments[0].clone()
-    with pytest.raises(ValueError):
-        a.update(torch.tensor(X[:5, :4]), torch.tensor(F[:5]))
-    assert torch.equal(a.moments[0], before)
-    a.reset()
-    assert a.moments == []
-    lin = nn.Linear(10, 3).double()
-    h = DLR(head=lin)
-    h.update(torch.tensor(X))
-    with torch.no_grad():
-        assert abs(float(h.compute()) - dlr_naive(X, lin(torch.tensor(X)).numpy())[0]) < 1e-12
-    assert "head" not in dict(h.named_children())
 
 
 # -- saved state ----------------------------------------------------------------

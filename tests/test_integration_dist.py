@@ -109,13 +109,13 @@ def _worker(rank, world, port, out_path):
                 net(xs[s])
                 mon.step(labels=torch.tensor(y[:256]).reshape(4, 2, 32)[s, rank])
         res["monitor"] = mon.history
-        # torchmetrics under DDP: compute() syncs the packed states
+        # torchmetrics under DDP: compute() gathers the ranks' states and merges them
         try:
             from richness.torchmetrics import DLR
 
             metric = DLR()
             for idx in np.array_split(shard, 2):
-                metric.update(torch.tensor(X[idx]), torch.tensor(F[idx]))
+                metric.update(torch.tensor(F[idx]), features=torch.tensor(X[idx]))
             res["torchmetrics"] = float(metric.compute())
             res["torchmetrics_local_n"] = metric.report().n  # unsynced again after compute
         except ImportError:

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
@@ -158,6 +159,13 @@ class Monitor:
         distributed: merge the window (or probe) state of all ranks
             (``Moments.all_reduce``) at each emission, so every rank emits the
             global value; every rank must call ``step()`` equally often.
+        first_step: the step number that records give the first ``step()``
+            (default 1: records count optimizer steps done). Lightning's
+            ``global_step`` of a batch is 0-based (the steps done before it):
+            ``RichnessCallback`` passes the trainer's ``global_step`` at the
+            start of training, so that records land at the step Lightning logs
+            that batch at. The emission schedule (``every``) counts from the
+            first ``step()`` whatever the base.
         lag: one-batch windows (``window=1`` with fewer samples than
             features, as with ``every=1``) are computed exactly from the n x n
             Gram of each batch, in groups of up to ``lag`` steps with batched
@@ -187,7 +195,7 @@ class Monitor:
     def __init__(self, model: Any, head: Any = None, *, every: int = 100, window: Optional[int] = None,
                  probe: Any = None, log: Any = None, precision: Optional[str] = None, tokens: Any = "all",
                  batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness",
-                 distributed: bool = False, lag: Optional[int] = None) -> None:
+                 distributed: bool = False, lag: Optional[int] = None, first_step: int = 1) -> None:
         torch = require_torch("richness.Monitor")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -199,8 +207,11 @@ class Monitor:
             raise ValueError(f"window must be an integer in [1, every={every}], got {window!r}")
         if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 1):
             raise ValueError(f"lag must be a positive integer or None, got {lag!r}")
+        if isinstance(first_step, bool) or not isinstance(first_step, int):
+            raise ValueError(f"first_step must be an integer, got {first_step!r}")
         check_tokens(tokens)
         self.model = model
+        self.first_step = first_step
         self.every, self.window = every, window
         self.precision, self.tokens, self.batch_fn, self.rtol = precision, tokens, batch_fn, rtol
         self.distributed = bool(distributed)
@@ -224,6 +235,7 @@ class Monitor:
         self._finder: Optional[HeadFinder] = None
         self._model_hook = None
         self._closed = False
+        self._head_ran = False  # set by the head's hook; a head that never runs is warned about once
         self._t0 = time.time()
         if self.probe is None:
             if self._head is not None:
@@ -261,6 +273,7 @@ class Monitor:
             self._model_hook.remove()
             self._model_hook = None
         self._head_name, self._head = name, head
+        self._head_ran = self._head_ran or (x is not None and _grad_enabled())
         self._capture = _PendingCapture(head, self)
         if x is not None and self._hook_active():
             self._pending.append((x.detach(), y.detach() if hasattr(y, "detach") else y))
@@ -291,6 +304,8 @@ class Monitor:
                 self._consume(labels)
         finally:
             self._pending = []
+        if self.steps >= self.every and not self._head_ran and self.probe is None:
+            self._warn_head_idle()
         if self.steps % self.every == 0:
             rec = self._emit()
         g = self._group
@@ -298,6 +313,23 @@ class Monitor:
             self._reduce_group()
         self._active = self.probe is None and self._is_window_step(self.steps + 1)
         return rec
+
+    def _warn_head_idle(self) -> None:
+        # A head given by the user (or found on the model's first forward) that
+        # never runs in a training forward leaves every record empty.
+        self._head_ran = True  # once
+        if self._head is None:
+            what = ("no forward of the model has run, so its head was not found (training code that calls a "
+                    "submodule directly bypasses the model's forward)")
+        else:
+            what = (f"its head {self._head_name!r} ({type(self._head).__name__}) has not run in a training "
+                    "forward (with gradients enabled)")
+        warnings.warn(f"richness.Monitor: after {self.steps} steps {what}; no DLR is recorded. Choose the module "
+                      "whose input is the features with head= (the module or its dotted name)", UserWarning,
+                      stacklevel=3)
+
+    def _step_label(self) -> int:
+        return self.first_step + self.steps - 1
 
     def _consume(self, labels: Any) -> None:
         import torch
@@ -379,7 +411,7 @@ class Monitor:
                                  else int(labels.max()) + 1)  # one sync, on the first group only
             lag = self.lag if self.lag is not None else (16 if feats.device.type == "cpu" else 64)
             g = self._group = _BatchGroup(parts, lag, self._classes or 0)
-        g.add(parts, (self.steps, round(time.time() - self._t0, 6)))
+        g.add(parts, (self._step_label(), round(time.time() - self._t0, 6)))
         self._deferred = True
 
     def _reduce_group(self) -> None:
@@ -465,7 +497,7 @@ class Monitor:
             sink(rec)
 
     def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, eff: Any, mode: str) -> dict:
-        return {"step": self.steps, "mode": mode, "n": int(n), "dlr": _num(dlr),
+        return {"step": self._step_label(), "mode": mode, "n": int(n), "dlr": _num(dlr),
                 "rank": None if rank is None else int(rank), "nc1": _num(nc1), "effective_dim": _num(eff),
                 "time": round(time.time() - self._t0, 6)}
 
@@ -569,6 +601,8 @@ class _PendingCapture:
 
     def _hook(self, mod, args, out) -> None:
         mon = self.mon
+        if _grad_enabled():
+            mon._head_ran = True
         # training forwards run with gradients; validation under no_grad is skipped
         if mon._active and args and _grad_enabled():
             mon._pending.append((args[0].detach(), out.detach() if hasattr(out, "detach") else out))

@@ -2,69 +2,90 @@
 
 Needs the optional dependency torchmetrics (``pip install torchmetrics``).
 
-Why a list state: torchmetrics reduces each state on its own (sum, cat, ...),
-but the Chan merge needs ``n``, the mean and the co-moments of a rank
-together. So the whole float64 state of a rank is packed into one
-self-describing 1-D float64 tensor (a header of widths, then the arrays), kept
-in a ``dist_reduce_fx="cat"`` list state. Under DDP torchmetrics concatenates
-the ranks' packed tensors; ``compute`` unpacks every block and merges them
-exactly in float64 (SPEC.md). A rank that saw no data contributes nothing.
+The state is one tensor per field of the state schema (``_state.FIELDS``:
+``mean``, ``M``, ``out_mean``, ``B``, ``A``, ...) plus ``widths`` (n, p, c, t,
+k, num_classes and the precision's index), all with ``dist_reduce_fx=None``:
+torchmetrics reduces each state on its own, but the exact merge needs ``n``,
+the means and the co-moments of a rank together. Under DDP the ranks' states
+are gathered side by side and ``compute`` merges them with ``_state.merge``
+(docs/MATH.md, "Merging states"), in float64.
+
+Batches go to a ``richness.Moments`` on the metric's device (its update is one
+product, and on a GPU it never waits for the device); the field tensors are
+exported from it when anything reads them (``compute``, ``sync``,
+``state_dict``, ``metric_state``, pickling), and a state written from outside
+(``load_state_dict``, ``merge_state``, ``unsync``, ``.to(device)``) is loaded
+back into it before the next batch.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import math
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
 try:
     import torch
     from torchmetrics import Metric
+    from torchmetrics.utilities.distributed import gather_all_tensors
+    from torchmetrics.utilities.exceptions import TorchMetricsUserError
 except ImportError as _e:  # pragma: no cover - exercised only without the extra
     raise ImportError('richness.torchmetrics needs torch and torchmetrics: pip install "richness[torch]" torchmetrics '
                       f"({_e})") from None
 
-from . import _adapt
+from . import _adapt, _finish, _state
 from ._moments import Moments
 from ._report import Report
 
-_HEADER = 8  # magic, n, p, c, t, k, num_classes, precision
-_MAGIC = 7.0  # guards against foreign tensors in the state list
+_FIELDS = tuple(f.name for f in _state.FIELDS)
+_STATES = _FIELDS + ("widths",)
+_TORCH_DTYPE = {np.float64: torch.float64, np.int64: torch.int64}
 
 
-def pack(state: dict) -> np.ndarray:
-    """A state dict as one float64 vector: header then mean, M, out_mean, B, A,
-    tgt_mean, Bt, At, class_counts, class_sums (row-major)."""
-    head = [_MAGIC, state["n"], state["p"], state["c"], state["t"], state["k"], state["num_classes"],
-            _adapt.PRECISIONS.index(state["precision"])]
-    parts = [np.asarray(head, dtype=np.float64)]
-    for key in ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_counts", "class_sums"):
-        parts.append(np.asarray(state[key], dtype=np.float64).reshape(-1))
-    return np.concatenate(parts)
+def _padded(sync_fn: Callable) -> Callable:
+    """``sync_fn`` (an all-gather returning one tensor per rank), with every
+    rank's tensor zero-padded to the largest shape: torchmetrics stacks the
+    gathered tensors, and ranks differ in shape when one saw no data or fewer
+    classes. ``widths`` says how much of each rank's arrays is real."""
+
+    def gather(tensor: Any, group: Any = None) -> List[Any]:
+        parts = sync_fn(tensor, group=group)
+        shape = tuple(max(s) for s in zip(*(t.shape for t in parts))) if tensor.ndim else ()
+        out = []
+        for t in parts:
+            if tuple(t.shape) != shape:
+                big = t.new_zeros(shape)
+                big[tuple(slice(0, s) for s in t.shape)] = t
+                t = big
+            out.append(t)
+        return out
+
+    return gather
 
 
-def unpack(flat: np.ndarray) -> List[dict]:
-    """Every state packed in ``flat`` (concatenated blocks), in order."""
-    out, pos = [], 0
-    flat = np.asarray(flat, dtype=np.float64)
-    while pos < flat.shape[0]:
-        h = flat[pos:pos + _HEADER]
-        if h.shape[0] < _HEADER or h[0] != _MAGIC:
-            raise ValueError("corrupted DLR metric state (bad block header)")
-        n, p, c, t, k, nc, prec = (int(v) for v in h[1:])
-        pos += _HEADER
-        cw, tw, kw = max(c, 0), max(t, 0), max(k, 0)
-        pw = max(p, 0)
-        st = {"n": n, "p": p, "c": c, "t": t, "k": k, "num_classes": nc, "precision": _adapt.PRECISIONS[prec]}
-        for key, shape in (("mean", (pw,)), ("M", (pw, pw)), ("out_mean", (cw,)), ("B", (pw, cw)), ("A", (cw, cw)),
-                           ("tgt_mean", (tw,)), ("Bt", (pw, tw)), ("At", (tw, tw)), ("class_counts", (kw,)),
-                           ("class_sums", (kw, pw))):
-            size = int(np.prod(shape))
-            a = flat[pos:pos + size].reshape(shape)
-            st[key] = np.rint(a).astype(np.int64) if key == "class_counts" else a.copy()
-            pos += size
-        out.append(st)
-    return out
+class _Capture:
+    """Forward hook on the head: keeps its latest input (the features) for the
+    next ``update`` without ``features=``. Holds the metric weakly; a copied or
+    pickled hook (with a deep-copied or saved model) captures nothing."""
+
+    def __init__(self, metric: "DLR") -> None:
+        self.ref: Optional[Callable] = weakref.ref(metric)
+
+    def __call__(self, module: Any, args: tuple, out: Any) -> None:
+        metric = self.ref() if self.ref is not None else None
+        if metric is not None and args and isinstance(args[0], torch.Tensor):
+            metric.__dict__["_captured"] = args[0].detach()
+
+    def __getstate__(self) -> dict:
+        return {"ref": None}
+
+    def __deepcopy__(self, memo: dict) -> "_Capture":
+        new = _Capture.__new__(_Capture)
+        new.ref = None
+        return new
 
 
 class DLR(Metric):
@@ -72,66 +93,338 @@ class DLR(Metric):
 
     Args:
         num_classes: fix the label range (see ``Moments``); labels are optional.
-        head: linear read-out (``nn.Linear``, ``W`` or ``(W, b)``): then only
-            features are needed and DLR uses the head's weights at ``compute``
-            time (SPEC.md linear-head shortcut).
+        head: the read-out. A ``torch.nn.Linear``, a weight ``W`` (C x p) or a
+            pair ``(W, b)``: DLR uses its weights at ``compute`` time (the
+            linear-head shortcut, docs/MATH.md) and outputs are not streamed.
+            Any ``torch.nn.Module``: a forward hook keeps its latest input as
+            the features of the next ``update`` without ``features=``, so that
+            ``MetricCollection.update(logits, y)`` works; a module that is not
+            an ``nn.Linear`` has its outputs streamed from ``preds``.
         precision: precision of the products (``Moments``).
         rtol: eigenvalue cut (default by precision).
         **kwargs: torchmetrics ``Metric`` options.
 
-    ``update(features, outputs=None, labels=None, targets=None)``;
-    ``compute()`` returns a float64 scalar tensor and never changes the state;
-    ``report()`` gives the full ``richness.Report`` of the (synced) state.
-    Under DDP the ranks' states merge exactly in float64.
+    ``update(preds, target=None, features=None)``: ``preds`` the outputs
+    (logits, not probabilities), ``target`` integer labels (or float
+    regression targets), ``features`` the penultimate activations (n, p).
+    ``forward`` returns the batch's DLR and adds the batch. ``compute()`` returns
+    a float64 scalar tensor (nan with a warning while DLR is undefined: fewer
+    than 2 samples, constant features or outputs) and never changes the state;
+    ``report()`` gives the full ``richness.Report``. Under DDP the ranks'
+    states merge exactly in float64. Inputs must be on the metric's device
+    (``.to(device)``).
     """
 
     is_differentiable = False
     higher_is_better = None
     full_state_update = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
 
     def __init__(self, num_classes: Optional[int] = None, *, head: Any = None, precision: Optional[str] = None,
                  rtol: Optional[float] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         Moments(num_classes, precision=precision)  # validates the arguments
+        if rtol is not None and not (isinstance(rtol, (int, float)) and 0.0 < rtol < 1.0):
+            raise ValueError(f"rtol must be a number in (0, 1), got {rtol!r}")
         self.num_classes, self.precision, self.rtol = num_classes, precision, rtol
         # a plain attribute, not a registered submodule: the head belongs to the model
         object.__setattr__(self, "head", head)
-        self.add_state("moments", default=[], dist_reduce_fx="cat")
-        # torchmetrics fills an empty list state with a tensor of self.dtype before
-        # gathering: float64 like ours, or the gather would mix dtypes.
-        self.set_dtype(torch.float64)
+        self._uses_weights = head is not None and (not isinstance(head, torch.nn.Module)
+                                                   or isinstance(head, torch.nn.Linear))
+        if self._uses_weights:
+            _adapt.weights_of(head)  # a bad head fails here, not at the end of an epoch
+        empty = _state.empty(num_classes)
+        for f in _state.FIELDS:
+            self.add_state(f.name, torch.zeros(_state.shape_of(f, empty), dtype=_TORCH_DTYPE[f.dtype],
+                                               device=self.device), dist_reduce_fx=None)
+        self.add_state("widths", self._widths_tensor(empty, self.device), dist_reduce_fx=None)
+        self.__dict__.update(_acc=None, _acc_ok=False, _pending=None, _captured=None, _hook=None,
+                             _ok_before_sync=False)
+        self._watch_head()
 
-    def _merged(self) -> Moments:
-        m = Moments(self.num_classes, precision=self.precision)
-        blocks = self.moments if isinstance(self.moments, list) else [self.moments]
-        for t in blocks:
-            for st in unpack(t.detach().to("cpu", torch.float64).numpy()):
-                if st["n"] == 0:
-                    continue
-                one = Moments(self.num_classes, device="cpu")
-                one.load_state_dict(st)
-                m.merge(one)
-        return m
+    # -- the accumulator and the state tensors ----------------------------------
 
-    def update(self, features: Any, outputs: Any = None, labels: Any = None, targets: Any = None) -> None:
-        """Add a batch (see ``Moments.update``); a bad batch raises and leaves the state unchanged."""
-        if outputs is None and self.head is None:
-            raise ValueError("DLR.update needs outputs, or construct DLR(head=...) for the linear-head shortcut")
-        if isinstance(features, torch.Tensor) and features.is_cuda:
-            # The CPU core is used here; the copy is the only host transfer.
-            features = features.detach().cpu()
-            outputs = outputs.detach().cpu() if isinstance(outputs, torch.Tensor) else outputs
-            labels = labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels
-            targets = targets.detach().cpu() if isinstance(targets, torch.Tensor) else targets
-        m = self._merged()
-        m.update(features, outputs, labels, targets)
-        dev = self.moments[0].device if isinstance(self.moments, list) and self.moments else self.device
-        self.moments = [torch.from_numpy(pack(m.state_dict())).to(dev)]
+    @staticmethod
+    def _widths_tensor(st: dict, device: Any) -> Any:
+        vals = [int(st[k]) for k in _state.WIDTHS] + [_state.PRECISIONS.index(st["precision"])]
+        return torch.tensor(vals, dtype=torch.int64, device=device)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _STATES:  # written from outside (reset, unsync, load, merge): reload before the next batch
+            self._present()
+            self.__dict__["_acc_ok"] = False
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # The state tensors are dropped when a batch moves the accumulator
+        # ahead of them; the first read exports them again.
+        if name in _STATES and self.__dict__.get("_acc") is not None:
+            self._export()
+            return self.__dict__[name]
+        return super().__getattr__(name)
+
+    def _device_name(self) -> str:
+        dev = self.device
+        if dev.type == "cpu":
+            return "cpu"
+        return f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
+
+    def _new_moments(self) -> Moments:
+        return Moments(self.num_classes, device=self._device_name(), precision=self.precision)
+
+    def _export(self) -> None:
+        """Write the accumulator's state into the state tensors (a copy on the
+        CPU, a device-to-device copy on a GPU)."""
+        st = self._acc._finish_state()
+        dev = self.device
+        for f in _state.FIELDS:
+            a = st[f.name]
+            self.__dict__[f.name] = (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(dev)
+        self.__dict__["widths"] = self._widths_tensor(st, dev)
+
+    def _present(self) -> None:
+        """Export the state tensors if they were dropped."""
+        if self.__dict__.get("_acc") is not None and "widths" not in self.__dict__:
+            self._export()
+
+    def _drop(self) -> None:
+        for name in _STATES:
+            self.__dict__.pop(name, None)
+
+    def _accumulator(self) -> Moments:
+        """The accumulator, loaded from the state tensors if they were written
+        from outside since (host copy; not on the path of consecutive batches)."""
+        if not self._acc_ok:
+            acc = self._new_moments()
+            st = self._local_state(host=True)
+            if st["n"] > 0:
+                acc.load_state_dict(st)
+            self.__dict__.update(_acc=acc, _acc_ok=True)
+        return self._acc
+
+    def _state_at(self, rank: Optional[int], host: bool) -> dict:
+        """One state dict from the state tensors: rank ``rank`` of a synced
+        (stacked) state, or the local one (None). numpy on the host, else
+        torch tensors where they are (``_finish`` runs on either)."""
+        w = self.widths if rank is None else self.widths[rank]
+        vals = w.tolist()
+        st: Dict[str, Any] = dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]))
+        st["precision"] = _state.PRECISIONS[vals[-1]]
+        for f in _state.FIELDS:
+            t = getattr(self, f.name)
+            t = t if rank is None else t[rank][tuple(slice(0, s) for s in _state.shape_of(f, st))]
+            st[f.name] = t.detach().cpu().numpy() if host or t.device.type == "cpu" else t.detach()
+        return st
+
+    def _local_state(self, host: bool = False) -> dict:
+        return self._state_at(None, host)
+
+    def _states(self) -> List[dict]:
+        """The local state, or each rank's while synced."""
+        if self.widths.ndim == 1:
+            return [self._local_state()]
+        return [self._state_at(r, True) for r in range(self.widths.shape[0])]
+
+    def _merged(self) -> dict:
+        states = self._states()
+        return states[0] if len(states) == 1 else _state.merge(states)
+
+    # -- torchmetrics interface -------------------------------------------------
+
+    def update(self, preds: Any = None, target: Any = None, features: Any = None) -> None:
+        """Add a batch: ``preds`` (n, C) outputs, ``target`` (n,) integer labels
+        or (n,)/(n, T) float targets, ``features`` (n, p). A bad batch raises
+        and leaves the state unchanged."""
+        if self._is_synced:
+            raise TorchMetricsUserError("The metric is synced: call unsync() before update().")
+        pending = self.__dict__.get("_pending")
+        if pending is not None:  # forward has already taken the batch's moments
+            self.__dict__["_pending"] = None
+            self._accumulator().merge(pending)
+            self._drop()
+            return
+        args = self._batch(preds, target, features)
+        self._accumulator().update(**args)
+        self.__dict__["_captured"] = None
+        self._drop()
+
+    def _batch(self, preds: Any, target: Any, features: Any) -> dict:
+        if features is None:
+            features = self._captured
+            if features is None:
+                raise ValueError("DLR.update needs features (the penultimate activations): pass features=, or "
+                                 "construct DLR(head=module) so that the head's input is kept on each forward")
+            if preds is not None and hasattr(preds, "shape") and int(features.shape[0]) != int(preds.shape[0]):
+                raise ValueError(f"the head's latest input has {int(features.shape[0])} rows but preds has "
+                                 f"{int(preds.shape[0])}: run the model on this batch before update")
+        if isinstance(features, torch.Tensor) and features.device != self.device:
+            raise ValueError(f"features are on {features.device} but the metric is on {self.device}: "
+                             "move the metric with .to(device)")
+        args: Dict[str, Any] = {"features": features}
+        if self._uses_weights:
+            if preds is not None and hasattr(preds, "shape") and int(preds.shape[0]) != int(features.shape[0]):
+                raise ValueError(f"preds has {int(preds.shape[0])} rows but features has {int(features.shape[0])}")
+        elif preds is None:
+            raise ValueError("DLR.update needs preds (the outputs, logits), or construct DLR(head=...) with a "
+                             "linear head for the linear-head shortcut")
+        else:
+            args["outputs"] = preds
+        if target is not None:
+            floating = (target.is_floating_point() if isinstance(target, torch.Tensor)
+                        else np.asarray(target).dtype.kind == "f")
+            args["targets" if floating else "labels"] = target
+        return args
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The DLR of this batch alone (no spectrum), and the batch added to
+        the state: one product, then one merge."""
+        if self._is_synced:
+            raise TorchMetricsUserError("The Metric shouldn't be synced when performing ``forward``. "
+                                        "HINT: Did you forget to call ``unsync`` ?.")
+        batch = self._new_moments()
+        batch.update(**self._batch(*args, **kwargs))
+        self.__dict__["_captured"] = None
+        seen = batch
+        if self.dist_sync_on_step and self.distributed_available_fn():
+            seen = self._new_moments()
+            seen.merge(batch)
+            seen.all_reduce(group=self.process_group)
+        value = self._value(seen._finish_state())
+        self.__dict__["_pending"] = batch
+        try:
+            self.update(*args, **kwargs)
+        finally:
+            self.__dict__["_pending"] = None
+        self._forward_cache = value
+        return value
+
+    def _value(self, st: dict) -> Any:
+        """DLR of a state dict as a float64 scalar tensor on the metric's device;
+        nan with a warning where it is undefined."""
+        n = int(st["n"])
+        if n < 2:
+            reason = "no samples were added" if n == 0 else "one sample was added"
+            warnings.warn(f"DLR is undefined until at least 2 samples are added ({reason}); returning nan",
+                          UserWarning, stacklevel=3)
+            return torch.tensor(math.nan, dtype=torch.float64, device=self.device)
+        rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[st["precision"]]
+        W = self._weights(st)
+        try:
+            dlr, _ = _finish.dlr_of_state(st, W, rtol)
+        except ValueError as e:  # constant features or outputs
+            warnings.warn(f"DLR is undefined for the samples added ({e}); returning nan", UserWarning, stacklevel=3)
+            return torch.tensor(math.nan, dtype=torch.float64, device=self.device)
+        return torch.tensor(dlr, dtype=torch.float64, device=self.device)
+
+    def _weights(self, st: dict) -> Any:
+        if not self._uses_weights:
+            return None
+        W = _adapt.weights_of(self.head)[0]
+        if W.shape[1] != int(st["p"]):
+            raise ValueError(f"head weight has {W.shape[1]} input columns but the features have {st['p']}")
+        if not isinstance(st["M"], np.ndarray):
+            W = torch.as_tensor(W, device=st["M"].device)
+        return W
+
+    def compute(self) -> Any:
+        """DLR as a float64 scalar tensor (nan with a warning while undefined)."""
+        return self._value(self._merged())
 
     def report(self) -> Report:
-        """The full report of the current state (after torchmetrics sync when called inside ``compute``)."""
-        return self._merged().compute(head=self.head, rtol=self.rtol)
+        """The full report (spectrum, curves, NC1) of the current state, or of
+        the synced one inside torchmetrics' sync context."""
+        st = self._merged()
+        W = self._weights(st)
+        return _finish.finish(st, W=W, rtol=self.rtol)
 
-    def compute(self) -> torch.Tensor:
-        """DLR as a float64 scalar tensor."""
-        return torch.tensor(self.report().dlr, dtype=torch.float64)
+    def plot(self, val: Any = None, ax: Any = None) -> Any:
+        """Plot one value or a sequence of values (``compute``/``forward``
+        results) with torchmetrics' plotting; bounds 0 (rich) and 1 (lazy)."""
+        return self._plot(val, ax)
+
+    def reset(self) -> None:
+        for name in _STATES:  # dropped tensors need no export just to be replaced
+            self.__dict__.setdefault(name, self._defaults[name])
+        super().reset()
+        if self._acc is not None and self._acc.device == self._device_name():
+            self._acc.reset()
+            self.__dict__["_acc_ok"] = True
+
+    def sync(self, dist_sync_fn: Optional[Callable] = None, process_group: Optional[Any] = None,
+             should_sync: bool = True, distributed_available: Optional[Callable] = None) -> None:
+        ok = self._acc_ok
+        super().sync(_padded(dist_sync_fn or gather_all_tensors), process_group, should_sync,
+                     distributed_available)
+        if self._is_synced:
+            self.__dict__["_ok_before_sync"] = ok
+
+    def unsync(self, should_unsync: bool = True) -> None:
+        restoring = should_unsync and self._is_synced
+        super().unsync(should_unsync)
+        if restoring:  # the local state is back, the accumulator never left it
+            self.__dict__["_acc_ok"] = self._ok_before_sync
+
+    def merge_state(self, incoming_state: Any) -> None:
+        """Add another DLR metric's state (or its ``metric_state`` dict): the
+        exact merge, like ranks under DDP."""
+        if isinstance(incoming_state, Metric):
+            if not isinstance(incoming_state, DLR):
+                raise ValueError(f"Expected incoming state to be an instance of DLR but got {type(incoming_state)}")
+            other = incoming_state._local_state(host=True)
+        elif isinstance(incoming_state, dict):
+            missing = [k for k in _STATES if k not in incoming_state]
+            if missing:
+                raise ValueError(f"incoming DLR state is missing {', '.join(missing)}")
+            vals = torch.as_tensor(incoming_state["widths"]).tolist()
+            other = dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]), precision=_state.PRECISIONS[vals[-1]])
+            for f in _state.FIELDS:
+                other[f.name] = torch.as_tensor(incoming_state[f.name]).detach().cpu().numpy()
+            _state.validate(other)
+        else:
+            raise ValueError(f"Expected incoming state to be a dict or an instance of Metric but got "
+                             f"{type(incoming_state)}")
+        merged = _state.merge([self._local_state(host=True), other])  # raises before anything changes
+        dev = self.device
+        for f in _state.FIELDS:
+            setattr(self, f.name, torch.from_numpy(np.ascontiguousarray(merged[f.name])).to(dev))
+        self.widths = self._widths_tensor(merged, dev)
+        self._computed = None
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self._present()
+        return super().state_dict(*args, **kwargs)
+
+    def _apply(self, fn: Callable, exclude_state: Any = ()) -> Any:
+        self._present()
+        # The states keep their dtypes (float64 sums, int64 widths) whatever
+        # dtype conversion is asked; they follow device moves only.
+        this = super()._apply(fn, exclude_state=tuple(exclude_state) + _STATES)
+        dev = this._device
+        for name in _STATES:
+            this._defaults[name] = this._defaults[name].to(dev)
+            t = this.__dict__[name]
+            if t.device != dev:
+                setattr(this, name, t.to(dev))
+        return this
+
+    def __getstate__(self) -> dict:
+        self._present()
+        st = super().__getstate__()
+        st.update(_acc=None, _acc_ok=False, _pending=None, _captured=None, _hook=None)
+        return st
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._watch_head()
+
+    # -- the head hook ----------------------------------------------------------
+
+    def _watch_head(self) -> None:
+        if isinstance(self.head, torch.nn.Module):
+            self.__dict__["_hook"] = self.head.register_forward_hook(_Capture(self))
+
+    def __del__(self) -> None:
+        hook = self.__dict__.get("_hook")
+        if hook is not None:
+            hook.remove()

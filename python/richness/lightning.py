@@ -1,0 +1,129 @@
+"""``richness.lightning.RichnessCallback``: a ``richness.Monitor`` in a Lightning run.
+
+Needs ``lightning`` (or the older ``pytorch_lightning``): ``pip install lightning``.
+
+The callback builds the Monitor on the LightningModule when training starts,
+counts one Monitor step per optimizer step (gradient accumulation: the
+micro-batches of a step form its window), and sends every record to the
+trainer's loggers (``log_metrics``) at the step Lightning logs that batch at.
+
+Steps: the Monitor counts optimizer steps from 1; Lightning's ``global_step``
+is the number of steps done, so a batch is logged at the 0-based step it
+started from. The callback starts the Monitor at ``first_step =
+trainer.global_step``, so the record of a batch lands at the same step as the
+values ``self.log`` gives for it in ``training_step`` (resumed runs included).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover - the older package name
+    try:
+        from pytorch_lightning.callbacks import Callback
+    except ImportError as _e:
+        raise ImportError("richness.lightning needs Lightning: pip install lightning "
+                          f"(or pytorch_lightning) ({_e})") from None
+
+from ._monitor import Monitor
+
+_LOGGED = ("dlr", "nc1", "effective_dim", "rank", "n")
+
+
+def pair_labels(batch: Any) -> Any:
+    """The labels of an ``(inputs, labels, ...)`` batch: its second entry when
+    that is a tensor, else None."""
+    import torch
+
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
+        return batch[1]
+    return None
+
+
+class RichnessCallback(Callback):
+    """DLR (and NC1) during ``trainer.fit``, logged to the trainer's loggers.
+
+    Args:
+        head: the read-out module of the LightningModule or its dotted name
+            (default: found on the module's first forward; see ``Monitor``).
+            The Monitor warns once if it has not run after ``every`` steps.
+        every, window, probe, precision, tokens, batch_fn, rtol, lag: as for
+            ``richness.Monitor``.
+        labels: batch -> labels (integer classes or float targets) of a
+            training batch, or None for no labels. Default: the second entry
+            of an ``(inputs, labels)`` batch.
+        prefix: logged names are ``f"{prefix}/dlr"``, ``/nc1``,
+            ``/effective_dim``, ``/rank``, ``/n``.
+        log: further Monitor sinks (paths, callables, writers).
+        distributed: merge the ranks' windows at each emission (the Monitor's
+            ``distributed``); default: when the trainer runs on more than one
+            process.
+
+    ``monitor`` is the running ``Monitor`` (its ``history`` holds the records).
+    """
+
+    def __init__(self, head: Any = None, *, every: int = 100, window: Optional[int] = None, probe: Any = None,
+                 labels: Optional[Callable[[Any], Any]] = pair_labels, prefix: str = "richness", log: Any = None,
+                 distributed: Optional[bool] = None, **monitor_options: Any) -> None:
+        super().__init__()
+        if labels is not None and not callable(labels):
+            raise TypeError(f"labels must be a callable (batch -> labels) or None, got {type(labels).__name__}")
+        self.head, self.every, self.window, self.probe = head, every, window, probe
+        self.labels, self.prefix, self.distributed = labels, prefix, distributed
+        self.sinks = log  # not self.log: Lightning binds the module's log() onto callbacks
+        self.options = monitor_options
+        self.monitor: Optional[Monitor] = None
+        self._trainer: Any = None
+        self._last_step = 0
+        self._batch_labels: List[Any] = []
+
+    def _to_loggers(self, rec: dict) -> None:
+        trainer = self._trainer
+        if trainer is None or not trainer.is_global_zero:
+            return
+        metrics = {f"{self.prefix}/{k}": float(rec[k]) for k in _LOGGED if rec.get(k) is not None}
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=rec["step"])
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._trainer = trainer
+        distributed = self.distributed if self.distributed is not None else trainer.world_size > 1
+        extra = [] if self.sinks is None else (list(self.sinks) if isinstance(self.sinks, (list, tuple)) else [self.sinks])
+        self.monitor = Monitor(pl_module, self.head, every=self.every, window=self.window, probe=self.probe,
+                               log=[self._to_loggers] + extra, prefix=self.prefix, distributed=distributed,
+                               first_step=trainer.global_step, **self.options)
+        self._last_step = trainer.global_step
+        self._batch_labels = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.monitor is None:
+            return
+        if self.labels is not None:
+            y = self.labels(batch)
+            if y is not None:
+                self._batch_labels.append(y)
+        if trainer.global_step == self._last_step:  # accumulating gradients: no optimizer step yet
+            return
+        self._last_step = trainer.global_step
+        labels = self._batch_labels
+        self._batch_labels = []
+        if not labels:
+            y = None
+        elif len(labels) == 1:
+            y = labels[0]
+        else:
+            import torch
+
+            y = torch.cat(labels)
+        self.monitor.step(labels=y)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.close()  # emits records still queued (one-batch windows)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.monitor is not None:
+            self.monitor.close()

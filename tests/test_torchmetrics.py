@@ -1,0 +1,263 @@
+"""richness.torchmetrics.DLR against the n x n oracle (tests/reference.py):
+accumulation, forward, compute, torchmetrics' state machinery (sync with
+padded ranks, merge_state, state_dict, device moves, copies) and
+MetricCollection."""
+
+import copy
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchmetrics")
+nn = torch.nn
+
+from richness.torchmetrics import DLR  # noqa: E402
+from reference import dlr_naive, nc1_naive  # noqa: E402
+
+
+def data(n=300, p=10, c=3, seed=4, classes=3):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, p)) + 3
+    F = X @ rng.normal(size=(p, c)) + 0.5 * rng.normal(size=(n, c))
+    y = rng.integers(0, classes, n)
+    return X, F, y
+
+
+def t(a):
+    return torch.tensor(a)
+
+
+def feed(metric, X, F, y, step=70, order=None):
+    starts = list(range(0, len(X), step))
+    for i in (starts if order is None else order(starts)):
+        metric.update(t(F[i:i + step]), t(y[i:i + step]), features=t(X[i:i + step]))
+
+
+def states(metric):
+    return {k: v.clone() for k, v in metric.metric_state.items()}
+
+
+def same_states(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_exact_in_any_order_and_compute_is_pure():
+    X, F, y = data()
+    want = dlr_naive(X, F)[0]
+    a, b = DLR(), DLR()
+    feed(a, X, F, y)
+    feed(b, X, F, y, order=lambda s: reversed(s))
+    v1, v2 = float(a.compute()), float(a.compute())
+    a._computed = None  # recompute from the state, not the cache
+    v3 = float(a.compute())
+    assert v1 == v2 == v3 and abs(v1 - want) < 1e-12 and abs(float(b.compute()) - want) < 1e-12
+    rep = a.report()
+    assert rep.n == 300 and abs(rep.nc1 - nc1_naive(X, y)) < 1e-9 * rep.nc1
+    assert a.compute().dtype == torch.float64
+
+
+def test_forward_gives_the_batch_value_and_adds_the_batch_without_growing_the_state():
+    X, F, y = data()
+    a, b = DLR(), DLR()
+    for i in range(0, 300, 70):
+        args = (t(F[i:i + 70]), t(y[i:i + 70]))
+        val = a(*args, features=t(X[i:i + 70]))
+        assert abs(float(val) - dlr_naive(X[i:i + 70], F[i:i + 70])[0]) < 1e-10
+        b.update(*args, features=t(X[i:i + 70]))
+        # the same fields and shapes as plain updates: nothing appended per call
+        sa, sb = states(a), states(b)
+        assert {k: v.shape for k, v in sa.items()} == {k: v.shape for k, v in sb.items()}
+        for k in sa:
+            assert torch.allclose(sa[k].double(), sb[k].double(), rtol=1e-12, atol=1e-9), k
+    assert abs(float(a.compute()) - dlr_naive(X, F)[0]) < 1e-12
+
+
+def test_bad_batch_raises_and_leaves_the_state():
+    X, F, y = data()
+    a = DLR()
+    feed(a, X, F, y)
+    before = states(a)
+    with pytest.raises(ValueError):
+        a.update(t(F[:5]), features=t(X[:5, :4]))  # other feature width
+    with pytest.raises(ValueError):
+        a.update(t(F[:5]))  # no features and no head
+    with pytest.raises(ValueError):
+        a.update(None, features=t(X[:5]))  # no outputs and no head
+    assert same_states(before, states(a))
+    assert abs(float(a.compute()) - dlr_naive(X, F)[0]) < 1e-12
+
+
+def test_empty_and_one_sample_compute_warn_and_give_nan():
+    a = DLR()
+    with pytest.warns(UserWarning, match="no samples"):
+        assert torch.isnan(a.compute())
+    X, F, y = data()
+    a.update(t(F[:1]), features=t(X[:1]))
+    with pytest.warns(UserWarning, match="one sample"):
+        assert torch.isnan(a.compute())
+    c = DLR()  # constant features: undefined, not an exception at the end of an epoch
+    c.update(t(F[:20]), features=t(np.ones((20, 10))))
+    with pytest.warns(UserWarning, match="undefined"):
+        assert torch.isnan(c.compute())
+
+
+def test_reset_then_reuse():
+    X, F, y = data()
+    a = DLR()
+    feed(a, X[:100], F[:100], y[:100])
+    a.reset()
+    assert int(a.widths[0]) == 0 and a.M.numel() == 0
+    feed(a, X, F, y)
+    assert abs(float(a.compute()) - dlr_naive(X, F)[0]) < 1e-12
+
+
+def test_head_weights_and_hook_with_metric_collection():
+    from torchmetrics import MetricCollection
+    from torchmetrics.classification import MulticlassAccuracy
+
+    X, F, y = data(c=3)
+    torch.manual_seed(0)
+    body, fc = nn.Sequential(nn.Linear(10, 16), nn.Tanh()).double(), nn.Linear(16, 3).double()
+    coll = MetricCollection({"acc": MulticlassAccuracy(num_classes=3), "dlr": DLR(head=fc)})
+    free = MetricCollection({"acc": MulticlassAccuracy(num_classes=3), "dlr": DLR()})
+    with torch.no_grad():
+        for i in range(0, 300, 64):
+            h = body(t(X[i:i + 64]))
+            logits = fc(h)
+            coll.update(logits, t(y[i:i + 64]))  # features from the head's hook
+            free.update(logits, t(y[i:i + 64]), features=h)  # features passed, filtered to DLR
+        H = body(t(X)).numpy()  # the head is not run here: its hook would keep this input
+        want = dlr_naive(H, H @ fc.weight.numpy().T + fc.bias.numpy())[0]
+    got, got_free = coll.compute(), free.compute()
+    assert abs(float(got["dlr"]) - want) < 1e-12 and abs(float(got_free["dlr"]) - want) < 1e-12
+    assert float(got["acc"]) == float(got_free["acc"])
+    assert "head" not in dict(coll["dlr"].named_children())
+    # the captured input is used once: an update without a new forward has no features
+    with pytest.raises(ValueError, match="features"):
+        coll["dlr"].update(t(F[:4]), t(y[:4]))
+    # a non-linear head module: its input is captured, preds are streamed as outputs
+    scaled = nn.Sequential(nn.Linear(16, 3)).double()
+    m = DLR(head=scaled)
+    with torch.no_grad():
+        out = scaled(t(H)) * 2.0
+    m.update(out, t(y))
+    assert abs(float(m.compute()) - dlr_naive(H, out.numpy())[0]) < 1e-12
+
+
+def test_head_input_of_another_batch_is_refused():
+    fc = nn.Linear(10, 3).double()
+    m = DLR(head=fc)
+    X, F, y = data()
+    with torch.no_grad():
+        fc(t(X[:8]))
+    with pytest.raises(ValueError, match="rows"):
+        m.update(t(F[:5]), t(y[:5]))
+
+
+def _fake_world(other):
+    """A dist_sync_fn for two ranks: this metric's tensor and ``other``'s
+    (torchmetrics gathers the states in registration order)."""
+    pending = iter(list(other.metric_state.values()))
+
+    def gather(tensor, group=None):
+        return [tensor, next(pending)]
+
+    return gather
+
+
+def _synced_value(a, b):
+    a.dist_sync_fn = _fake_world(b)
+    a.distributed_available_fn = lambda: True
+    a._computed = None
+    return a.compute()
+
+
+def test_sync_merges_ranks_of_different_shapes_exactly():
+    X, F, y = data(n=400, classes=5)
+    y0 = np.minimum(y[:200], 2)  # rank 0 sees 3 classes, rank 1 five: class arrays differ in length
+    a, b = DLR(), DLR()
+    feed(a, X[:200], F[:200], y0)
+    feed(b, X[200:], F[200:], y[200:])
+    local = float(a.compute())
+    got = float(_synced_value(a, b))
+    assert abs(got - dlr_naive(X, F)[0]) < 1e-12
+    # unsynced again: the local state is back and accumulation goes on
+    assert int(a.widths[0]) == 200 and a.widths.ndim == 1
+    a.dist_sync_fn = None
+    a.distributed_available_fn = lambda: False
+    a._computed = None
+    assert float(a.compute()) == local
+    feed(a, X[200:], F[200:], y[200:])
+    assert abs(float(a.compute()) - dlr_naive(X, F)[0]) < 1e-12
+
+
+def test_sync_with_a_rank_that_saw_nothing():
+    X, F, y = data()
+    a, empty = DLR(), DLR()
+    feed(a, X, F, y)
+    assert abs(float(_synced_value(a, empty)) - dlr_naive(X, F)[0]) < 1e-12
+    with pytest.warns(UserWarning, match="no samples"):  # nothing on either rank
+        assert torch.isnan(_synced_value(DLR(), DLR()))
+
+
+def test_merge_state_from_metric_and_dict():
+    X, F, y = data()
+    a, b, c = DLR(), DLR(), DLR()
+    feed(a, X[:140], F[:140], y[:140])
+    feed(b, X[140:], F[140:], y[140:])
+    feed(c, X[140:], F[140:], y[140:])
+    want = dlr_naive(X, F)[0]
+    a2 = copy.deepcopy(a)
+    a.merge_state(b)
+    a2.merge_state(c.metric_state)
+    assert abs(float(a.compute()) - want) < 1e-12 and abs(float(a2.compute()) - want) < 1e-12
+    feed(a, X[:10], F[:10], y[:10])  # accumulation goes on after a merge
+    assert abs(float(a.compute()) - dlr_naive(np.vstack([X, X[:10]]), np.vstack([F, F[:10]]))[0]) < 1e-12
+    other = DLR()
+    other.update(t(F[:5]), features=t(X[:5, :4]))
+    before = states(a2)
+    with pytest.raises(ValueError, match="feature widths"):
+        a2.merge_state(other)
+    assert same_states(before, states(a2))
+
+
+def test_state_dict_round_trip_copies_and_dtype_requests():
+    X, F, y = data()
+    a = DLR()
+    a.persistent(True)
+    feed(a, X[:140], F[:140], y[:140])
+    sd = a.state_dict()
+    assert set(sd) == {"mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_counts", "class_sums",
+                       "widths"}
+    b = DLR()
+    b.load_state_dict(sd)
+    for m in (a, b, copy.deepcopy(a), pickle.loads(pickle.dumps(a)), a.clone()):
+        m.set_dtype(torch.float32)  # the state keeps float64 sums and int64 widths
+        m.to("cpu")
+        assert m.M.dtype == torch.float64 and m.widths.dtype == torch.int64
+        feed(m, X[140:], F[140:], y[140:])
+        assert abs(float(m.compute()) - dlr_naive(X, F)[0]) < 1e-12
+
+
+def test_float_target_is_streamed_as_regression_targets():
+    X, F, y = data()
+    a = DLR()
+    a.update(t(F), t(F[:, 0]), features=t(X))  # float target: a regression target, not labels
+    assert int(a.widths[3]) == 1 and int(a.widths[4]) == -1
+    assert a.report().quality is not None
+
+
+def test_plot_bounds():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    X, F, y = data()
+    a = DLR()
+    vals = [a(t(F[i:i + 70]), t(y[i:i + 70]), features=t(X[i:i + 70])) for i in range(0, 280, 70)]
+    fig, ax = a.plot(vals)
+    assert ax.get_ylim() == pytest.approx((-0.1, 1.1))  # the bounds, with torchmetrics' 10% margin
+    fig, ax = a.plot()
+    assert fig is not None
+    assert DLR.plot_lower_bound == 0.0 and DLR.plot_upper_bound == 1.0
