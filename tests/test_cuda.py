@@ -347,6 +347,34 @@ def test_update_captures_in_cuda_graph(precision):
     assert abs(m.compute().dlr - ref.compute().dlr) < TOL[precision]
 
 
+@needs_gpu
+def test_update_with_labels_without_num_classes_captures_in_cuda_graph():
+    # Without num_classes no update waits for the device either: labels past the class arrays'
+    # capacity (set from the warm-up batch) are deferred on the device, so the capture succeeds.
+    n, K, X, F, y = graph_problem()
+    y2 = y.clone()
+    y2[::5] += 100
+    m = richness.Moments(device="cuda", precision="fp32")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m.update(X, F, y)  # warm-up: allocates the state and sizes the class arrays
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        m.update(X, F, y2)
+    g.replay()
+    assert m.n == 3 * n
+    ref = richness.Moments()
+    for labels in (y, y2, y2):
+        ref.update(X.cpu(), F.cpu(), labels.cpu())
+    a, b = ref.state_dict(), m.state_dict()
+    assert b["k"] == a["k"] == int(y2.max()) + 1
+    np.testing.assert_array_equal(b["class_counts"], a["class_counts"])
+    np.testing.assert_allclose(b["class_sums"], a["class_sums"], rtol=1e-12, atol=1e-12 * np.abs(a["class_sums"]).max())
+    assert abs(m.compute().nc1 - ref.compute().nc1) < 1e-6 * max(1.0, abs(ref.compute().nc1))
+
+
 @pytest.mark.parametrize("algo,block", [("syrk", 512), ("gemm", 512), ("block_rows", 16), ("tiles", 16)])
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @needs_gpu

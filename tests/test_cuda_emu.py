@@ -725,6 +725,56 @@ def test_update_never_waits_for_the_device(emu, stack):
     assert_close(tw.gpu.get_state(), oracle(X[:500], F[:500], T[:500], y[:500], 5), 1e-12)
 
 
+@pytest.mark.parametrize("stack", [None, (250, True)])
+def test_labels_without_num_classes_never_wait_and_defer_past_capacity(emu, stack):
+    # Without num_classes the first labelled batch sizes the class arrays (64 classes here: room for
+    # twice its labels); rows labelled past that are copied on the device and added at the next
+    # synchronising call. No update waits for the device, and the state is the CPU core's.
+    X, F, T, y = problem(n=700, k=5, seed=31)
+    y = y.copy()
+    y[300:400] += 70  # a whole batch past the capacity
+    y[450] = 200      # one row of a batch
+    tw = Twin(emu, -1, stack=stack)
+    tw.update(X[:100], F[:100], y[:100], T[:100])  # first batch: allocates (synchronises)
+    assert tw.gpu.n == 100 and tw.gpu.shape()["k"] == 5
+    before = emu.lib.emu_host_syncs()
+    for s in slices((100,) * 6):
+        s = slice(s.start + 100, s.stop + 100)
+        tw.update(X[s], F[s], y[s], T[s])
+    assert emu.lib.emu_host_syncs() == before
+    g = tw.gpu.get_state()
+    assert g["k"] == 201 and tw.gpu.shape()["k"] == 201
+    assert_close(g, tw.cpu.get_state(), 1e-12, what="vs cpu")
+    assert_close(g, oracle(X, F, T, y, 201), 1e-12, what="vs oracle")
+    # grown at that synchronising call: the same labels no longer need the deferral
+    tw.update(X[300:400], F[300:400], y[300:400], T[300:400])
+    assert_close(tw.gpu.get_state(), tw.cpu.get_state(), 1e-12, what="after growth")
+
+
+def test_labels_past_capacity_beyond_the_deferral_buffer_are_refused_whole(emu):
+    # The deferral buffer holds 1,024 rows (or the widest labelled batch) between synchronising
+    # calls: a batch whose rows past the capacity do not fit is not added at all (an error at the
+    # next synchronising call), the ones before and after it are.
+    X, _, _, y = problem(n=2400, k=5, seed=32)
+    y = y.copy()
+    y[600:] += 100
+    tw = Twin(emu, -1)
+    tw.update(X[:600], None, y[:600])  # the widest batch first: scratch sized, no growth later
+    tw.gpu.n
+    before = emu.lib.emu_host_syncs()
+    tw.update(X[600:1200], None, y[600:1200])  # 600 deferred rows: fit
+    tw.gpu.update(marg(X[1200:1800]), None, marg(y[1200:1800]), None, precision=0)  # 600 more: do not
+    assert emu.lib.emu_host_syncs() == before
+    with pytest.raises(ValueError, match=r"1 batch was not added.*600 rows labelled past the class capacity"):
+        tw.gpu.n
+    assert_close(tw.gpu.get_state(), tw.cpu.get_state(), 1e-12, what="refused batch left out")
+    tw.update(X[1800:], None, y[1800:])  # capacity grown at the sync: added directly
+    g = tw.gpu.get_state()
+    assert g["n"] == 1800 and g["k"] == int(y.max()) + 1
+    keep = np.r_[0:1200, 1800:2400]
+    assert_close(g, oracle(X[keep], None, None, y[keep], g["k"]), 1e-12, what="vs oracle")
+
+
 @pytest.mark.parametrize("stack", [None, (150, True)])
 def test_updates_on_alternating_streams_are_ordered(emu, stack):
     # Streams are opaque handles to the emulator: work on two of them interleaves at random unless
@@ -852,17 +902,23 @@ def setup_capture(emu):
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("stack", [None, (4096, True)])
 @pytest.mark.parametrize("algo", ["auto", "tiles"])
-def test_update_captures_in_a_graph_and_replays(emu, precision, stack, algo):
+@pytest.mark.parametrize("fixed", [True, False])
+def test_update_captures_in_a_graph_and_replays(emu, precision, stack, algo, fixed):
     # Captured on a side stream (global mode): no synchronisation, allocation or legacy-stream work
     # may happen inside update (the emulator records any as an error). Each replay re-reads the
-    # same input buffers, refilled by the host in between, as a training loop would.
+    # same input buffers, refilled by the host in between, as a training loop would. Without
+    # num_classes (fixed=False) the replayed batches carry labels past the first batch's capacity.
     setup_capture(emu)
     n, K = 256, 6
     X, F, _, y = problem(n=5 * n, p=64, c=8, k=K, seed=19)
     X, F = X.astype(np.float32), F.astype(np.float32)
+    if not fixed:
+        y = y.copy()
+        y[n + 5::7] += 90
+        K = int(y.max()) + 1
     bx, bf, by = X[:n].copy(), F[:n].copy(), y[:n].copy()
     side = 0x5000
-    tw = Twin(emu, K, cpu=False, stack=stack, product=(algo, 16), stream=side)
+    tw = Twin(emu, K if fixed else -1, cpu=False, stack=stack, product=(algo, 16), stream=side)
     tw.update(X[:n], F[:n], y[:n], precision=precision)  # warm-up: allocates the state and scratch
     tw.gpu.n
     before = emu.lib.emu_host_syncs()
