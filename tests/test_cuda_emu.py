@@ -373,6 +373,63 @@ def test_reduced_precisions(emu, precision, rtol):
 
 # ---- product algorithms -----------------------------------------------------------------------
 
+def large_mean_dlr_error(emu, rows, stack, row_cap, seed=3, p=16, C=4):
+    """|DLR - float64 reference| of fp32 products over `rows` rows of mean 1e4 and spread 1e-2
+    (the float32 inputs carry a few bits of spread: the products' rounding is what moves DLR)."""
+    import richness
+    from reference import dlr_thin
+
+    rng = np.random.default_rng(seed)
+    Q, _ = np.linalg.qr(rng.normal(size=(p, p)))
+    X = (1e4 + 1e-2 * (rng.normal(size=(rows, p)) * np.linspace(0.5, 2.0, p)) @ Q).astype(np.float32)
+    Xv = X.astype(np.float64)
+    F = (Xv @ rng.normal(size=(C, p)).T + 1e-3 * rng.normal(size=(rows, C))).astype(np.float32)
+    want, _ = dlr_thin(Xv, F.astype(np.float64))
+    g = emu.mod.CudaMoments(-1, 0)
+    g.set_row_cap(row_cap)
+    if stack:
+        g.set_stack(rows, True)
+    keep = []
+    for s in (slices((rows // 3, rows // 3, rows - 2 * (rows // 3))) if stack else [slice(0, rows)]):
+        keep += [X[s], F[s]]
+        g.update(marg(X[s]), marg(F[s]), None, None, precision=PREC["fp32"])
+    st = g.get_state()
+    m = richness.Moments()
+    m.load_state_dict({**st, "precision": "fp32"})
+    return abs(m.compute().dlr - want)
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_fp32_row_cap_keeps_large_mean_dlr_within_1e6(emu, stack):
+    # The emulated float32 products accumulate along the rows with one rounding per term, as a GPU
+    # GEMM thread does: over 16,384 rows that moves DLR past the 1e-6 contract; products of at most
+    # 1,024 rows (the default cap), summed in float64, stay within it.
+    assert emu.mod.CudaMoments(-1, 0).row_cap == 1024
+    assert large_mean_dlr_error(emu, 16384, stack, row_cap=0) > 1.5e-6
+    assert large_mean_dlr_error(emu, 16384, stack, row_cap=1024) < 2e-7
+
+
+@pytest.mark.parametrize("stack, joint", [(None, True), ((2000, True), True), ((2000, False), False)])
+@pytest.mark.parametrize("algo", ["syrk", "gemm", "block_rows", "tiles"])
+def test_fp32_split_products_match_unsplit(emu, stack, joint, algo):
+    # Products split into row blocks of 100 (summed in float64) against one product per batch, with
+    # outputs and targets: the same state up to float32 rounding.
+    X, F, T, y = problem(n=700, p=48, seed=33)
+    X, F, T = X.astype(np.float32), F.astype(np.float32), T.astype(np.float32)
+    got = {}
+    for cap in (0, 100):
+        tw = Twin(emu, 5, cpu=False, stack=stack, product=(algo, 16))
+        tw.gpu.set_row_cap(cap)
+        for s in slices((520, 1, 179)):
+            tw.update(X[s], F[s], y[s], T[s], precision="fp32")
+        got[cap] = tw.gpu.get_state()
+    want = oracle(X, F, T, y, 5)
+    assert_close(got[100], want, 2e-6, what="split")
+    assert_close(got[100], got[0], 2e-6, what="split vs unsplit")
+    with pytest.raises(ValueError, match="row cap"):
+        tw.gpu.set_row_cap(-1)
+
+
 @pytest.mark.parametrize("precision", ["fp64", "fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("algo", ["syrk", "gemm", "block_rows", "tiles"])
 @pytest.mark.parametrize("p, block", [(48, 16), (40, 16), (10, 16)])

@@ -349,6 +349,19 @@ __global__ void tile_pointers(const char* xs, char* Mb, long long ldc, long long
     }
 }
 
+// dst (+)= part over an m x n column-major block (leading dimension ld; only
+// i >= j if `lower`): the float64 sum of a split product's row-block parts.
+__global__ void add_part_kernel(double* __restrict__ dst, const float* __restrict__ part, long long m, long long n,
+                                long long ld, bool lower, bool first) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= m) return;
+  for (long long j = blockIdx.y; j < n; j += gridDim.y) {
+    if (lower && i < j) continue;
+    const long long idx = j * ld + i;
+    dst[idx] = first ? (double)part[idx] : dst[idx] + (double)part[idx];
+  }
+}
+
 // ---- staging kernels (set_stack) ----------------------------------------------
 //
 // A stage holds m batches: batch b has n_b rows (0 if it was bad), a float64
@@ -536,6 +549,12 @@ void launch_center(const Matrix& m, const double* mean, Precision prec, void* ou
                                              zero_if_bad);
   });
   LAUNCH_CHECK("center");
+}
+
+void add_part(double* dst, const float* part, long long m, long long n, long long ld, bool lower, bool first,
+              cudaStream_t s) {
+  add_part_kernel<<<dim3((unsigned)((m + 255) / 256), grid_y(n)), 256, 0, s>>>(dst, part, m, n, ld, lower, first);
+  LAUNCH_CHECK("add_part");
 }
 
 size_t in_size(Precision p) { return p == Precision::fp64 ? 8 : (p == Precision::bf16 ? 2 : 4); }
@@ -771,6 +790,11 @@ void CudaMoments::set_product(Product algo, int block) {
   block_ = block;
 }
 
+void CudaMoments::set_row_cap(int64_t rows) {
+  if (rows < 0) throw std::invalid_argument("row cap must be 0 (none) or positive, got " + std::to_string(rows));
+  row_cap_ = rows;
+}
+
 void CudaMoments::order_after_last(cudaStream_t stream) {
   // Successive updates on different streams write the same state: the new
   // stream waits (on the device) for the work queued on the previous one.
@@ -800,9 +824,10 @@ void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, i
   // Scratch of the per-batch path, sized for a batch of nb rows. With staging
   // on it is sized too (by eager updates): a captured update takes the
   // per-batch path and must not allocate inside the capture.
-  const size_t ies = in_size(prec), oes = out_size(prec);
+  const size_t ies = in_size(prec), oes = product_size(prec, nb);
   const int64_t p = p_;
   const int64_t widest = std::max<int64_t>(p, std::max<int64_t>(c, t));
+  if (splits(prec, nb)) ensure(part_, (size_t)widest * widest * 4);
   const long long chunks = (nb + kChunkRows - 1) / kChunkRows;
   ensure(partial_, (size_t)chunks * widest * 8);
   ensure(mu_, (size_t)p * 8);
@@ -906,14 +931,15 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   CUBLAS_CHECK(cublasSetStream(handle_, stream));
   CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, workspace_bytes_));
   product_lower(prec, p, nb, xs_.ptr, p, Mb_.ptr, p, tiles_, stream);
-  if (outputs) product_cross(prec, nb, c, fs_.ptr, c, xs_.ptr, p, Bb_.ptr, Ab_.ptr);
-  if (targets) product_cross(prec, nb, t, ts_.ptr, t, xs_.ptr, p, Btb_.ptr, Atb_.ptr);
+  if (outputs) product_cross(prec, nb, c, fs_.ptr, c, xs_.ptr, p, Bb_.ptr, Ab_.ptr, stream);
+  if (targets) product_cross(prec, nb, t, ts_.ptr, t, xs_.ptr, p, Btb_.ptr, Atb_.ptr, stream);
 
-  // float64 merge; every kernel reads the device's error counts and leaves
+  // float64 merge (of float64 products: fp64, or split); every kernel reads the device's error counts and leaves
   // the state untouched for a bad batch.
+  const bool wide = product_size(prec, nb) == 8;
   auto sym = [&](double* S, const void* Sb, long long n, const double* ma, const double* mb) {
     const unsigned tiles = (unsigned)((n + 31) / 32);
-    if (prec == Precision::fp64)
+    if (wide)
       merge_sym<double><<<dim3(tiles, tiles), dim3(32, 8), 0, stream>>>(S, static_cast<const double*>(Sb), n, ma, mb,
                                                                        h, nb, true);
     else
@@ -923,7 +949,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   };
   auto cross = [&](double* Bs, const void* Bg, long long w, const double* ga, const double* gb) {
     dim3 grid((unsigned)((w + 127) / 128), grid_y(p));
-    if (prec == Precision::fp64)
+    if (wide)
       merge_cross<double><<<grid, 128, 0, stream>>>(Bs, static_cast<const double*>(Bg), p, w, s_.mean, mu, ga, gb,
                                                     h, nb, true);
     else
@@ -975,7 +1001,8 @@ void CudaMoments::stage_batch(const Matrix& x, const Matrix* outputs, const Matr
   prepare_batch_scratch(prec, nb, c, t);
   const int64_t width = (p + c + t + 7) / 8 * 8;  // rows 16-byte aligned for the tensor-core kernels
   st_width_ = width;
-  const size_t ies = in_size(prec), oes = out_size(prec);
+  const size_t ies = in_size(prec), oes = product_size(prec, stack_rows_);  // the most rows a flush multiplies
+  if (splits(prec, stack_rows_)) ensure(part_, (size_t)width * width * 4);
   ensure(st_x_, (size_t)stack_rows_ * width * ies);
   ensure(st_means_, (size_t)(kMaxStackBatches + 1) * width * 8);
   ensure(st_counts_, (size_t)kMaxStackBatches * 8);
@@ -1022,7 +1049,7 @@ void CudaMoments::flush_stage(cudaStream_t stream) {
   // than merged twice by a later flush.
   st_rows_ = 0;
   st_batches_ = 0;
-  const size_t ies = in_size(prec), oes = out_size(prec);
+  const size_t ies = in_size(prec), oes = product_size(prec, R);
   const char* rows = static_cast<const char*>(st_x_.ptr);
   char* prod = static_cast<char*>(st_prod_.ptr);
   double* means = static_cast<double*>(st_means_.ptr);
@@ -1057,14 +1084,14 @@ void CudaMoments::flush_stage(cudaStream_t stream) {
       Bp = next;
       Ap = next + p * c * oes;
       ldB = ldA = c;
-      product_cross(prec, R, c, rows + p * ies, W, rows, W, (void*)Bp, (void*)Ap);
+      product_cross(prec, R, c, rows + p * ies, W, rows, W, (void*)Bp, (void*)Ap, stream);
       next += (p * c + c * c) * oes;
     }
     if (t > 0) {
       Btp = next;
       Atp = next + p * t * oes;
       ldBt = ldAt = t;
-      product_cross(prec, R, t, rows + (p + c) * ies, W, rows, W, (void*)Btp, (void*)Atp);
+      product_cross(prec, R, t, rows + (p + c) * ies, W, rows, W, (void*)Btp, (void*)Atp, stream);
     }
   }
 
@@ -1076,7 +1103,7 @@ void CudaMoments::flush_stage(cudaStream_t stream) {
   auto merge = [&](double* S, long long lds, const void* Sb, long long ldb, long long nf, long long ns,
                    const double* Df, const double* Ds, bool lower) {
     dim3 grid((unsigned)((nf + 31) / 32), (unsigned)((ns + 31) / 32));
-    if (prec == Precision::fp64)
+    if (oes == 8)
       merge_groups<double><<<grid, dim3(32, 8), 0, stream>>>(S, lds, static_cast<const double*>(Sb), ldb, nf, ns,
                                                              Df, Ds, W, groups, lower);
     else
@@ -1160,8 +1187,32 @@ Product CudaMoments::resolve(Precision prec, int64_t n) const {
   return algo;
 }
 
+int64_t CudaMoments::rows_per_product(Precision prec, int64_t k) const {
+  return (prec == Precision::fp32 && row_cap_ > 0) ? std::min<int64_t>(row_cap_, std::max<int64_t>(k, 1))
+                                                   : std::max<int64_t>(k, 1);
+}
+
+size_t CudaMoments::product_size(Precision prec, int64_t k) const { return splits(prec, k) ? 8 : out_size(prec); }
+
 void CudaMoments::product_lower(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst,
                                 int64_t ldc, TileCache& tc, cudaStream_t stream) {
+  const int64_t step = rows_per_product(prec, k);
+  if (step >= k) {
+    product_lower_once(prec, n, k, src, lda, dst, ldc, tc, stream);
+    return;
+  }
+  // Row blocks of at most `step` rows, each multiplied into part_ and added
+  // in float64 into dst (a double buffer: see splits()).
+  const char* rows = static_cast<const char*>(src);
+  for (int64_t r0 = 0; r0 < k; r0 += step) {
+    product_lower_once(prec, n, std::min(step, k - r0), rows + r0 * lda * in_size(prec), lda, part_.ptr, ldc, tc,
+                       stream);
+    add_part(static_cast<double*>(dst), static_cast<const float*>(part_.ptr), n, n, ldc, true, r0 == 0, stream);
+  }
+}
+
+void CudaMoments::product_lower_once(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst,
+                                     int64_t ldc, TileCache& tc, cudaStream_t stream) {
   const size_t ies = in_size(prec), oes = out_size(prec);
   const char* xs = static_cast<const char*>(src);
   char* Mb = static_cast<char*>(dst);
@@ -1224,11 +1275,23 @@ void CudaMoments::product_lower(Precision prec, int64_t n, int64_t k, const void
 }
 
 void CudaMoments::product_cross(Precision prec, int64_t k, int64_t w, const void* gs, int64_t ldg, const void* xs,
-                                int64_t ldx, void* Bg, void* Ag) {
-  // B_g (p x w row-major = w x p column-major) = G_c^T X_c.
-  gemm_nt(handle_, prec, w, p_, k, gs, ldg, xs, ldx, Bg, w);
-  if (prec == Precision::fp64 || prec == Precision::fp32) syrk_lower(handle_, prec, w, k, gs, ldg, Ag, w);
-  else gemm_nt(handle_, prec, w, w, k, gs, ldg, gs, ldg, Ag, w);
+                                int64_t ldx, void* Bg, void* Ag, cudaStream_t s) {
+  // B_g (p x w row-major = w x p column-major) = G_c^T X_c. Split into row
+  // blocks as product_lower (Bg, Ag then double buffers).
+  const int64_t step = rows_per_product(prec, k);
+  const bool split = step < k;
+  const size_t ies = in_size(prec);
+  for (int64_t r0 = 0; r0 < k; r0 += step) {
+    const int64_t kk = std::min(step, k - r0);
+    const char* g = static_cast<const char*>(gs) + r0 * ldg * ies;
+    const char* x = static_cast<const char*>(xs) + r0 * ldx * ies;
+    gemm_nt(handle_, prec, w, p_, kk, g, ldg, x, ldx, split ? part_.ptr : Bg, w);
+    if (split) add_part(static_cast<double*>(Bg), static_cast<const float*>(part_.ptr), w, p_, w, false, r0 == 0, s);
+    void* a = split ? part_.ptr : Ag;
+    if (prec == Precision::fp64 || prec == Precision::fp32) syrk_lower(handle_, prec, w, kk, g, ldg, a, w);
+    else gemm_nt(handle_, prec, w, w, kk, g, ldg, g, ldg, a, w);
+    if (split) add_part(static_cast<double*>(Ag), static_cast<const float*>(part_.ptr), w, w, w, true, r0 == 0, s);
+  }
 }
 
 // ---- synchronising calls ----------------------------------------------------------

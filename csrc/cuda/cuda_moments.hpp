@@ -129,6 +129,15 @@ class CudaMoments {
   Product product() const { return algo_; }
   int block() const { return block_; }
 
+  // Most rows one fp32 product accumulates in float32 (0 = no limit): longer
+  // row blocks are split, the parts added in float64. Float32
+  // accumulation over k rows loses accuracy as k grows: 4,096 rows of mean
+  // 1e4 and spread 1e-2 moved the fp32 DLR by 2e-6 on an H200, where the
+  // contract (docs/MATH.md, precision) is 1e-6. tf32/bf16 are not split:
+  // their input rounding dominates.
+  void set_row_cap(int64_t rows);
+  int64_t row_cap() const { return row_cap_; }
+
   // Staging of up to `rows` rows before one product (0 = off: one product
   // per batch). `joint`: with outputs/targets streamed, one product over the
   // concatenated [X | F | T] rows gives M, B, A (and Bt, At) at once; else
@@ -156,6 +165,7 @@ class CudaMoments {
   Precision precision_ = Precision::fp64;
   Product algo_ = Product::automatic;
   int block_ = 512;
+  int64_t row_cap_ = 1024;
 
   cublasHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
@@ -171,7 +181,7 @@ class CudaMoments {
     void* ptr = nullptr;
     size_t bytes = 0;
   };
-  Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_, defer_;
+  Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_, defer_, part_;
   // Pointer arrays of the batched lower-tile product, valid for `key`
   // (source, destination, sizes): recomputed on the device when it changes.
   struct TileCache {
@@ -220,10 +230,17 @@ class CudaMoments {
   // = column-major n x k; C column-major n x n with leading dimension ldc.
   void product_lower(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst, int64_t ldc,
                      TileCache& tc, cudaStream_t stream);
+  // One cuBLAS product (no split).
+  void product_lower_once(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst, int64_t ldc,
+                          TileCache& tc, cudaStream_t stream);
+  int64_t rows_per_product(Precision prec, int64_t k) const;
+  // Whether a product over k rows is split: its result is then float64 (else out_size(prec) bytes per element).
+  bool splits(Precision prec, int64_t k) const { return rows_per_product(prec, k) < k; }
+  size_t product_size(Precision prec, int64_t k) const;
   // B_g = X^T G (w x p column-major, ld w) and the lower triangle of A_g =
   // G^T G (ld w) over k rows; G and X row-major with row strides ldg, ldx.
   void product_cross(Precision prec, int64_t k, int64_t w, const void* gs, int64_t ldg, const void* xs, int64_t ldx,
-                     void* Bg, void* Ag);
+                     void* Bg, void* Ag, cudaStream_t stream);
   void stage_batch(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
                    Precision prec, cudaStream_t stream);
   void flush_stage(cudaStream_t stream);  // enqueues the reduction of the staged rows on `stream`
