@@ -458,6 +458,20 @@ def test_automatic_product_choice(emu):
         assert emu.count(fn) > 0, precision
 
 
+@pytest.mark.parametrize("stack", [None, (500, False)])
+def test_fp32_outputs_gram_by_gemm(emu, stack):
+    # F^T F in fp32 by one GEMM (cuBLAS's SSYRK was twice as slow on an H200 at C = 1000); M stays a
+    # SYRK under the automatic choice. Same state as the CPU core.
+    X, F, _, _ = problem(n=300, p=40, c=7)
+    X, F = X.astype(np.float32), F.astype(np.float32)
+    emu.lib.emu_reset_counts()
+    tw = Twin(emu, stack=stack)
+    tw.update(X, F, precision="fp32")
+    g = tw.gpu.get_state()
+    assert emu.count("cublasSsyrk") == 1 and emu.count("cublasGemmEx") == 2
+    assert_close(g, tw.cpu.get_state(), 2e-6)
+
+
 # ---- staging ----------------------------------------------------------------------------------
 
 def staged_vs_plain(emu, sizes, stack, joint, precision="fp64", labels=True, outputs=True, targets=True,

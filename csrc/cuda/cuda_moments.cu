@@ -1288,7 +1288,10 @@ void CudaMoments::product_cross(Precision prec, int64_t k, int64_t w, const void
     gemm_nt(handle_, prec, w, p_, kk, g, ldg, x, ldx, split ? part_.ptr : Bg, w);
     if (split) add_part(static_cast<double*>(Bg), static_cast<const float*>(part_.ptr), w, p_, w, false, r0 == 0, s);
     void* a = split ? part_.ptr : Ag;
-    if (prec == Precision::fp64 || prec == Precision::fp32) syrk_lower(handle_, prec, w, kk, g, ldg, a, w);
+    // A_g by GEMM except in fp64: on an H200 cublasSsyrk took 360 us for a
+    // 4096 x 1000 x 1000 product that a full GEMM does in about 165 us
+    // (benchmarks/gpu_check.py, outputs mode, 2026-11-30).
+    if (prec == Precision::fp64) syrk_lower(handle_, prec, w, kk, g, ldg, a, w);
     else gemm_nt(handle_, prec, w, w, kk, g, ldg, g, ldg, a, w);
     if (split) add_part(static_cast<double*>(Ag), static_cast<const float*>(part_.ptr), w, w, w, true, r0 == 0, s);
   }
