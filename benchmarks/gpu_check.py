@@ -367,7 +367,31 @@ def table(results: dict) -> str:
                  f"(outputs), {c['dlr_alone_head'] * 1e3:.1f} ms (head); report {c['report_outputs'] * 1e3:.1f} ms; "
                  f"full report with NC1 {c['report_full_with_nc1'] * 1e3:.1f} ms")
     lines += stacked_table(results)
+    lines += ceiling_table(results)
     return "\n".join(lines)
+
+
+# H200 dense peaks (TFLOP/s) of the units each precision runs on: bf16 and tf32
+# tensor cores, fp32 CUDA cores.
+CEILING_TFLOPS = {"bf16": 731.0, "tf32": 393.0, "fp32": 50.0}
+
+
+def ceiling_table(results: dict) -> list:
+    """Each mode's rate as a fraction of its ceiling, counting n p^2 flops for M (the symmetric half
+    of 2 n p^2) plus 2 n p C for B and n C^2 for A in outputs mode."""
+    sh = results["shape"]
+    n, p, C = sh["n"], sh["p"], sh["C"]
+    lines = [f"fraction of the ceiling ({', '.join(f'{k} {v:.0f}' for k, v in CEILING_TFLOPS.items())} TFLOP/s; "
+             f"M counted as n p^2 flops)",
+             f"{'precision':<10}{'head TFLOP/s':>14}{'of ceiling':>12}{'outputs TFLOP/s':>17}{'of ceiling':>12}"]
+    for prec, peak in CEILING_TFLOPS.items():
+        o = results["ours"].get(prec)
+        if not o:
+            continue
+        head = n * p * p / o["head"] / 1e12
+        outs = (n * p * p + 2 * n * p * C + n * C * C) / o["outputs"] / 1e12
+        lines.append(f"{prec:<10}{head:>14.1f}{head / peak:>11.1%}{outs:>17.1f}{outs / peak:>11.1%}")
+    return lines
 
 
 def main() -> int:

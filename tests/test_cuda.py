@@ -85,12 +85,14 @@ def test_dlr_gpu_vs_cpu_vs_reference(dtype_name, precision):
 
 
 @needs_gpu
-@pytest.mark.parametrize("stack", [0, 4096])
-def test_fp32_large_mean_small_spread(stack):
-    # SPEC.md: mean 1e4, spread 1e-2 in float32 must give DLR to 1e-6; staged
-    # (stack=4096): three batches, three different means, one product.
+@pytest.mark.parametrize("n, batches, stack", [(4096, 3, 0), (4096, 3, 4096), (4096, 1, 0), (16384, 1, 0),
+                                               (16384, 4, 16384)])
+def test_fp32_large_mean_small_spread(n, batches, stack):
+    # docs/MATH.md (precision): mean 1e4, spread 1e-2 in float32 must give DLR
+    # to 1e-6, staged or not, however many rows one batch or stage holds (the
+    # fp32 products are split into row blocks of 1,024, summed in float64).
     rng = np.random.default_rng(3)
-    n, p, C = 4096, 16, 4
+    p, C = 16, 4
     X64 = 1e4 + 1e-2 * features(rng, n, p, mean=0.0)
     X = torch.from_numpy(X64).to(DEV, torch.float32)
     Xv = X.double().cpu().numpy()
@@ -98,7 +100,7 @@ def test_fp32_large_mean_small_spread(stack):
     F = (torch.from_numpy(Xv @ W.T + 1e-3 * rng.normal(size=(n, C)))).to(DEV, torch.float32)
     want, _ = dlr_naive(Xv, F.double().cpu().numpy())
     m = richness.Moments(device="cuda", precision="fp32", stack_rows=stack)
-    for chunk in torch.arange(n).chunk(3):
+    for chunk in torch.arange(n).chunk(batches):
         m.update(X[chunk], F[chunk])
     assert abs(m.compute().dlr - want) < 1e-6
 
@@ -345,6 +347,34 @@ def test_update_captures_in_cuda_graph(precision):
     np.testing.assert_allclose(m.state_dict()["M"], ref.state_dict()["M"], rtol=1e-6,
                                atol=1e-6 * np.abs(ref.state_dict()["M"]).max())
     assert abs(m.compute().dlr - ref.compute().dlr) < TOL[precision]
+
+
+@needs_gpu
+def test_update_with_labels_without_num_classes_captures_in_cuda_graph():
+    # Without num_classes no update waits for the device either: labels past the class arrays'
+    # capacity (set from the warm-up batch) are deferred on the device, so the capture succeeds.
+    n, K, X, F, y = graph_problem()
+    y2 = y.clone()
+    y2[::5] += 100
+    m = richness.Moments(device="cuda", precision="fp32")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m.update(X, F, y)  # warm-up: allocates the state and sizes the class arrays
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        m.update(X, F, y2)
+    g.replay()
+    assert m.n == 3 * n
+    ref = richness.Moments()
+    for labels in (y, y2, y2):
+        ref.update(X.cpu(), F.cpu(), labels.cpu())
+    a, b = ref.state_dict(), m.state_dict()
+    assert b["k"] == a["k"] == int(y2.max()) + 1
+    np.testing.assert_array_equal(b["class_counts"], a["class_counts"])
+    np.testing.assert_allclose(b["class_sums"], a["class_sums"], rtol=1e-12, atol=1e-12 * np.abs(a["class_sums"]).max())
+    assert abs(m.compute().nc1 - ref.compute().nc1) < 1e-6 * max(1.0, abs(ref.compute().nc1))
 
 
 @pytest.mark.parametrize("algo,block", [("syrk", 512), ("gemm", 512), ("block_rows", 16), ("tiles", 16)])

@@ -373,6 +373,63 @@ def test_reduced_precisions(emu, precision, rtol):
 
 # ---- product algorithms -----------------------------------------------------------------------
 
+def large_mean_dlr_error(emu, rows, stack, row_cap, seed=3, p=16, C=4):
+    """|DLR - float64 reference| of fp32 products over `rows` rows of mean 1e4 and spread 1e-2
+    (the float32 inputs carry a few bits of spread: the products' rounding is what moves DLR)."""
+    import richness
+    from reference import dlr_thin
+
+    rng = np.random.default_rng(seed)
+    Q, _ = np.linalg.qr(rng.normal(size=(p, p)))
+    X = (1e4 + 1e-2 * (rng.normal(size=(rows, p)) * np.linspace(0.5, 2.0, p)) @ Q).astype(np.float32)
+    Xv = X.astype(np.float64)
+    F = (Xv @ rng.normal(size=(C, p)).T + 1e-3 * rng.normal(size=(rows, C))).astype(np.float32)
+    want, _ = dlr_thin(Xv, F.astype(np.float64))
+    g = emu.mod.CudaMoments(-1, 0)
+    g.set_row_cap(row_cap)
+    if stack:
+        g.set_stack(rows, True)
+    keep = []
+    for s in (slices((rows // 3, rows // 3, rows - 2 * (rows // 3))) if stack else [slice(0, rows)]):
+        keep += [X[s], F[s]]
+        g.update(marg(X[s]), marg(F[s]), None, None, precision=PREC["fp32"])
+    st = g.get_state()
+    m = richness.Moments()
+    m.load_state_dict({**st, "precision": "fp32"})
+    return abs(m.compute().dlr - want)
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_fp32_row_cap_keeps_large_mean_dlr_within_1e6(emu, stack):
+    # The emulated float32 products accumulate along the rows with one rounding per term, as a GPU
+    # GEMM thread does: over 16,384 rows that moves DLR past the 1e-6 contract; products of at most
+    # 1,024 rows (the default cap), summed in float64, stay within it.
+    assert emu.mod.CudaMoments(-1, 0).row_cap == 1024
+    assert large_mean_dlr_error(emu, 16384, stack, row_cap=0) > 1.5e-6
+    assert large_mean_dlr_error(emu, 16384, stack, row_cap=1024) < 2e-7
+
+
+@pytest.mark.parametrize("stack, joint", [(None, True), ((2000, True), True), ((2000, False), False)])
+@pytest.mark.parametrize("algo", ["syrk", "gemm", "block_rows", "tiles"])
+def test_fp32_split_products_match_unsplit(emu, stack, joint, algo):
+    # Products split into row blocks of 100 (summed in float64) against one product per batch, with
+    # outputs and targets: the same state up to float32 rounding.
+    X, F, T, y = problem(n=700, p=48, seed=33)
+    X, F, T = X.astype(np.float32), F.astype(np.float32), T.astype(np.float32)
+    got = {}
+    for cap in (0, 100):
+        tw = Twin(emu, 5, cpu=False, stack=stack, product=(algo, 16))
+        tw.gpu.set_row_cap(cap)
+        for s in slices((520, 1, 179)):
+            tw.update(X[s], F[s], y[s], T[s], precision="fp32")
+        got[cap] = tw.gpu.get_state()
+    want = oracle(X, F, T, y, 5)
+    assert_close(got[100], want, 2e-6, what="split")
+    assert_close(got[100], got[0], 2e-6, what="split vs unsplit")
+    with pytest.raises(ValueError, match="row cap"):
+        tw.gpu.set_row_cap(-1)
+
+
 @pytest.mark.parametrize("precision", ["fp64", "fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("algo", ["syrk", "gemm", "block_rows", "tiles"])
 @pytest.mark.parametrize("p, block", [(48, 16), (40, 16), (10, 16)])
@@ -399,6 +456,20 @@ def test_automatic_product_choice(emu):
         tw.update(X.astype(np.float32), precision=precision)
         assert tw.gpu.n == 100
         assert emu.count(fn) > 0, precision
+
+
+@pytest.mark.parametrize("stack", [None, (500, False)])
+def test_fp32_outputs_gram_by_gemm(emu, stack):
+    # F^T F in fp32 by one GEMM (cuBLAS's SSYRK was twice as slow on an H200 at C = 1000); M stays a
+    # SYRK under the automatic choice. Same state as the CPU core.
+    X, F, _, _ = problem(n=300, p=40, c=7)
+    X, F = X.astype(np.float32), F.astype(np.float32)
+    emu.lib.emu_reset_counts()
+    tw = Twin(emu, stack=stack)
+    tw.update(X, F, precision="fp32")
+    g = tw.gpu.get_state()
+    assert emu.count("cublasSsyrk") == 1 and emu.count("cublasGemmEx") == 2
+    assert_close(g, tw.cpu.get_state(), 2e-6)
 
 
 # ---- staging ----------------------------------------------------------------------------------
@@ -725,6 +796,56 @@ def test_update_never_waits_for_the_device(emu, stack):
     assert_close(tw.gpu.get_state(), oracle(X[:500], F[:500], T[:500], y[:500], 5), 1e-12)
 
 
+@pytest.mark.parametrize("stack", [None, (250, True)])
+def test_labels_without_num_classes_never_wait_and_defer_past_capacity(emu, stack):
+    # Without num_classes the first labelled batch sizes the class arrays (64 classes here: room for
+    # twice its labels); rows labelled past that are copied on the device and added at the next
+    # synchronising call. No update waits for the device, and the state is the CPU core's.
+    X, F, T, y = problem(n=700, k=5, seed=31)
+    y = y.copy()
+    y[300:400] += 70  # a whole batch past the capacity
+    y[450] = 200      # one row of a batch
+    tw = Twin(emu, -1, stack=stack)
+    tw.update(X[:100], F[:100], y[:100], T[:100])  # first batch: allocates (synchronises)
+    assert tw.gpu.n == 100 and tw.gpu.shape()["k"] == 5
+    before = emu.lib.emu_host_syncs()
+    for s in slices((100,) * 6):
+        s = slice(s.start + 100, s.stop + 100)
+        tw.update(X[s], F[s], y[s], T[s])
+    assert emu.lib.emu_host_syncs() == before
+    g = tw.gpu.get_state()
+    assert g["k"] == 201 and tw.gpu.shape()["k"] == 201
+    assert_close(g, tw.cpu.get_state(), 1e-12, what="vs cpu")
+    assert_close(g, oracle(X, F, T, y, 201), 1e-12, what="vs oracle")
+    # grown at that synchronising call: the same labels no longer need the deferral
+    tw.update(X[300:400], F[300:400], y[300:400], T[300:400])
+    assert_close(tw.gpu.get_state(), tw.cpu.get_state(), 1e-12, what="after growth")
+
+
+def test_labels_past_capacity_beyond_the_deferral_buffer_are_refused_whole(emu):
+    # The deferral buffer holds 1,024 rows (or the widest labelled batch) between synchronising
+    # calls: a batch whose rows past the capacity do not fit is not added at all (an error at the
+    # next synchronising call), the ones before and after it are.
+    X, _, _, y = problem(n=2400, k=5, seed=32)
+    y = y.copy()
+    y[600:] += 100
+    tw = Twin(emu, -1)
+    tw.update(X[:600], None, y[:600])  # the widest batch first: scratch sized, no growth later
+    tw.gpu.n
+    before = emu.lib.emu_host_syncs()
+    tw.update(X[600:1200], None, y[600:1200])  # 600 deferred rows: fit
+    tw.gpu.update(marg(X[1200:1800]), None, marg(y[1200:1800]), None, precision=0)  # 600 more: do not
+    assert emu.lib.emu_host_syncs() == before
+    with pytest.raises(ValueError, match=r"1 batch was not added.*600 rows labelled past the class capacity"):
+        tw.gpu.n
+    assert_close(tw.gpu.get_state(), tw.cpu.get_state(), 1e-12, what="refused batch left out")
+    tw.update(X[1800:], None, y[1800:])  # capacity grown at the sync: added directly
+    g = tw.gpu.get_state()
+    assert g["n"] == 1800 and g["k"] == int(y.max()) + 1
+    keep = np.r_[0:1200, 1800:2400]
+    assert_close(g, oracle(X[keep], None, None, y[keep], g["k"]), 1e-12, what="vs oracle")
+
+
 @pytest.mark.parametrize("stack", [None, (150, True)])
 def test_updates_on_alternating_streams_are_ordered(emu, stack):
     # Streams are opaque handles to the emulator: work on two of them interleaves at random unless
@@ -852,17 +973,23 @@ def setup_capture(emu):
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("stack", [None, (4096, True)])
 @pytest.mark.parametrize("algo", ["auto", "tiles"])
-def test_update_captures_in_a_graph_and_replays(emu, precision, stack, algo):
+@pytest.mark.parametrize("fixed", [True, False])
+def test_update_captures_in_a_graph_and_replays(emu, precision, stack, algo, fixed):
     # Captured on a side stream (global mode): no synchronisation, allocation or legacy-stream work
     # may happen inside update (the emulator records any as an error). Each replay re-reads the
-    # same input buffers, refilled by the host in between, as a training loop would.
+    # same input buffers, refilled by the host in between, as a training loop would. Without
+    # num_classes (fixed=False) the replayed batches carry labels past the first batch's capacity.
     setup_capture(emu)
     n, K = 256, 6
     X, F, _, y = problem(n=5 * n, p=64, c=8, k=K, seed=19)
     X, F = X.astype(np.float32), F.astype(np.float32)
+    if not fixed:
+        y = y.copy()
+        y[n + 5::7] += 90
+        K = int(y.max()) + 1
     bx, bf, by = X[:n].copy(), F[:n].copy(), y[:n].copy()
     side = 0x5000
-    tw = Twin(emu, K, cpu=False, stack=stack, product=(algo, 16), stream=side)
+    tw = Twin(emu, K if fixed else -1, cpu=False, stack=stack, product=(algo, 16), stream=side)
     tw.update(X[:n], F[:n], y[:n], precision=precision)  # warm-up: allocates the state and scratch
     tw.gpu.n
     before = emu.lib.emu_host_syncs()

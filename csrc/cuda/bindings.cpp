@@ -105,6 +105,9 @@ PYBIND11_MODULE(_cuda, m) {
           [](CudaMoments& self, const std::string& algo, int block) { self.set_product(product_of(algo), block); },
           py::arg("algo") = "auto", py::arg("block") = 512,
           "How X^T X is formed: auto, syrk, gemm, block_rows or tiles (benchmarks).")
+      .def("set_row_cap", &CudaMoments::set_row_cap, py::arg("rows"),
+           "Most rows one fp32 product accumulates in float32 (0 = no limit); default 1024.")
+      .def_property_readonly("row_cap", &CudaMoments::row_cap)
       .def(
           "set_stack",
           [](CudaMoments& self, int64_t rows, bool joint) {

@@ -78,7 +78,10 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_double<__nv_bfloat16>(double v) { return __double2bfloat16(v); }
 
 __device__ __forceinline__ bool batch_is_bad(const Header* h) {
-  return (h->batch_bad[0] | h->batch_bad[1] | h->batch_bad[2] | h->batch_bad[3]) != 0;
+  long long any = 0;
+#pragma unroll
+  for (int q = 0; q < kBadKinds; ++q) any |= h->batch_bad[q];
+  return any != 0;
 }
 
 // ---- kernels ----------------------------------------------------------------
@@ -198,7 +201,7 @@ __global__ void finalize(Header* h, long long nb, double* mean, const double* mb
                          const double* ob, long long c, double* tm, const double* tb, long long t, bool check) {
   if (check && batch_is_bad(h)) {
     if (threadIdx.x == 0) {
-      for (int q = 0; q < 4; ++q) h->total_bad[q] += h->batch_bad[q];
+      for (int q = 0; q < kBadKinds; ++q) h->total_bad[q] += h->batch_bad[q];
       h->skipped += 1;
     }
     return;
@@ -211,34 +214,90 @@ __global__ void finalize(Header* h, long long nb, double* mean, const double* mb
   if (threadIdx.x == 0) h->n += nb;
 }
 
+// Labels outside 0..limit-1 make the batch bad; labels in cap..limit-1 (past
+// the class arrays' capacity, without num_classes) are counted for deferral.
+// The batch's largest label goes to batch_max (header preset to -1).
 template <typename Ti>
 __global__ void check_labels(const Ti* __restrict__ y, long long rows, long long ld, long long limit, Header* h) {
-  unsigned long long bad = 0;
+  const long long cap = h->cap;
+  unsigned long long bad = 0, over = 0;
+  long long mx = -1;
   for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long long)gridDim.x * blockDim.x) {
     const long long v = (long long)y[r * ld];
     bad += (v < 0 || v >= limit);
+    over += (v >= cap && v < limit);
+    mx = max(mx, v);
   }
   if (bad) atomicAdd(reinterpret_cast<unsigned long long*>(&h->batch_bad[3]), bad);
+  if (over) atomicAdd(reinterpret_cast<unsigned long long*>(&h->batch_over), over);
+  atomicMax(&h->batch_max, mx);
 }
 
+// After every check of a labelled batch: a good batch raises k_seen and
+// reserves its deferred rows; one whose deferred rows do not fit in the
+// deferral buffer (defer_cap rows) is not added at all (error kind 4).
+__global__ void defer_reserve(Header* h) {
+  if (batch_is_bad(h)) return;
+  if (h->batch_over > 0) {
+    if (h->defer_used + h->batch_over > h->defer_cap) {
+      h->batch_bad[4] = h->batch_over;
+      return;
+    }
+    h->defer_cursor = h->defer_used;
+    h->defer_used += h->batch_over;
+  }
+  if (h->batch_max + 1 > h->k_seen) h->k_seen = h->batch_max + 1;
+}
+
+// Rows whose label is past the capacity, copied in float64 into the deferral
+// buffer (rows of p values, then the labels), in any order: their class sums
+// are added at the next synchronising call (settle_classes). One block per
+// row; thread 0 takes the row's slot.
+template <typename Tin, typename Ti>
+__global__ void defer_rows(const Tin* __restrict__ x, long long rows, long long cols, long long ld,
+                           const Ti* __restrict__ y, long long yld, Header* h) {
+  if (batch_is_bad(h) || h->batch_over == 0) return;
+  const long long cap = h->cap;
+  double* dst = h->defer_rows;
+  long long* dst_labels = h->defer_labels;
+  __shared__ long long slot;
+  for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+    const long long k = (long long)y[r * yld];
+    if (k < cap) continue;  // uniform across the block
+    if (threadIdx.x == 0) slot = (long long)atomicAdd(reinterpret_cast<unsigned long long*>(&h->defer_cursor), 1ull);
+    __syncthreads();
+    for (long long col = threadIdx.x; col < cols; col += blockDim.x) dst[slot * cols + col] = to_double(x[r * ld + col]);
+    if (threadIdx.x == 0) dst_labels[slot] = k;
+    __syncthreads();  // slot is rewritten for the next row
+  }
+}
+
+// Largest label of a batch (the first labelled batch without num_classes sizes the class arrays from it).
 template <typename Ti>
 __global__ void max_label(const Ti* __restrict__ y, long long rows, long long ld, Header* h) {
   long long mx = -1;
   for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long long)gridDim.x * blockDim.x)
     mx = max(mx, (long long)y[r * ld]);
-  atomicMax(&h->max_label, mx);
+  atomicMax(&h->batch_max, mx);
 }
 
-// Raw float64 class sums and counts (SPEC: the one place relying on float64
-// range). Atomics: the order of additions, and so the last bits, may vary.
+// Raw float64 class sums and counts (docs/MATH.md, class means: the one place
+// relying on float64 range). Atomics: the order of additions, and so the last
+// bits, may vary. The arrays are the header's; rows labelled past its
+// capacity are deferred (defer_rows). `check`: the header whose verdict on
+// the batch is read (null: rows already checked, the deferred ones).
 template <typename Tin, typename Ti>
 __global__ void class_sums(const Tin* __restrict__ x, long long rows, long long cols, long long ld,
-                           const Ti* __restrict__ y, long long yld, double* sums, long long* counts, const Header* h) {
-  if (batch_is_bad(h)) return;
+                           const Ti* __restrict__ y, long long yld, const Header* h, bool check) {
+  if (check && batch_is_bad(h)) return;
+  double* sums = h->class_sums;
+  long long* counts = h->class_counts;
+  const long long cap = h->cap;
   const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= cols) return;
   for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
     const long long k = (long long)y[r * yld];
+    if (k >= cap) continue;
     atomicAdd(&sums[k * cols + col], to_double(x[r * ld + col]));
     if (col == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[k]), 1ull);
   }
@@ -290,6 +349,19 @@ __global__ void tile_pointers(const char* xs, char* Mb, long long ldc, long long
     }
 }
 
+// dst (+)= part over an m x n column-major block (leading dimension ld; only
+// i >= j if `lower`): the float64 sum of a split product's row-block parts.
+__global__ void add_part_kernel(double* __restrict__ dst, const float* __restrict__ part, long long m, long long n,
+                                long long ld, bool lower, bool first) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= m) return;
+  for (long long j = blockIdx.y; j < n; j += gridDim.y) {
+    if (lower && i < j) continue;
+    const long long idx = j * ld + i;
+    dst[idx] = first ? (double)part[idx] : dst[idx] + (double)part[idx];
+  }
+}
+
 // ---- staging kernels (set_stack) ----------------------------------------------
 //
 // A stage holds m batches: batch b has n_b rows (0 if it was bad), a float64
@@ -306,7 +378,7 @@ __global__ void tile_pointers(const char* xs, char* Mb, long long ldc, long long
 // and the error counts moved to the pending totals (as finalize does).
 __global__ void stage_record(Header* h, long long* count, long long nb) {
   if (batch_is_bad(h)) {
-    for (int q = 0; q < 4; ++q) h->total_bad[q] += h->batch_bad[q];
+    for (int q = 0; q < kBadKinds; ++q) h->total_bad[q] += h->batch_bad[q];
     h->skipped += 1;
     *count = 0;
   } else {
@@ -432,20 +504,31 @@ void launch_means(const Matrix& m, double* partial, double* mean, unsigned long 
   LAUNCH_CHECK("column_means");
 }
 
-// Float64 class sums and counts of a batch's features (skipped by the kernel
-// for a batch the checks marked bad).
-void launch_class_sums(const Matrix& x, const Matrix& labels, double* sums, long long* counts, const Header* h,
-                       cudaStream_t s) {
+// Float64 class sums and counts of a batch's features into the header's
+// arrays (skipped for a batch the checks marked bad, if `check`); rows
+// labelled past the capacity are left out.
+void launch_class_sums(const Matrix& x, const Matrix& labels, const Header* h, bool check, cudaStream_t s) {
   dim3 grid((unsigned)((x.cols + 255) / 256), grid_y(x.rows));
   dispatch_float(x.dtype, [&](auto xt) {
     using Tin = decltype(xt);
     dispatch_int(labels.dtype, [&](auto yt) {
       using Ti = decltype(yt);
       class_sums<Tin, Ti><<<grid, 256, 0, s>>>(static_cast<const Tin*>(x.ptr), x.rows, x.cols, x.ld,
-                                                static_cast<const Ti*>(labels.ptr), labels.ld, sums, counts, h);
+                                                static_cast<const Ti*>(labels.ptr), labels.ld, h, check);
     });
   });
   LAUNCH_CHECK("class_sums");
+}
+
+// Labels past this many classes are refused without num_classes (as on the
+// CPU): a stray huge label must not allocate gigabytes of class sums.
+int64_t class_growth_cap(int64_t p) { return std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024); }
+
+// Capacity for k classes: doubling room, a power of two, within the cap.
+int64_t class_capacity(int64_t k, int64_t p) {
+  int64_t c = 64;
+  while (c < 2 * k) c *= 2;
+  return std::max(k, std::min(c, class_growth_cap(p)));
 }
 
 // Centered rows of m into out (row stride ldo; packed: ldo = m.cols).
@@ -466,6 +549,12 @@ void launch_center(const Matrix& m, const double* mean, Precision prec, void* ou
                                              zero_if_bad);
   });
   LAUNCH_CHECK("center");
+}
+
+void add_part(double* dst, const float* part, long long m, long long n, long long ld, bool lower, bool first,
+              cudaStream_t s) {
+  add_part_kernel<<<dim3((unsigned)((m + 255) / 256), grid_y(n)), 256, 0, s>>>(dst, part, m, n, ld, lower, first);
+  LAUNCH_CHECK("add_part");
 }
 
 size_t in_size(Precision p) { return p == Precision::fp64 ? 8 : (p == Precision::bf16 ? 2 : 4); }
@@ -533,17 +622,19 @@ void CudaMoments::free_state() {
                   (void*)s_.tgt_mean, (void*)s_.Bt, (void*)s_.At, (void*)s_.class_counts, (void*)s_.class_sums})
     if (p) cudaFree(p);
   s_ = DeviceState();
+  cap_ = 0;
 }
 
 void CudaMoments::free_all() {
   free_state();
-  for (Buf* b : {&xs_, &fs_, &ts_, &Mb_, &Bb_, &Ab_, &Btb_, &Atb_, &mu_, &nu_, &tau_, &partial_, &tiles_.ptrs,
+  for (Buf* b : {&xs_, &fs_, &ts_, &Mb_, &Bb_, &Ab_, &Btb_, &Atb_, &mu_, &nu_, &tau_, &partial_, &defer_, &tiles_.ptrs,
                  &st_tiles_.ptrs, &st_x_, &st_means_, &st_counts_, &st_prod_}) {
     if (b->ptr) cudaFree(b->ptr);
     *b = Buf();
   }
   tiles_ = TileCache();
   st_tiles_ = TileCache();
+  defer_cap_ = 0;
   st_rows_ = 0;  // staged rows belonged to the state just freed
   st_batches_ = 0;
 }
@@ -565,6 +656,7 @@ void CudaMoments::shape(int64_t p, int64_t c, int64_t t, int64_t k) {
   c_ = c;
   t_ = t;
   k_ = k;
+  cap_ = std::max<int64_t>(k, 0);
   auto zeros = [](size_t count, size_t es) {
     void* ptr = allocate(count * es);
     if (ptr) CUDA_CHECK(cudaMemset(ptr, 0, count * es));
@@ -583,12 +675,25 @@ void CudaMoments::shape(int64_t p, int64_t c, int64_t t, int64_t k) {
   s_.class_counts = static_cast<long long*>(zeros(K, 8));
   s_.class_sums = static_cast<double*>(zeros(K * P, 8));
   CUDA_CHECK(cudaDeviceSynchronize());  // memsets are done before any stream uses the buffers
+  publish_classes();
 }
 
-void CudaMoments::grow_classes(int64_t k, cudaStream_t stream) {
-  if (k <= k_) return;
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  const size_t K = k, P = p_, K0 = k_ > 0 ? k_ : 0;
+void CudaMoments::publish_classes() {
+  Header hh;
+  CUDA_CHECK(cudaMemcpy(&hh, s_.hdr, sizeof(Header), cudaMemcpyDeviceToHost));
+  hh.class_sums = s_.class_sums;
+  hh.class_counts = s_.class_counts;
+  hh.cap = num_classes_ >= 0 ? num_classes_ : cap_;
+  hh.defer_rows = static_cast<double*>(defer_.ptr);
+  hh.defer_labels = defer_.ptr ? reinterpret_cast<long long*>(hh.defer_rows + defer_cap_ * p_) : nullptr;
+  hh.defer_cap = defer_cap_;
+  CUDA_CHECK(cudaMemcpy(s_.hdr, &hh, sizeof(Header), cudaMemcpyHostToDevice));
+}
+
+void CudaMoments::grow_classes(int64_t cap) {
+  if (cap <= cap_) return;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const size_t K = cap, P = p_, K0 = cap_;
   long long* counts = static_cast<long long*>(allocate(K * 8));
   double* sums = static_cast<double*>(allocate(K * P * 8));
   CUDA_CHECK(cudaMemset(counts, 0, K * 8));
@@ -601,14 +706,93 @@ void CudaMoments::grow_classes(int64_t k, cudaStream_t stream) {
   if (s_.class_sums) CUDA_CHECK(cudaFree(s_.class_sums));
   s_.class_counts = counts;
   s_.class_sums = sums;
-  k_ = k;
+  cap_ = cap;
   CUDA_CHECK(cudaDeviceSynchronize());
+  publish_classes();
+}
+
+void CudaMoments::prepare_classes(const Matrix& labels, int64_t nb) {
+  widest_labelled_ = std::max(widest_labelled_, nb);
+  if (cap_ == 0) {
+    // The first labelled batch: the state was just allocated (a synchronising
+    // step already), so reading its largest label costs one more wait, once.
+    Header* h = s_.hdr;
+    CUDA_CHECK(cudaMemset(&h->batch_max, 0xff, sizeof(long long)));
+    dispatch_int(labels.dtype, [&](auto tag) {
+      using Ti = decltype(tag);
+      max_label<Ti><<<(unsigned)std::min<long long>(1024, (nb + 255) / 256), 256>>>(
+          static_cast<const Ti*>(labels.ptr), nb, labels.ld, h);
+    });
+    LAUNCH_CHECK("max_label");
+    long long mx = -1;
+    CUDA_CHECK(cudaMemcpy(&mx, &h->batch_max, sizeof(long long), cudaMemcpyDeviceToHost));
+    const int64_t growth_cap = class_growth_cap(p_);
+    if (mx >= growth_cap) {
+      Msg os;
+      os << "label " << mx << " would grow the class sums past 1 GiB (" << growth_cap << " classes at p=" << p_
+         << "); pass num_classes to Moments if this many classes is intended";
+      throw std::invalid_argument(os.str());
+    }
+    grow_classes(class_capacity(std::max<long long>(mx + 1, 1), p_));
+  }
+  if (!defer_.ptr) {
+    // Allocated outside any capture (the first labelled batch); regrown only
+    // at a synchronising call, when it is empty (settle_classes).
+    const int64_t rows = std::max<int64_t>(widest_labelled_, 1024);
+    ensure(defer_, (size_t)rows * ((size_t)p_ + 1) * 8);
+    defer_cap_ = rows;
+    publish_classes();
+  }
+}
+
+void CudaMoments::class_part(const Matrix& x, const Matrix& labels, cudaStream_t stream) {
+  Header* h = s_.hdr;
+  launch_class_sums(x, labels, h, true, stream);
+  if (num_classes_ >= 0) return;
+  dispatch_float(x.dtype, [&](auto xt) {
+    using Tin = decltype(xt);
+    dispatch_int(labels.dtype, [&](auto yt) {
+      using Ti = decltype(yt);
+      defer_rows<Tin, Ti><<<dim3(1, grid_y(x.rows)), 256, 0, stream>>>(static_cast<const Tin*>(x.ptr), x.rows, x.cols,
+                                                                       x.ld, static_cast<const Ti*>(labels.ptr),
+                                                                       labels.ld, h);
+    });
+  });
+  LAUNCH_CHECK("defer_rows");
+}
+
+void CudaMoments::settle_classes() {
+  // Called with the device idle. With num_classes, k is fixed.
+  if (num_classes_ >= 0 || k_ < 0 || !s_.hdr) return;
+  Header hh;
+  CUDA_CHECK(cudaMemcpy(&hh, s_.hdr, sizeof(Header), cudaMemcpyDeviceToHost));
+  const int64_t k = std::max<int64_t>(k_floor_, hh.k_seen);
+  if (k > cap_) grow_classes(class_capacity(k, p_));
+  if (hh.defer_used > 0) {
+    const double* rows = static_cast<const double*>(defer_.ptr);
+    Matrix x{(void*)rows, hh.defer_used, p_, p_, DType::f64};
+    Matrix y{(void*)(rows + defer_cap_ * p_), hh.defer_used, 1, 1, DType::i64};
+    launch_class_sums(x, y, s_.hdr, false, 0);
+    CUDA_CHECK(cudaMemset(&s_.hdr->defer_used, 0, sizeof(long long)));
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  k_ = k;
+  if (defer_.ptr && defer_cap_ < widest_labelled_) {  // empty now: room for the widest batch
+    ensure(defer_, (size_t)widest_labelled_ * ((size_t)p_ + 1) * 8);
+    defer_cap_ = widest_labelled_;
+    publish_classes();
+  }
 }
 
 void CudaMoments::set_product(Product algo, int block) {
   if (block < 16) throw std::invalid_argument("block size must be at least 16");
   algo_ = algo;
   block_ = block;
+}
+
+void CudaMoments::set_row_cap(int64_t rows) {
+  if (rows < 0) throw std::invalid_argument("row cap must be 0 (none) or positive, got " + std::to_string(rows));
+  row_cap_ = rows;
 }
 
 void CudaMoments::order_after_last(cudaStream_t stream) {
@@ -640,9 +824,10 @@ void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, i
   // Scratch of the per-batch path, sized for a batch of nb rows. With staging
   // on it is sized too (by eager updates): a captured update takes the
   // per-batch path and must not allocate inside the capture.
-  const size_t ies = in_size(prec), oes = out_size(prec);
+  const size_t ies = in_size(prec), oes = product_size(prec, nb);
   const int64_t p = p_;
   const int64_t widest = std::max<int64_t>(p, std::max<int64_t>(c, t));
+  if (splits(prec, nb)) ensure(part_, (size_t)widest * widest * 4);
   const long long chunks = (nb + kChunkRows - 1) / kChunkRows;
   ensure(partial_, (size_t)chunks * widest * 8);
   ensure(mu_, (size_t)p * 8);
@@ -676,17 +861,23 @@ void CudaMoments::means_and_checks(const Matrix& x, const Matrix* outputs, const
   double* partial = static_cast<double*>(partial_.ptr);
   const long long nb = x.rows;
   CUDA_CHECK(cudaMemsetAsync(h->batch_bad, 0, sizeof(h->batch_bad), stream));
+  if (labels) {
+    CUDA_CHECK(cudaMemsetAsync(&h->batch_max, 0xff, sizeof(long long), stream));
+    CUDA_CHECK(cudaMemsetAsync(&h->batch_over, 0, sizeof(long long), stream));
+  }
   launch_means(x, partial, mu, bad + 0, stream);
   if (outputs) launch_means(*outputs, partial, nu, bad + 1, stream);
   if (targets) launch_means(*targets, partial, tau, bad + 2, stream);
   if (labels) {
-    const long long limit = num_classes_ >= 0 ? num_classes_ : k_;
+    const long long limit = num_classes_ >= 0 ? num_classes_ : class_growth_cap(p_);
     dispatch_int(labels->dtype, [&](auto tag) {
       using Ti = decltype(tag);
       check_labels<Ti><<<(unsigned)std::min<long long>(1024, (nb + 255) / 256), 256, 0, stream>>>(
           static_cast<const Ti*>(labels->ptr), nb, labels->ld, limit, h);
     });
     LAUNCH_CHECK("check_labels");
+    defer_reserve<<<1, 1, 0, stream>>>(h);  // last: reads every check's verdict
+    LAUNCH_CHECK("defer_reserve");
   }
 }
 
@@ -709,30 +900,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   order_after_last(stream);
   Header* h = s_.hdr;
 
-  if (labels && num_classes_ < 0) {
-    // Without num_classes the class arrays follow the largest label, which
-    // only the device knows: the one synchronising case of update.
-    CUDA_CHECK(cudaMemsetAsync(&h->max_label, 0xff, sizeof(long long), stream));
-    dispatch_int(labels->dtype, [&](auto tag) {
-      using Ti = decltype(tag);
-      max_label<Ti><<<std::min<long long>(1024, (nb + 255) / 256), 256, 0, stream>>>(
-          static_cast<const Ti*>(labels->ptr), nb, labels->ld, h);
-    });
-    LAUNCH_CHECK("max_label");
-    long long mx = -1;
-    CUDA_CHECK(cudaMemcpyAsync(&mx, &h->max_label, sizeof(long long), cudaMemcpyDeviceToHost, stream));
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    // Same cap as the CPU backend: a stray huge label must not allocate
-    // gigabytes of class sums.
-    const int64_t growth_cap = std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
-    if (mx >= growth_cap) {
-      Msg os;
-      os << "label " << mx << " would grow the class sums past 1 GiB (" << growth_cap << " classes at p=" << p
-         << "); pass num_classes to Moments if this many classes is intended";
-      throw std::invalid_argument(os.str());
-    }
-    grow_classes(mx + 1, stream);
-  }
+  if (labels && num_classes_ < 0) prepare_classes(*labels, nb);  // synchronises on the first labelled batch only
 
   if (stack_rows_ > 0 && nb <= stack_rows_) {
     // A graph replay re-runs a captured update with the same host-side stage
@@ -763,14 +931,15 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   CUBLAS_CHECK(cublasSetStream(handle_, stream));
   CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, workspace_bytes_));
   product_lower(prec, p, nb, xs_.ptr, p, Mb_.ptr, p, tiles_, stream);
-  if (outputs) product_cross(prec, nb, c, fs_.ptr, c, xs_.ptr, p, Bb_.ptr, Ab_.ptr);
-  if (targets) product_cross(prec, nb, t, ts_.ptr, t, xs_.ptr, p, Btb_.ptr, Atb_.ptr);
+  if (outputs) product_cross(prec, nb, c, fs_.ptr, c, xs_.ptr, p, Bb_.ptr, Ab_.ptr, stream);
+  if (targets) product_cross(prec, nb, t, ts_.ptr, t, xs_.ptr, p, Btb_.ptr, Atb_.ptr, stream);
 
-  // float64 merge; every kernel reads the device's error counts and leaves
+  // float64 merge (of float64 products: fp64, or split); every kernel reads the device's error counts and leaves
   // the state untouched for a bad batch.
+  const bool wide = product_size(prec, nb) == 8;
   auto sym = [&](double* S, const void* Sb, long long n, const double* ma, const double* mb) {
     const unsigned tiles = (unsigned)((n + 31) / 32);
-    if (prec == Precision::fp64)
+    if (wide)
       merge_sym<double><<<dim3(tiles, tiles), dim3(32, 8), 0, stream>>>(S, static_cast<const double*>(Sb), n, ma, mb,
                                                                        h, nb, true);
     else
@@ -780,7 +949,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   };
   auto cross = [&](double* Bs, const void* Bg, long long w, const double* ga, const double* gb) {
     dim3 grid((unsigned)((w + 127) / 128), grid_y(p));
-    if (prec == Precision::fp64)
+    if (wide)
       merge_cross<double><<<grid, 128, 0, stream>>>(Bs, static_cast<const double*>(Bg), p, w, s_.mean, mu, ga, gb,
                                                     h, nb, true);
     else
@@ -797,7 +966,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
     cross(s_.Bt, Btb_.ptr, t, s_.tgt_mean, tau);
     sym(s_.At, Atb_.ptr, t, s_.tgt_mean, tau);
   }
-  if (labels) launch_class_sums(x, *labels, s_.class_sums, s_.class_counts, h, stream);
+  if (labels) class_part(x, *labels, stream);
   finalize<<<1, 1024, 0, stream>>>(h, nb, s_.mean, mu, p, s_.out_mean, nu, outputs ? c : 0, s_.tgt_mean, tau,
                                     targets ? t : 0, true);
   LAUNCH_CHECK("finalize");
@@ -832,7 +1001,8 @@ void CudaMoments::stage_batch(const Matrix& x, const Matrix* outputs, const Matr
   prepare_batch_scratch(prec, nb, c, t);
   const int64_t width = (p + c + t + 7) / 8 * 8;  // rows 16-byte aligned for the tensor-core kernels
   st_width_ = width;
-  const size_t ies = in_size(prec), oes = out_size(prec);
+  const size_t ies = in_size(prec), oes = product_size(prec, stack_rows_);  // the most rows a flush multiplies
+  if (splits(prec, stack_rows_)) ensure(part_, (size_t)width * width * 4);
   ensure(st_x_, (size_t)stack_rows_ * width * ies);
   ensure(st_means_, (size_t)(kMaxStackBatches + 1) * width * 8);
   ensure(st_counts_, (size_t)kMaxStackBatches * 8);
@@ -860,7 +1030,7 @@ void CudaMoments::stage_batch(const Matrix& x, const Matrix* outputs, const Matr
   if (outputs) launch_center(*outputs, means + p, prec, rows + p * ies, width, h, stream);
   if (targets) launch_center(*targets, means + p + c, prec, rows + (p + c) * ies, width, h, stream);
   // class sums stay per batch (raw float64 sums: nothing to stage)
-  if (labels) launch_class_sums(x, *labels, s_.class_sums, s_.class_counts, h, stream);
+  if (labels) class_part(x, *labels, stream);
   stage_record<<<1, 1, 0, stream>>>(h, static_cast<long long*>(st_counts_.ptr) + slot, nb);
   LAUNCH_CHECK("stage_record");
   st_rows_ += nb;
@@ -879,7 +1049,7 @@ void CudaMoments::flush_stage(cudaStream_t stream) {
   // than merged twice by a later flush.
   st_rows_ = 0;
   st_batches_ = 0;
-  const size_t ies = in_size(prec), oes = out_size(prec);
+  const size_t ies = in_size(prec), oes = product_size(prec, R);
   const char* rows = static_cast<const char*>(st_x_.ptr);
   char* prod = static_cast<char*>(st_prod_.ptr);
   double* means = static_cast<double*>(st_means_.ptr);
@@ -914,14 +1084,14 @@ void CudaMoments::flush_stage(cudaStream_t stream) {
       Bp = next;
       Ap = next + p * c * oes;
       ldB = ldA = c;
-      product_cross(prec, R, c, rows + p * ies, W, rows, W, (void*)Bp, (void*)Ap);
+      product_cross(prec, R, c, rows + p * ies, W, rows, W, (void*)Bp, (void*)Ap, stream);
       next += (p * c + c * c) * oes;
     }
     if (t > 0) {
       Btp = next;
       Atp = next + p * t * oes;
       ldBt = ldAt = t;
-      product_cross(prec, R, t, rows + (p + c) * ies, W, rows, W, (void*)Btp, (void*)Atp);
+      product_cross(prec, R, t, rows + (p + c) * ies, W, rows, W, (void*)Btp, (void*)Atp, stream);
     }
   }
 
@@ -933,7 +1103,7 @@ void CudaMoments::flush_stage(cudaStream_t stream) {
   auto merge = [&](double* S, long long lds, const void* Sb, long long ldb, long long nf, long long ns,
                    const double* Df, const double* Ds, bool lower) {
     dim3 grid((unsigned)((nf + 31) / 32), (unsigned)((ns + 31) / 32));
-    if (prec == Precision::fp64)
+    if (oes == 8)
       merge_groups<double><<<grid, dim3(32, 8), 0, stream>>>(S, lds, static_cast<const double*>(Sb), ldb, nf, ns,
                                                              Df, Ds, W, groups, lower);
     else
@@ -1017,8 +1187,32 @@ Product CudaMoments::resolve(Precision prec, int64_t n) const {
   return algo;
 }
 
+int64_t CudaMoments::rows_per_product(Precision prec, int64_t k) const {
+  return (prec == Precision::fp32 && row_cap_ > 0) ? std::min<int64_t>(row_cap_, std::max<int64_t>(k, 1))
+                                                   : std::max<int64_t>(k, 1);
+}
+
+size_t CudaMoments::product_size(Precision prec, int64_t k) const { return splits(prec, k) ? 8 : out_size(prec); }
+
 void CudaMoments::product_lower(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst,
                                 int64_t ldc, TileCache& tc, cudaStream_t stream) {
+  const int64_t step = rows_per_product(prec, k);
+  if (step >= k) {
+    product_lower_once(prec, n, k, src, lda, dst, ldc, tc, stream);
+    return;
+  }
+  // Row blocks of at most `step` rows, each multiplied into part_ and added
+  // in float64 into dst (a double buffer: see splits()).
+  const char* rows = static_cast<const char*>(src);
+  for (int64_t r0 = 0; r0 < k; r0 += step) {
+    product_lower_once(prec, n, std::min(step, k - r0), rows + r0 * lda * in_size(prec), lda, part_.ptr, ldc, tc,
+                       stream);
+    add_part(static_cast<double*>(dst), static_cast<const float*>(part_.ptr), n, n, ldc, true, r0 == 0, stream);
+  }
+}
+
+void CudaMoments::product_lower_once(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst,
+                                     int64_t ldc, TileCache& tc, cudaStream_t stream) {
   const size_t ies = in_size(prec), oes = out_size(prec);
   const char* xs = static_cast<const char*>(src);
   char* Mb = static_cast<char*>(dst);
@@ -1081,11 +1275,26 @@ void CudaMoments::product_lower(Precision prec, int64_t n, int64_t k, const void
 }
 
 void CudaMoments::product_cross(Precision prec, int64_t k, int64_t w, const void* gs, int64_t ldg, const void* xs,
-                                int64_t ldx, void* Bg, void* Ag) {
-  // B_g (p x w row-major = w x p column-major) = G_c^T X_c.
-  gemm_nt(handle_, prec, w, p_, k, gs, ldg, xs, ldx, Bg, w);
-  if (prec == Precision::fp64 || prec == Precision::fp32) syrk_lower(handle_, prec, w, k, gs, ldg, Ag, w);
-  else gemm_nt(handle_, prec, w, w, k, gs, ldg, gs, ldg, Ag, w);
+                                int64_t ldx, void* Bg, void* Ag, cudaStream_t s) {
+  // B_g (p x w row-major = w x p column-major) = G_c^T X_c. Split into row
+  // blocks as product_lower (Bg, Ag then double buffers).
+  const int64_t step = rows_per_product(prec, k);
+  const bool split = step < k;
+  const size_t ies = in_size(prec);
+  for (int64_t r0 = 0; r0 < k; r0 += step) {
+    const int64_t kk = std::min(step, k - r0);
+    const char* g = static_cast<const char*>(gs) + r0 * ldg * ies;
+    const char* x = static_cast<const char*>(xs) + r0 * ldx * ies;
+    gemm_nt(handle_, prec, w, p_, kk, g, ldg, x, ldx, split ? part_.ptr : Bg, w);
+    if (split) add_part(static_cast<double*>(Bg), static_cast<const float*>(part_.ptr), w, p_, w, false, r0 == 0, s);
+    void* a = split ? part_.ptr : Ag;
+    // A_g by GEMM except in fp64: on an H200 cublasSsyrk took 360 us for a
+    // 4096 x 1000 x 1000 product that a full GEMM does in about 165 us
+    // (benchmarks/gpu_check.py, outputs mode, 2026-11-30).
+    if (prec == Precision::fp64) syrk_lower(handle_, prec, w, kk, g, ldg, a, w);
+    else gemm_nt(handle_, prec, w, w, kk, g, ldg, g, ldg, a, w);
+    if (split) add_part(static_cast<double*>(Ag), static_cast<const float*>(part_.ptr), w, w, w, true, r0 == 0, s);
+  }
 }
 
 // ---- synchronising calls ----------------------------------------------------------
@@ -1095,30 +1304,14 @@ void CudaMoments::sync_and_check() {
   flush_pending();  // staged rows join the state before anything reads it
   CUDA_CHECK(cudaDeviceSynchronize());
   if (!s_.hdr) return;
+  settle_classes();  // rows of batches that were added, whatever else failed
   Header hh;
   CUDA_CHECK(cudaMemcpy(&hh, s_.hdr, sizeof(Header), cudaMemcpyDeviceToHost));
-  if (hh.skipped == 0) {
-    k_floor_ = k_;
-    return;
-  }
+  if (hh.skipped == 0) return;
   // Clear the pending error first: the state itself is intact (bad batches
   // were skipped), so the object stays usable after the exception.
   CUDA_CHECK(cudaMemset(&s_.hdr->total_bad, 0, sizeof(hh.total_bad) + sizeof(hh.skipped)));
   CUDA_CHECK(cudaDeviceSynchronize());
-  if (num_classes_ < 0 && k_ > 0) {
-    // update() grew the class arrays to a skipped batch's largest label before
-    // the device had checked the batch. Without num_classes, k is one past the
-    // largest label of the batches added (as on the CPU), which is the last
-    // class with a count: trim back to it (the arrays stay allocated), but
-    // never below the k of the last check, load or merge (a loaded or merged
-    // state may end in empty classes).
-    std::vector<long long> counts((size_t)k_);
-    CUDA_CHECK(cudaMemcpy(counts.data(), s_.class_counts, counts.size() * 8, cudaMemcpyDeviceToHost));
-    int64_t k = k_;
-    while (k > std::max<int64_t>(k_floor_, 0) && counts[(size_t)(k - 1)] == 0) --k;
-    k_ = k;
-  }
-  k_floor_ = k_;
   Msg os;
   os << hh.skipped << (hh.skipped == 1 ? " batch was" : " batches were") << " not added (checked on the device): ";
   const char* names[3] = {"features", "outputs", "targets"};
@@ -1132,8 +1325,16 @@ void CudaMoments::sync_and_check() {
   if (hh.total_bad[3]) {
     os << (first ? "" : "; ") << "labels out of range: " << hh.total_bad[3] << " label"
        << (hh.total_bad[3] == 1 ? "" : "s");
+    first = false;
     if (num_classes_ >= 0) os << " outside 0.." << num_classes_ - 1 << " (num_classes=" << num_classes_ << ")";
-    else os << " negative (labels must be >= 0)";
+    else
+      os << " negative or past " << class_growth_cap(p_) - 1
+         << " (labels must be >= 0; without num_classes the class sums stop at 1 GiB)";
+  }
+  if (hh.total_bad[4]) {
+    os << (first ? "" : "; ") << hh.total_bad[4] << " row" << (hh.total_bad[4] == 1 ? "" : "s")
+       << " labelled past the class capacity did not fit the deferral buffer (" << defer_cap_
+       << " rows between synchronising calls); pass num_classes to Moments";
   }
   throw std::invalid_argument(os.str());
 }
@@ -1233,9 +1434,8 @@ void CudaMoments::upload(const State& s) {
   if (s.p < 0 || s.n == 0) return;
   shape(s.p, s.c, s.t, s.k);
   k_floor_ = k_;
-  Header hh{};
-  hh.n = s.n;
-  CUDA_CHECK(cudaMemcpy(s_.hdr, &hh, sizeof(Header), cudaMemcpyHostToDevice));
+  const long long n = s.n;
+  CUDA_CHECK(cudaMemcpy(&s_.hdr->n, &n, sizeof(long long), cudaMemcpyHostToDevice));
   put(s_.mean, s.mean);
   put_symmetric(s_.M, s.M, s.p);
   put(s_.out_mean, s.out_mean);
@@ -1311,7 +1511,8 @@ void CudaMoments::merge(CudaMoments& other) {
 void CudaMoments::merge_state_device(const CudaMoments& o, int64_t on) {
   DeviceGuard g(device_);
   cudaStream_t s = 0;
-  if (o.k_ > k_) grow_classes(o.k_, s);
+  if (o.k_ > cap_) grow_classes(o.k_);
+  k_ = std::max(k_, o.k_);
   Header* h = s_.hdr;
   const long long p = p_;
   auto sym = [&](double* S, const double* Sb, long long n, const double* ma, const double* mb) {

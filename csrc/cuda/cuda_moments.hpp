@@ -8,8 +8,11 @@
 // Non-finite values and out-of-range labels are counted on the device; the
 // merge kernels read that count and skip the batch, and the error is raised at
 // the next synchronising call (n, get_state, merge, reset). So update() never
-// waits for the device (one exception: labels without num_classes, where the
-// class arrays must be sized from the largest label).
+// waits for the device, labels included: without num_classes the class arrays
+// have a host-known capacity (set from the first labelled batch, which
+// allocates anyway), rows whose label is past it are copied on the device into
+// a deferral buffer, and the next synchronising call grows the capacity and
+// adds them (see defer_rows and settle_classes).
 //
 // Staging (opt-in, set_stack): instead of one product and one merge per batch,
 // update() centers the batch on its own float64 mean and copies the narrowed
@@ -49,12 +52,28 @@ enum class Product : int {
 constexpr int kMaxStackBatches = 256;
 
 // Device-side bookkeeping, read by the kernels (never by the host in update).
+// Error kinds: non-finite features/outputs/targets, labels out of range,
+// labels past the class capacity in more rows than the deferral buffer holds.
+constexpr int kBadKinds = 5;
 struct Header {
-  long long n;             // samples merged
-  long long batch_bad[4];  // this batch: non-finite features/outputs/targets, bad labels
-  long long total_bad[4];  // since the last synchronising call
-  long long skipped;       // batches skipped since the last synchronising call
-  long long max_label;     // scratch for growing the class arrays
+  long long n;                     // samples merged
+  long long batch_bad[kBadKinds];  // this batch
+  long long total_bad[kBadKinds];  // since the last synchronising call
+  long long skipped;               // batches skipped since the last synchronising call
+  long long k_seen;                // one past the largest label of the batches added
+  long long batch_max;             // this batch: largest label (-1: none)
+  long long batch_over;            // this batch: rows whose label is past the class capacity
+  long long defer_used;            // rows in the deferral buffer
+  long long defer_cursor;          // next deferral row of this batch
+  // The class arrays and the deferral buffer, read by the kernels from here
+  // (not from launch arguments) so that a captured update follows their
+  // growth at a synchronising call. Written by the host only at such calls.
+  double* class_sums;
+  long long* class_counts;
+  long long cap;           // classes allocated; labels past it are deferred
+  double* defer_rows;      // defer_cap rows of p float64 values
+  long long* defer_labels; // defer_cap labels
+  long long defer_cap;
 };
 
 struct DeviceState {
@@ -101,7 +120,7 @@ class CudaMoments {
   int64_t p() const { return p_; }
   int64_t c() const { return c_; }
   int64_t t() const { return t_; }
-  int64_t k() const { return k_; }
+  int64_t k() const { return k_; }  // as of the last synchronising call
   int64_t num_classes() const { return num_classes_; }
   Precision precision() const { return precision_; }
   int device() const { return device_; }
@@ -109,6 +128,15 @@ class CudaMoments {
   void set_product(Product algo, int block);
   Product product() const { return algo_; }
   int block() const { return block_; }
+
+  // Most rows one fp32 product accumulates in float32 (0 = no limit): longer
+  // row blocks are split, the parts added in float64. Float32
+  // accumulation over k rows loses accuracy as k grows: 4,096 rows of mean
+  // 1e4 and spread 1e-2 moved the fp32 DLR by 2e-6 on an H200, where the
+  // contract (docs/MATH.md, precision) is 1e-6. tf32/bf16 are not split:
+  // their input rounding dominates.
+  void set_row_cap(int64_t rows);
+  int64_t row_cap() const { return row_cap_; }
 
   // Staging of up to `rows` rows before one product (0 = off: one product
   // per batch). `joint`: with outputs/targets streamed, one product over the
@@ -125,12 +153,19 @@ class CudaMoments {
   int device_;
   int64_t num_classes_;
   int64_t p_ = -1, c_ = -1, t_ = -1, k_ = -1;
-  // k as of the last point where every batch in the state had been checked on
-  // the device (a sync, a load, a merge): a skipped batch's trim stops there.
+  // k of a loaded or merged state (which may end in empty classes): the
+  // labels seen on the device raise k above it, never below.
   int64_t k_floor_ = -1;
+  // Rows allocated in the class arrays (>= k_). Without num_classes, labels
+  // past it are deferred (defer_ holds defer_cap_ rows of p float64 values,
+  // then defer_cap_ int64 labels) until settle_classes.
+  int64_t cap_ = 0;
+  int64_t defer_cap_ = 0;
+  int64_t widest_labelled_ = 0;  // most rows in one labelled batch (sizes the deferral buffer)
   Precision precision_ = Precision::fp64;
   Product algo_ = Product::automatic;
   int block_ = 512;
+  int64_t row_cap_ = 1024;
 
   cublasHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
@@ -146,7 +181,7 @@ class CudaMoments {
     void* ptr = nullptr;
     size_t bytes = 0;
   };
-  Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_;
+  Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_, defer_, part_;
   // Pointer arrays of the batched lower-tile product, valid for `key`
   // (source, destination, sizes): recomputed on the device when it changes.
   struct TileCache {
@@ -177,7 +212,14 @@ class CudaMoments {
   void free_all();
   void free_state();
   void shape(int64_t p, int64_t c, int64_t t, int64_t k);
-  void grow_classes(int64_t k, cudaStream_t stream);
+  void grow_classes(int64_t cap);  // capacity of the class arrays (synchronises)
+  // Without num_classes: the first labelled batch's capacity (this call
+  // synchronises, as the first batch's allocation does), and the deferral buffer.
+  void prepare_classes(const Matrix& labels, int64_t nb);
+  // At a synchronising call: k from the device, capacity grown to it, deferred rows added.
+  void settle_classes();
+  void class_part(const Matrix& x, const Matrix& labels, cudaStream_t stream);
+  void publish_classes();  // the header's copy of the class arrays' and deferral buffer's addresses
   void sync_and_check();  // flushes the stage, waits for the device; raises and clears pending errors
   void order_after_last(cudaStream_t stream);
   Product resolve(Precision prec, int64_t n) const;  // the algorithm product_lower will use
@@ -188,10 +230,17 @@ class CudaMoments {
   // = column-major n x k; C column-major n x n with leading dimension ldc.
   void product_lower(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst, int64_t ldc,
                      TileCache& tc, cudaStream_t stream);
+  // One cuBLAS product (no split).
+  void product_lower_once(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst, int64_t ldc,
+                          TileCache& tc, cudaStream_t stream);
+  int64_t rows_per_product(Precision prec, int64_t k) const;
+  // Whether a product over k rows is split: its result is then float64 (else out_size(prec) bytes per element).
+  bool splits(Precision prec, int64_t k) const { return rows_per_product(prec, k) < k; }
+  size_t product_size(Precision prec, int64_t k) const;
   // B_g = X^T G (w x p column-major, ld w) and the lower triangle of A_g =
   // G^T G (ld w) over k rows; G and X row-major with row strides ldg, ldx.
   void product_cross(Precision prec, int64_t k, int64_t w, const void* gs, int64_t ldg, const void* xs, int64_t ldx,
-                     void* Bg, void* Ag);
+                     void* Bg, void* Ag, cudaStream_t stream);
   void stage_batch(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
                    Precision prec, cudaStream_t stream);
   void flush_stage(cudaStream_t stream);  // enqueues the reduction of the staged rows on `stream`

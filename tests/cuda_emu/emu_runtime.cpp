@@ -743,7 +743,10 @@ void gemm_ref(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, A
       Acc acc = 0;
       const Acc* ai = a.data() + (size_t)i * k;
       const Acc* bj = b.data() + (size_t)j * k;
-      for (int l = 0; l < k; ++l) acc += ai[l] * bj[l];
+      // One fused multiply-add per term, accumulated in Acc along k, as a
+      // GPU GEMM thread does for its element: float32 products lose accuracy
+      // with long k as cuBLAS's do (the fp32 row cap is tested against it).
+      for (int l = 0; l < k; ++l) acc = std::fma(ai[l], bj[l], acc);
       const size_t idx = (size_t)i + (size_t)j * ldc;
       Acc v = alpha * acc;
       if (beta != (Acc)0) v += beta * load<Acc>(C, Ct, idx, false);  // beta == 0: C is not read
