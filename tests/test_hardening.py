@@ -83,7 +83,8 @@ def test_reader_sees_whole_batches():
         return go
 
     def read():
-        while not done.is_set() or len(seen) < 5:
+        while True:
+            finished = done.is_set()  # then this read comes after the last update
             st = m.state_dict()
             n = st["n"]
             # a snapshot between whole batches: counts, class sums and the mean agree with n
@@ -92,6 +93,8 @@ def test_reader_sees_whole_batches():
                 np.testing.assert_allclose(st["class_sums"].sum(0) / n, st["mean"], rtol=1e-9, atol=1e-9)
                 assert (np.diag(st["M"]) >= 0).all()
             seen.append(n)
+            if finished and len(seen) >= 5:
+                return
 
     reader_errors = []
 
