@@ -13,7 +13,7 @@ P, C, K = 6, 2, 5
 
 def batches(rng, count=16):
     out = []
-    for n in rng.integers(1, 300, size=count):
+    for n in rng.integers(1, 1500, size=count):
         X = rng.normal(size=(n, P)) * 3.0 + rng.normal(size=P)
         out.append((X, X[:, :C] ** 2 + rng.normal(size=(n, C)), rng.integers(0, K, size=n)))
     return out
@@ -44,7 +44,9 @@ def test_four_threads_give_the_serial_state():
     rng = np.random.default_rng(0)
     for _ in range(50):
         data = batches(rng)
-        m = richness.Moments()
+        # device given: the backend exists before the threads start (its lazy creation on a first
+        # update is Python-side and not locked)
+        m = richness.Moments(device="cpu")
 
         def feed(part):
             def go():
@@ -72,7 +74,7 @@ def test_reader_sees_whole_batches():
     rng = np.random.default_rng(1)
     data = batches(rng, count=64)
     sizes = {0}
-    m = richness.Moments(num_classes=K)
+    m = richness.Moments(num_classes=K, device="cpu")
     done = threading.Event()
     seen = []
 
