@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts (compare.py; cpu_side_by_side.py keeps its own).
+"""Functions shared by the benchmark scripts (compare.py; cpu_side_by_side.py keeps its own).
 
 Nothing here is part of the package. Three things every benchmark needs and
 must get right the same way:
@@ -10,7 +10,7 @@ must get right the same way:
   batches, with the pages of each finished batch dropped from the process
   (MADV_DONTNEED), so that VmHWM counts the method, not the file;
 * the exact answer: DLR from float64 co-moments of a two-pass float64
-  computation (SPEC.md, feature-space form), the yardstick for every error.
+  computation (docs/MATH.md, feature-space form), the yardstick for every error.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def proc_status_mb(key: str = "VmHWM") -> float:
 # -- exact answers ---------------------------------------------------------------
 
 def dlr_from_comoments(M: np.ndarray, B: np.ndarray, A: np.ndarray, rtol: float = 1e-10) -> float:
-    """DLR = 1 - tr(B A^+ B^T) / (||M||_F sqrt(r)), r = #{a_i > rtol a_max} (SPEC.md), in float64."""
+    """DLR = 1 - tr(B A^+ B^T) / (||M||_F sqrt(r)), r = #{a_i > rtol a_max} (docs/MATH.md,
+    feature-space form), in float64."""
     M, B, A = (np.asarray(a, dtype=np.float64) for a in (M, B, A))
     a, U = np.linalg.eigh((A + A.T) / 2)
     keep = a > rtol * a.max()
@@ -51,7 +52,8 @@ def dlr_from_raw_sums(n: int, sx, sf, S, XF, FF, rtol: float = 1e-5) -> float:
     """What a user of the plain accumulation loop does at the end: raw sums
     (sum x, sum f, X^T X, X^T F, F^T F) widened to float64, then
     M = S - n mu mu^T etc. The cancellation in that subtraction is the
-    precision the loop loses when features have a mean (SPEC.md)."""
+    precision the loop loses when features have a mean (docs/MATH.md, streaming
+    estimator)."""
     sx, sf, S, XF, FF = (np.asarray(a, dtype=np.float64) for a in (sx, sf, S, XF, FF))
     mu, nu = sx / n, sf / n
     M = S - n * np.outer(mu, mu)
@@ -111,7 +113,8 @@ def naive_dlr(X: np.ndarray, F: np.ndarray) -> Tuple[float, float]:
 
 def orthonormal_centered(F: np.ndarray, rtol: float = 1e-10) -> np.ndarray:
     """Orthonormal basis (n x r, float64) of the span of the centered outputs H F:
-    Q Q^T is the projector of SPEC.md, so linear CKA(X, Q) = 1 - DLR."""
+    Q Q^T is the projector of docs/MATH.md ("Which projector"), so linear
+    CKA(X, Q) = 1 - DLR."""
     F = np.asarray(F, dtype=np.float64)
     U, s, _ = np.linalg.svd(F - F.mean(0), full_matrices=False)
     return U[:, s * s > rtol * s[0] * s[0]]

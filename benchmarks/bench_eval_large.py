@@ -4,7 +4,7 @@ Generates (once) a float16 .npy of 1.3M x 2048 features (5.3 GB: low-rank
 structure plus noise), int64 labels (1000 classes) and float32 head weights
 (1000 x 2048), then runs ``richness eval FEATURES --labels ... --head ...``
 in a fresh interpreter and reads that process's peak resident set (VmHWM)
-at exit. Target (issue 4): peak RSS < 2 GB.
+at exit. Target: peak RSS < 2 GB (benchmarks/RESULTS.md).
 
     python benchmarks/bench_eval_large.py [--dir /tmp/richness-large] [--rows 1300000] [--keep]
 

@@ -5,7 +5,8 @@ Linear 512 -> 10) on random CIFAR-size data (3 x 32 x 32), batch 256, SGD,
 cross-entropy. Steps are timed in blocks with one synchronisation at the end
 of each block (so the monitor's own synchronisation at emission is counted);
 configurations alternate block by block; the number per configuration is the
-median over blocks of the mean step time. Target (issue 4): every=1 at most 1%.
+median over blocks of the mean step time. Target: every=1 at most 1%
+(benchmarks/RESULTS.md, "Monitor overhead, H200").
 
 Checks first (printed as PASS/FAIL): evaluate() on the GPU against
 evaluate() of the same model on the CPU, and the first every=1 record against

@@ -6,8 +6,10 @@ One command (about 10 minutes on 2 cores):
     python benchmarks/compare.py --quick               # small sizes, a smoke test
     python benchmarks/compare.py --only scaling,h2h    # some sections
 
-writes benchmarks/results/compare.json, PNG plots beside it, and the markdown
-summary benchmarks/RESULTS_COMPARE.md. Sections:
+writes benchmarks/results/compare.json, PNG plots beside it, and a markdown
+summary (--md; by default benchmarks/RESULTS_COMPARE.md). The summary of a
+run worth keeping is folded into benchmarks/RESULTS.md, section "Scaling,
+CKA libraries, precision, finishing", with its date and machine. Sections:
 
 scaling    time and peak memory against n (memory-mapped float32 files, streamed
            in batches), p and C: richness (streamed outputs; head mode) against
@@ -333,7 +335,8 @@ def _dataset(data_dir: str, name: str, n: int, p: int, c: int, seed: int) -> dic
 
 def _reference(meta: dict, n: int, cache: dict) -> dict:
     """Exact float64 DLR of the first n rows, with the cut of float64 products
-    (1e-10) and with the cut the float32 methods use (1e-5, SPEC.md): where an
+    (1e-10) and with the cut the float32 methods use (1e-5; docs/MATH.md, rank
+    cut): where an
     eigenvalue of A lies between the two, the cut changes the answer itself."""
     key = f"{meta['x']}:{n}"
     if key not in cache:
@@ -512,7 +515,7 @@ def section_precision(args) -> dict:
             "torch addmm_ loop, float32 raw sums": (X32, F32, torch.float32, "torch"),
             "torch addmm_ loop, float64 raw sums": (X32, F32, torch.float64, "torch"),
         }
-        if dname.startswith("mean 1e4"):  # float16/bfloat16 cannot represent these inputs (SPEC.md): exempt
+        if dname.startswith("mean 1e4"):  # float16/bfloat16 cannot represent these inputs (docs/MATH.md, streaming estimator): exempt
             modes.pop("fp32, float16 inputs")
             modes.pop("fp32, bfloat16 inputs")
         results = {}
@@ -830,7 +833,7 @@ def markdown(res: dict, md_path: str, results_dir: str) -> str:
               "richness finishes with `compute()`, the full report, whose p x p eigendecomposition dominates the "
               "total at large p and small n; the loops finish DLR alone (see the finishing section for DLR alone "
               "in richness). Memory: richness keeps its state in float64, centers each batch in a copy before "
-              "the product (SPEC.md) and forms the product in a scratch p x p buffer before adding it (so that a "
+              "the product (docs/MATH.md, streaming estimator) and forms the product in a scratch p x p buffer before adding it (so that a "
               "rejected batch leaves the state as it was), so its streaming peak is about twice the float32 "
               "loops' at large p, and "
               "`compute()` adds p x p float64 work arrays. Every streaming peak includes the resident pages of "
@@ -875,8 +878,8 @@ def markdown(res: dict, md_path: str, results_dir: str) -> str:
             L.append(f"| {r['data']} | {r['mode']} | {r['dlr']:.6f} | {r['abs_err_vs_fp64_data']:.1e} | "
                      f"{r['abs_err_vs_rounded_inputs']:.1e} | {_f(r['stream_s'])} | {r['speed_vs_fp64']:.2f}x |")
         L += ["", "GPU rows (tf32 and bf16 products, CUDA fp32/fp64): **not measured here** (this machine has no "
-              "GPU). They come from `benchmarks/gpu_check.py` runs on an H200; `benchmarks/RESULTS_GPU.md` says "
-              "whether that has happened (on the date of this run it had not, so there are no GPU rows).", "",
+              "GPU). They come from `benchmarks/gpu_check.py` runs on an H200; `benchmarks/RESULTS.md`, section "
+              "\"CUDA backend on an H200\", has them (this run adds no GPU rows).", "",
               f"![precision]({rel}/precision.png)", ""]
     fi = res.get("finish")
     if fi:
@@ -905,7 +908,7 @@ def main() -> int:
     ap.add_argument("--data", default=os.environ.get("RICHNESS_BENCH_DATA", "/tmp/richness_bench_data"),
                     help="where the generated memory-mapped files go (about 3 GB)")
     ap.add_argument("--out", default=None, help="default benchmarks/results (with --quick: DATA/quick)")
-    ap.add_argument("--md", default=None, help="default benchmarks/RESULTS_COMPARE.md (with --quick: in --out)")
+    ap.add_argument("--md", default=None, help="default benchmarks/results/compare.md (with --quick: in --out); fold a run into RESULTS.md by hand")
     ap.add_argument("--threads", type=int, default=1,
                     help="BLAS/OpenMP threads of every library (0: their defaults). 1 by default: on cores shared "
                          "with other jobs, multithreaded BLAS made compute() times swing 10-50x")
@@ -922,7 +925,7 @@ def main() -> int:
     if args.out is None:
         args.out = os.path.join(args.data, "quick") if args.quick else os.path.join(HERE, "results")
     if args.md is None:
-        args.md = os.path.join(args.out, "RESULTS_COMPARE.md") if args.quick else os.path.join(HERE, "RESULTS_COMPARE.md")
+        args.md = os.path.join(args.out, "compare.md") if args.quick else os.path.join(HERE, "results", "compare.md")
     os.makedirs(args.data, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     if args.md_only:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared run for a device session (H200): build the CUDA backend, run
-# the GPU tests, time the backend (issue 3) and the Monitor (issue 4), and
+# One prepared run on a GPU machine (H200): build the CUDA backend, run the
+# GPU tests, time the backend and the Monitor (targets: benchmarks/RESULTS.md), and
 # print the tables last. At most 530 s (the three timeouts) after the machine has started.
 #
 #   run(command="bash benchmarks/device_check.sh", carry=["build/gpu_wheels"], timeout_s=540)

@@ -1,4 +1,4 @@
-"""GPU check for an H200 (issue 3): build the CUDA backend if needed, run the
+"""GPU check for an H200: build the CUDA backend if needed, run the
 GPU tests, then time streaming at ImageNet shape, ours against the idiomatic
 torch way, and compute(). Prints a table last; writes $OUT/gpu_check.json
 when OUT is set. Meant to finish in under 5 minutes.
@@ -173,7 +173,7 @@ def benchmark(torch, args) -> dict:
         states[prec] = (m_out, m_head)
         log(f"ours  {prec}: outputs {t_out:.4f} s, head {t_head:.4f} s")
 
-    # -- where the time goes (torch.profiler, 16 batches each): the unmet ratios of issue 3 ---------
+    # -- where the time goes (torch.profiler, 16 batches each): the ratios that missed their targets --
     results["breakdown"] = {}
     for prec, with_outputs, stack in (("fp32", True, 0), ("fp32", False, 0), ("tf32", False, 0),
                                       ("bf16", False, 0), ("fp32", True, STACK_ROWS[-1])):

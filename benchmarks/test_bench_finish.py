@@ -4,7 +4,7 @@
 
 DLR alone (what Monitor and the jackknife call) against the full report, in
 head mode and with streamed outputs, at p = 512 and C = 100 or 2000 (C > p:
-the head is finished in p-space, SPEC.md "Many outputs"). Compare medians
+the head is finished in p-space, docs/MATH.md, "Many outputs"). Compare medians
 within one run; benchmarks/compare.py sweeps p and C.
 """
 

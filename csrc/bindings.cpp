@@ -68,6 +68,17 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release release;
              self.set_state(std::move(s));
            })
+      .def(
+          "shape",
+          [](const CpuMoments& self) {
+            State head;
+            {
+              py::gil_scoped_release release;
+              head = self.widths();
+            }
+            return shape_of(head);
+          },
+          "Widths, class count and precision (the same keys as the CUDA backend's shape()).")
       .def_property_readonly("n",
                              [](const CpuMoments& self) {
                                py::gil_scoped_release release;
@@ -78,6 +89,23 @@ PYBIND11_MODULE(_core, m) {
         return self.p();
       });
 
+  m.def(
+      "check_batch",
+      [](const py::dict& widths, const MatrixArg& features, std::optional<MatrixArg> outputs,
+         std::optional<MatrixArg> labels, std::optional<MatrixArg> targets) {
+        Widths w{0, widths["p"].cast<int64_t>(), widths["c"].cast<int64_t>(), widths["t"].cast<int64_t>(),
+                 widths["k"].cast<int64_t>(), widths["num_classes"].cast<int64_t>()};
+        Batch b;
+        b.features = to_matrix(features);
+        Matrix mo, ml, mt;
+        if (outputs) { mo = to_matrix(*outputs); b.outputs = &mo; }
+        if (labels) { ml = to_matrix(*labels); b.labels = &ml; }
+        if (targets) { mt = to_matrix(*targets); b.targets = &mt; }
+        validate_batch(w, b);
+      },
+      py::arg("widths"), py::arg("features"), py::arg("outputs") = py::none(), py::arg("labels") = py::none(),
+      py::arg("targets") = py::none(),
+      "Raise unless the batch fits a state of these widths (shapes and streams; reads no data).");
   m.def(
       "centered_grams",
       [](const MatrixArg& x, int64_t per, int precision, uintptr_t out, uintptr_t norms) {

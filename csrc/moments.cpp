@@ -560,6 +560,19 @@ State CpuMoments::snapshot() const {
   return state_;
 }
 
+State CpuMoments::widths() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  State w;
+  w.n = state_.n;
+  w.p = state_.p;
+  w.c = state_.c;
+  w.t = state_.t;
+  w.k = state_.k;
+  w.num_classes = state_.num_classes;
+  w.precision = state_.precision;
+  return w;
+}
+
 void CpuMoments::set_state(State s) {
   std::lock_guard<std::mutex> lock(mu_);
   state_ = std::move(s);

@@ -265,6 +265,7 @@ class CpuMoments {
   void reset();
 
   State snapshot() const;      // a consistent copy of the state
+  State widths() const;        // its scalar fields only (n, widths, precision), no arrays
   void set_state(State s);     // replaces the state (s already validated)
   int64_t n() const;
   int64_t p() const;

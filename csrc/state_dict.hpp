@@ -78,6 +78,18 @@ inline py::dict export_state(const State& s) {
   return d;
 }
 
+// Host-known facts of a state: widths, class count, precision.
+inline py::dict shape_of(const State& s) {
+  py::dict d;
+  d["p"] = s.p;
+  d["c"] = s.c;
+  d["t"] = s.t;
+  d["k"] = s.k;
+  d["num_classes"] = s.num_classes;
+  d["precision"] = precision_name(s.precision);
+  return d;
+}
+
 inline std::vector<double> take(const py::dict& d, const char* key, int64_t size) {
   auto a = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(d[key]);
   if (!a) throw std::invalid_argument(std::string("state key '") + key + "' is not a float array");

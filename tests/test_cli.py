@@ -1,6 +1,7 @@
 """The command line: eval / plot / info / demo, against the n x n oracles."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -165,8 +166,309 @@ def test_demo_small(tmp_path, capsys):
     assert main(["demo", "--epochs", "2", "--steps", "30", "--alphas", "0.1,10", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "full training (rich)" in out and "target-downscaled sweep" in out
+    assert f"plots go to {os.path.join(str(tmp_path), '')} " in out
     rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith(("0.1 ", "10 "))]
     assert len(rows) == 2
     assert all(0.0 <= float(r[1]) <= 1.0 for r in rows)
     if "plots skipped" not in out:
         assert (tmp_path / "curves.png").exists() and (tmp_path / "sweep.svg").exists()
+
+
+# -- version, typing, logging ---------------------------------------------------
+
+def test_version_flag_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"richness {version('richness')}"
+    assert richness.__version__ == version("richness")
+
+
+def test_stubs_ship_and_cover_the_compiled_modules():
+    import ast
+    import os
+
+    from richness import _core
+
+    pkg = os.path.dirname(richness.__file__)
+    for name in ("py.typed", "_core.pyi", "_cuda.pyi"):
+        assert os.path.isfile(os.path.join(pkg, name)), name
+    # every public name of the compiled CPU module is typed in its stub
+    tree = ast.parse(open(os.path.join(pkg, "_core.pyi")).read())
+    stubbed = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    public = {n for n in dir(_core) if not n.startswith("_")}
+    assert public <= stubbed, public - stubbed
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CpuMoments")
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert {n for n in dir(_core.CpuMoments) if not n.startswith("_")} <= methods
+
+
+def test_mypy_finds_the_types_of_a_user_script(tmp_path):
+    api = pytest.importorskip("mypy.api")
+    script = tmp_path / "user.py"
+    script.write_text("import numpy as np\nimport richness\nfrom richness import _core\n"
+                      "m = richness.Moments(num_classes=3)\nm.update(np.zeros((4, 2)))\n"
+                      "r: richness.Report = m.compute()\ns: str = _core.blas_info()\n"
+                      "n: int = _core.CpuMoments(3).n\nbad: str = _core.CpuMoments(3).n\n")
+    out, err, code = api.run([str(script), "--cache-dir", str(tmp_path / "cache"), "--no-error-summary"])
+    assert "import-untyped" not in out and "missing library stubs" not in out, out
+    # the stub is read: the one wrong annotation is found, nothing else
+    lines = [ln for ln in out.splitlines() if ": error:" in ln]
+    assert len(lines) == 1 and "user.py:9:" in lines[0], out
+
+
+def test_verbose_logs_what_is_read_and_json_warnings_go_to_stderr(tmp_path, capsys):
+    X, F, y, _ = data(n=60)  # n < 10 p: the finite-n caveat
+    np.savez(tmp_path / "d.npz", features=X, outputs=F, labels=y)
+    assert main(["-v", "eval", str(tmp_path / "d.npz"), "--json", "--no-progress"]) == 0
+    cap = capsys.readouterr()
+    rep = json.loads(cap.out)
+    assert abs(rep["dlr"] - dlr_naive(X, F)[0]) < 1e-12
+    assert f"richness: features: {tmp_path / 'd.npz'}:features, shape (60, 12)" in cap.err
+    assert "richness: warning: n = 60 is below 10 p = 120" in cap.err
+    # without -v: the warning, not the info
+    assert main(["eval", str(tmp_path / "d.npz"), "--json", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "below 10 p" in err and "features:" not in err
+
+
+# -- file formats -----------------------------------------------------------------
+
+def _expect(rep, X, F, y):
+    assert rep["n"] == X.shape[0]
+    assert abs(rep["dlr"] - dlr_naive(X, F)[0]) < 1e-12
+    assert abs(rep["nc1"] - nc1_naive(X, y)) < 1e-9 * rep["nc1"]
+
+
+def test_eval_torch_pt_bundle_and_single_tensor(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    X, F, y, _ = data()
+    torch.save({"features": torch.from_numpy(X), "outputs": torch.from_numpy(F), "labels": torch.from_numpy(y),
+                "epoch": 3}, tmp_path / "b.pt")
+    _expect(run_json([str(tmp_path / "b.pt"), "--chunk", "37"], capsys), X, F, y)
+    torch.save(torch.from_numpy(F), tmp_path / "f.pt")
+    torch.save({"x": torch.from_numpy(X).to(torch.bfloat16)}, tmp_path / "x.pt")
+    rep = run_json([str(tmp_path / "x.pt"), "--outputs", str(tmp_path / "f.pt")], capsys)
+    xb = torch.from_numpy(X).to(torch.bfloat16).double().numpy()
+    assert abs(rep["dlr"] - dlr_naive(xb, F)[0]) < 1e-5
+    # weights_only=True: a pickled object is refused, no code runs
+    torch.save({"features": torch.from_numpy(X), "obj": _Pickled()}, tmp_path / "evil.pt")
+    line = run_error(["eval", str(tmp_path / "evil.pt"), "--no-progress"], capsys)
+    assert "evil.pt: not a file of tensors" in line
+    assert "no tensor 'nope'; it has features, outputs, labels" in run_error(
+        ["eval", f"{tmp_path / 'b.pt'}:nope", "--no-progress"], capsys)
+
+
+class _Pickled:
+    pass
+
+
+def test_eval_hdf5_read_by_chunks(tmp_path, capsys, monkeypatch):
+    h5py = pytest.importorskip("h5py")
+    X, F, y, _ = data()
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["features"] = X
+        f["outputs"] = F.astype(np.float32)
+        f.create_group("meta")["labels"] = y
+    slices = []
+    real = h5py.Dataset.__getitem__
+
+    def spy(self, idx):
+        slices.append(idx)
+        return real(self, idx)
+
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", spy)
+    rep = run_json([str(tmp_path / "d.h5"), "--labels", f"{tmp_path / 'd.h5'}:meta/labels", "--chunk", "100",
+                    "--precision", "fp64"], capsys)
+    _expect(rep, X, F.astype(np.float32).astype(np.float64), y)
+    # three datasets, five chunks of 100 rows each, never the whole array at once
+    assert len(slices) == 15 and all(s.stop - s.start <= 100 for s in slices)
+
+
+def test_eval_parquet_list_columns(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    X, F, y, _ = data()
+    table = pa.table({"features": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), X.shape[1]),
+                      "outputs": pa.array(list(F)),  # variable-length list type, equal lengths
+                      "labels": pa.array(y)})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=90)
+    _expect(run_json([str(tmp_path / "d.parquet"), "--chunk", "64"], capsys), X, F, y)
+    bad = pa.table({"features": pa.array([list(r) for r in X[:3]] + [list(X[3, :5])])})
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    assert "row 3 has 5 values, row 0 has 12" in run_error(["eval", str(tmp_path / "bad.parquet"),
+                                                            "--no-progress"], capsys)
+
+
+@pytest.mark.parametrize("suffix,module,package", [(".h5", "h5py", "h5py"), (".parquet", "pyarrow", "pyarrow")])
+def test_missing_optional_reader_names_the_package(tmp_path, capsys, monkeypatch, suffix, module, package):
+    (tmp_path / f"d{suffix}").write_bytes(b"x")
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    line = run_error(["eval", str(tmp_path / f"d{suffix}"), "--no-progress"], capsys)
+    assert line == f"richness: error: reading {suffix} files needs {package}: pip install {package}"
+
+
+# -- robustness -------------------------------------------------------------------
+
+def test_save_to_a_missing_folder_keeps_the_report(tmp_path, capsys):
+    X, F, y, _ = data()
+    np.savez(tmp_path / "d.npz", features=X, outputs=F, labels=y)
+    bad = str(tmp_path / "nodir" / "s.npz")
+    code = main(["eval", str(tmp_path / "d.npz"), "--save", bad, "--no-progress"])
+    cap = capsys.readouterr()
+    assert code == 2 and "Traceback" not in cap.err
+    assert f"DLR {dlr_naive(X, F)[0]:.4f}" in cap.out  # the report came first
+    assert cap.err.strip().splitlines() == [f"richness: error: {bad}: cannot write the state (No such file or "
+                                            "directory)"]
+
+
+def test_missing_bundle_says_no_such_file(tmp_path, capsys):
+    for name in ("nothere.npz", "nothere.safetensors", "nothere.h5"):
+        line = run_error(["eval", str(tmp_path / name), "--no-progress"], capsys)
+        assert line == f"richness: error: {tmp_path / name}: no such file"
+
+
+def test_held_out_outputs_of_another_width_are_rejected(tmp_path, capsys):
+    X, F, y, _ = data(n=300)
+    np.savez(tmp_path / "tr.npz", features=X[:200], outputs=F[:200], labels=y[:200])
+    np.savez(tmp_path / "te.npz", features=X[200:], outputs=np.hstack([F[200:], F[200:, :1]]), labels=y[200:])
+    line = run_error(["eval", str(tmp_path / "tr.npz"), "--test-features", str(tmp_path / "te.npz"),
+                      "--no-progress"], capsys)
+    assert "te.npz:outputs: held-out outputs have 5 columns but the training outputs" in line
+    assert "have 4" in line
+
+
+# -- plots and demo ---------------------------------------------------------------
+
+def test_depth_plot_takes_a_report_and_held_out_axis_says_unbounded(tmp_path):
+    pytest.importorskip("matplotlib")
+    from richness import plot
+
+    X, F, y, _ = data()
+    m, t = richness.Moments(), richness.Moments()
+    m.update(X[:400], F[:400], labels=y[:400])
+    t.update(X[400:], F[400:], labels=y[400:])
+    rep = m.compute(test=t)
+    with pytest.raises(ValueError, match="no layers"):
+        plot.depth(rep, tmp_path / "none")
+    rep.layers = {"a": m.compute(), "b": t.compute()}
+    for arg, name in ((rep, "r"), (rep.layers, "d")):  # a Report, or its .layers as before
+        paths = plot.depth(arg, tmp_path / name)
+        assert [os.path.basename(p) for p in paths] == [f"{name}.png", f"{name}.svg"]
+    plot.curves(rep, tmp_path / "c")
+    assert "not bounded by 1" in (tmp_path / "c.svg").read_text()
+    plot.curves(m.compute(), tmp_path / "c2")
+    assert "not bounded by 1" not in (tmp_path / "c2.svg").read_text()
+
+
+def test_demo_says_where_it_writes_and_how_to_read(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    assert main(["demo", "--epochs", "1", "--alphas", "", "--out", str(tmp_path / "o"), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "plots: off" in out
+    lines = out.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("last layer only (lazy)"))
+    assert lines[i + 1].startswith("how to read: DLR 0 = rich") and lines[i + 2].startswith("  DLR/iso 1 =")
+    pytest.importorskip("tqdm")
+    assert main(["demo", "--epochs", "1", "--alphas", "", "--out", str(tmp_path / "o"), "--no-plots"]) == 0
+    assert "epoch" in capsys.readouterr().err  # tqdm bars on stderr
+
+
+# -- evaluate: causal-LM labels, warnings -----------------------------------------
+
+class _TinyLM:
+    """Embedding -> tanh Linear -> lm_head over a vocabulary of 5, float64."""
+
+    def __new__(cls, vocab=5, p=8):
+        torch = pytest.importorskip("torch")
+
+        class LM(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = torch.nn.Embedding(vocab, p)
+                self.body = torch.nn.Linear(p, p)
+                self.lm_head = torch.nn.Linear(p, vocab)
+
+            def hidden(self, input_ids):
+                return torch.tanh(self.body(self.emb(input_ids)))
+
+            def forward(self, input_ids, attention_mask=None):
+                return self.lm_head(self.hidden(input_ids))
+
+        torch.manual_seed(0)
+        return LM().double()
+
+
+def _lm_batches(b=6, T=7, nb=4, seed=0):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(nb):
+        ids = torch.randint(0, 5, (b, T), generator=g)
+        mask = torch.ones(b, T, dtype=torch.long)
+        mask[0, -2:] = 0  # right padding
+        mask[1, :1] = 0  # left padding
+        labels = ids.clone()
+        labels[mask == 0] = -100
+        labels[2, 3] = -100  # an ignored token
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def _shifted_reference(model, batches, last=False):
+    """Rows of a hand-built next-token selection: position i (< T-1) with
+    class ids[i+1], kept when i and i+1 are real tokens and labels[i+1] != -100."""
+    import torch
+
+    H, Y = [], []
+    with torch.no_grad():
+        for bt in batches:
+            h = model.hidden(bt["input_ids"]).numpy()
+            ids, mask, lab = bt["input_ids"].numpy(), bt["attention_mask"].numpy(), bt["labels"].numpy()
+            for s in range(ids.shape[0]):
+                keep = [i for i in range(ids.shape[1] - 1) if mask[s, i] and mask[s, i + 1] and lab[s, i + 1] != -100]
+                for i in (keep[-1:] if last else keep):
+                    H.append(h[s, i])
+                    Y.append(ids[s, i + 1])
+    return np.array(H), np.array(Y)
+
+
+def test_evaluate_shift_labels_matches_hand_built_next_token_rows():
+    model = _TinyLM()
+    batches = _lm_batches()
+    W, b = model.lm_head.weight.detach().numpy(), model.lm_head.bias.detach().numpy()
+    for last in (False, True):
+        rep = richness.evaluate(model, batches, head="lm_head", shift_labels=True, progress=False,
+                                tokens="last" if last else "all")
+        H, Y = _shifted_reference(model, batches, last=last)
+        assert rep.n == len(Y)
+        assert abs(rep.dlr - dlr_naive(H, H @ W.T + b)[0]) < 1e-10
+        assert abs(rep.nc1 - nc1_naive(H, Y)) < 1e-8 * rep.nc1
+    # default: labels as given, unshifted: each position's own token, which its
+    # features are a function of (NC1 = 0, full collapse)
+    plain = [{k: v for k, v in bt.items() if k != "attention_mask"} for bt in batches]
+    for bt in plain:
+        bt["labels"] = bt["input_ids"]
+    rep = richness.evaluate(model, plain, head="lm_head", progress=False)
+    import torch
+
+    with torch.no_grad():
+        H = torch.cat([model.hidden(bt["input_ids"]).reshape(-1, 8) for bt in plain]).numpy()
+    Y = torch.cat([bt["input_ids"].reshape(-1) for bt in plain]).numpy()
+    assert rep.n == len(Y) and abs(rep.nc1 - nc1_naive(H, Y)) < 1e-10
+    with pytest.raises(ValueError, match="shift_labels=True needs labels"):
+        richness.evaluate(model, [{"input_ids": bt["input_ids"]} for bt in plain], head="lm_head",
+                          shift_labels=True, progress=False)
+
+
+def test_evaluate_emits_report_caveats_as_warnings():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    X = torch.randn(40, 6, dtype=torch.float64)  # n = 40 < 10 p = 160
+    with pytest.warns(richness.RichnessWarning, match="n = 40 is below 10 p = 160") as rec:
+        rep = richness.evaluate(model, [X[:20], X[20:]], progress=False)
+    assert [str(w.message) for w in rec if w.category is richness.RichnessWarning] == rep.warnings
+    assert rec[0].filename == __file__  # points at the caller's line

@@ -75,6 +75,24 @@ def _worker(rank, world, port, out_path):
             res["mismatch"] = "no error"
         except ValueError as e:
             res["mismatch"] = str(e)
+        res["mismatch_n"] = bad.n  # the state is left as it was
+        # different num_classes: every rank raises before any data moves
+        nc = richness.Moments(num_classes=5 + rank)
+        nc.update(X[shard], F[shard], labels=y[shard])
+        try:
+            nc.all_reduce()
+            res["num_classes"] = "no error"
+        except ValueError as e:
+            res["num_classes"] = str(e)
+        res["num_classes_n"] = nc.n
+        # groups survive the reduction: group i of each rank merged with group i of the others
+        g = richness.Moments(groups=3)
+        for idx in np.array_split(shard, 6):
+            g.update(X[idx], F[idx])
+        g.all_reduce()
+        rep = g.compute(uncertainty=True)
+        res["groups"] = {"n": g.n, "sizes": [s["n"] for s in g._backend.group_states()], "dlr": rep.dlr,
+                         "stderr": rep.dlr_stderr}
         # evaluate(distributed=True) with a DistributedSampler
         model = _model()
         ds = torch.utils.data.TensorDataset(torch.tensor(X), torch.tensor(y))
@@ -102,9 +120,8 @@ def _worker(rank, world, port, out_path):
             res["torchmetrics_local_n"] = metric.report().n  # unsynced again after compute
         except ImportError:
             res["torchmetrics"] = None
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(res, f)
+        with open(out_path.replace(".json", f".{rank}.json"), "w") as f:
+            json.dump(res, f)
     finally:
         dist.destroy_process_group()
 
@@ -117,10 +134,14 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist") / "rank0.json"
+    out = tmp_path_factory.mktemp("dist") / "rank.json"
     mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    with open(out) as f:
-        return json.load(f)
+    ranks = []
+    for r in range(2):
+        with open(str(out).replace(".json", f".{r}.json")) as f:
+            ranks.append(json.load(f))
+    ranks[0]["ranks"] = ranks
+    return ranks[0]
 
 
 def test_all_reduce_float64_matches_single_process(dist_results):
@@ -148,8 +169,24 @@ def test_all_reduce_float32_and_empty_rank(dist_results):
     assert abs(dist_results["empty_rank"]["dlr"] - want) < 1e-12
 
 
-def test_all_reduce_mismatch_is_a_clear_error(dist_results):
-    assert "feature widths" in dist_results["mismatch"]
+def test_all_reduce_mismatch_is_a_clear_error_on_every_rank(dist_results):
+    for r, res in enumerate(dist_results["ranks"]):
+        assert "feature widths" in res["mismatch"]
+        assert res["mismatch_n"] == N
+        assert "num_classes" in res["num_classes"] and "[5, 6]" in res["num_classes"]
+        assert res["num_classes_n"] == len(np.array_split(np.arange(N), 2)[r])
+
+
+def test_all_reduce_keeps_groups(dist_results):
+    X, F, _, _ = _data()
+    want, _ = dlr_naive(X, F)
+    for res in dist_results["ranks"]:
+        g = res["groups"]
+        assert g["n"] == N and sum(g["sizes"]) == N and min(g["sizes"]) > 0
+        assert abs(g["dlr"] - want) < 1e-10
+        assert g["stderr"] is not None and g["stderr"] > 0
+    # the same reduction on every rank
+    assert dist_results["ranks"][0]["groups"] == dist_results["ranks"][1]["groups"]
 
 
 def test_evaluate_distributed_sampler(dist_results):

@@ -320,11 +320,81 @@ def test_every_payload_byte_flip_is_rejected(tmp_path):
                 richness.Moments.load(path)
 
 
-def test_missing_file(tmp_path):
-    with pytest.raises(ValueError, match=r"cannot read"):
-        richness.Moments.load(tmp_path / "nope.npz")
-
-
 def test_directory_instead_of_file(tmp_path):
     with pytest.raises(ValueError, match=r"cannot read"):
         richness.Moments.load(tmp_path)
+
+
+# -- file system behaviour and hostile archives ----------------------------------------------
+
+def test_saved_file_follows_the_umask(tmp_path):
+    m, _, _ = filled()
+    old = os.umask(0o022)
+    try:
+        m.save(tmp_path / "a.npz")
+        os.umask(0o077)
+        m.save(tmp_path / "b.npz")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.npz").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "b.npz").stat().st_mode & 0o777 == 0o600
+
+
+def test_next_save_removes_temp_files_of_a_killed_save(tmp_path):
+    import subprocess
+    import sys
+
+    m, _, _ = filled()
+    path = tmp_path / "s.npz"
+    # a save killed between writing and renaming: its temp file stays behind
+    code = ("import os, numpy as np, richness, richness._io as io_\n"
+            "m = richness.Moments(); m.update(np.random.default_rng(0).normal(size=(50, 4)))\n"
+            "os.replace = lambda *a: os.kill(os.getpid(), 9)\n"
+            f"m.save({str(path)!r})\n")
+    subprocess.run([sys.executable, "-c", code], check=False)
+    left = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    assert len(left) == 1 and left[0].startswith(".s.npz.richness-")
+    other = tmp_path / ".other.npz.richness-1-x.tmp"  # another target's: not ours to remove
+    other.write_bytes(b"")
+    m.save(path)
+    assert sorted(os.listdir(tmp_path)) == sorted(["s.npz", other.name])
+    assert states_equal(richness.Moments.load(path).state_dict(), m.state_dict())
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_archive_claiming_a_huge_array_is_rejected_before_reading(tmp_path, declared):
+    """A foreign archive whose M.npy header claims a (1e7, 1e7) float64 array
+    (728 TiB), with or without meta declaring p = 1e7: rejected from the
+    headers, nothing allocated."""
+    raw = saved_bytes(tmp_path)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False,
+                                                  "shape": (10**7, 10**7)})
+    path = tmp_path / "huge.npz"
+    with zipfile.ZipFile(io.BytesIO(raw)) as zin, zipfile.ZipFile(path, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename == "M.npy":
+                data = header.getvalue() + b"\0" * 64
+            if info.filename == "meta.npy" and declared:
+                meta = json.loads(np.load(io.BytesIO(data)).tobytes().decode())
+                meta["p"] = 10**7
+                buf = io.BytesIO()
+                np.save(buf, np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+                data = buf.getvalue()
+            zout.writestr(info.filename, data)
+    with pytest.raises(ValueError, match=r"huge.npz.*(claims shape|has shape)"):
+        richness.Moments.load(path)
+
+
+def test_missing_file_npy_file_and_extra_member(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        richness.Moments.load(tmp_path / "nothere.npz")
+    np.save(tmp_path / "plain.npy", np.zeros(3))
+    with pytest.raises(ValueError, match=r"plain.npy.*single .npy array"):
+        richness.Moments.load(tmp_path / "plain.npy")
+    raw = saved_bytes(tmp_path)
+    extra = rewrite(raw, change_arrays=lambda a: a.update(extra=np.zeros(2)))
+    (tmp_path / "extra.npz").write_bytes(extra)
+    with pytest.raises(ValueError, match=r"extra.npz.*unexpected entries: extra"):
+        richness.Moments.load(tmp_path / "extra.npz")

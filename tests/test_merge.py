@@ -164,3 +164,37 @@ def test_merge_growing_classes_is_all_or_nothing():
         a.merge(b)
     assert states_equal(a.state_dict(), before)
     assert a.state_dict()["k"] == 2
+
+
+def test_shift_and_sum_merge_of_many_states():
+    """The one-sum merge of several states (what torch.distributed and the
+    torchmetrics metric use) equals one pass over all the data, and the
+    column means and second moments of the data themselves."""
+    from richness import _state
+
+    chunks = [chunk(s, 40 + 7 * s, 2 + s) for s in range(4)]  # growing label ranges
+    parts = [moments_of(c).state_dict() for c in chunks] + [richness.Moments().state_dict()]  # and an empty one
+    got = _state.merge(parts)
+    whole = moments_of(*chunks).state_dict()
+    assert_close_states(got, whole)
+    X = np.concatenate([c[0] for c in chunks])
+    F = np.concatenate([c[1] for c in chunks])
+    Xc, Fc = X - X.mean(0), F - F.mean(0)
+    np.testing.assert_allclose(got["M"], Xc.T @ Xc, rtol=1e-12, atol=1e-10 * np.abs(Xc.T @ Xc).max())
+    np.testing.assert_allclose(got["B"], Xc.T @ Fc, rtol=1e-12, atol=1e-10 * np.abs(Xc.T @ Fc).max())
+    y = np.concatenate([c[2] for c in chunks])
+    np.testing.assert_array_equal(got["class_counts"], np.bincount(y))
+
+
+def test_shift_and_sum_merge_rejects_incompatible_states():
+    from richness import _state
+
+    a = moments_of(chunk(1, 30, 3)).state_dict()
+    b = richness.Moments()
+    b.update(*chunk(2, 30, 3)[:2])  # no labels, no targets
+    with pytest.raises(ValueError, match="labels|target widths"):
+        _state.merge([a, b.state_dict()])
+    c = moments_of(chunk(3, 30, 3), num_classes=4).state_dict()
+    d = moments_of(chunk(4, 30, 3), num_classes=5).state_dict()
+    with pytest.raises(ValueError, match="num_classes"):
+        _state.merge([c, d])

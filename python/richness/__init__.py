@@ -5,6 +5,8 @@ streamed float64 co-moments (Nam et al., ICLR 2026). See ``Moments``, ``dlr``
 and ``Report``.
 """
 
+import logging as _logging
+
 # Loads the BLAS that _core links (scipy-openblas32). _core then runs it
 # single-threaded inside its own worker threads (csrc/moments.cpp).
 import scipy_openblas32 as _openblas  # noqa: F401
@@ -12,9 +14,17 @@ import scipy_openblas32 as _openblas  # noqa: F401
 from ._core import blas_info
 from ._moments import Moments, dlr
 from ._report import Report
-from ._evaluate import evaluate
+from ._evaluate import RichnessWarning, evaluate
 from ._monitor import Monitor
 
-__version__ = "0.1.0"
+try:
+    from importlib.metadata import PackageNotFoundError as _NotFound, version as _version
 
-__all__ = ["Moments", "Monitor", "Report", "dlr", "evaluate", "blas_info", "__version__"]
+    __version__ = _version("richness")
+except _NotFound:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
+# progress and notes of evaluate and the command line; silent unless configured
+_logging.getLogger("richness").addHandler(_logging.NullHandler())
+
+__all__ = ["Moments", "Monitor", "Report", "RichnessWarning", "dlr", "evaluate", "blas_info", "__version__"]

@@ -1,26 +1,22 @@
 """Exact merge of ``Moments`` states across ``torch.distributed`` ranks.
 
-SPEC.md: shift each rank's co-moments to the global mean, then sum. With
-``d_r = mu_r - mu`` the identity
-
-    M = sum_r (M_r + n_r d_r d_r^T)
-
-is the Chan merge of all ranks at once (likewise ``B``, ``A`` with the output
-shifts), so one SUM all-reduce of float64 buffers gives every rank the global
-state. Three collectives: the shapes (all-gather of 7 integers), the weighted
-means, the shifted moments. Works with gloo (CPU tensors) and NCCL (tensors on
-the current CUDA device).
+The many-state merge of ``_state`` (docs/MATH.md, "Merging states") with the
+sums done by collectives: every rank's co-moments are shifted to the global
+mean and one SUM all-reduce of float64 buffers gives every rank the global
+state. Three collectives: the widths (an all-gather of 7 integers a state),
+the weighted means, the shifted moments. Every compatibility check runs on
+every rank on the gathered widths, before any data moves, so all ranks raise
+the same error (no rank hangs in a later collective). Works with gloo (CPU
+tensors) and NCCL (tensors on the current CUDA device).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 
-from ._adapt import PRECISIONS
-
-_META = ("n", "p", "c", "t", "k", "num_classes", "precision")
+from . import _state
 
 
 def _dist():
@@ -42,91 +38,67 @@ def _comm_device(torch, dist, group) -> Any:
     return torch.device("cpu")
 
 
-def all_reduce_state(st: dict, group: Optional[Any] = None) -> dict:
-    """The global state of all ranks of ``group``, as a state dict (every rank gets the same).
+def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[dict]:
+    """State i of the result is the merge of every rank's state i (every rank
+    gets the same list). Each rank passes the same number of states (one, or
+    one a jackknife group).
 
     Raises ValueError on every rank when the ranks' states cannot merge
-    (different feature widths, outputs streamed on some ranks only, ...).
+    (different feature widths, outputs streamed on some ranks only, different
+    num_classes, ...).
     """
     torch, dist = _dist()
     dev = _comm_device(torch, dist, group)
     world = dist.get_world_size(group)
+    nw = len(_state.WIDTHS)
 
-    meta = torch.tensor([int(st["n"]), int(st["p"]), int(st["c"]), int(st["t"]), int(st["k"]),
-                         int(st["num_classes"]), PRECISIONS.index(st["precision"])], dtype=torch.int64, device=dev)
-    metas = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(metas, meta, group=group)
-    metas = torch.stack(metas).cpu().numpy()
-    live = metas[metas[:, 0] > 0]
-    if live.shape[0] == 0:
-        return st
-    # Every rank sees the same metas, so every rank raises the same error (no hang).
-    for j, what in ((1, "feature widths"), (2, "output widths"), (3, "target widths")):
-        vals = sorted(set(live[:, j].tolist()))
-        if len(vals) > 1:
-            raise ValueError(f"all_reduce: ranks hold different {what} {vals} (-1 = not streamed)")
-    if len(set((live[:, 4] >= 0).tolist())) > 1:
-        raise ValueError("all_reduce: some ranks streamed labels and others did not")
-    N = int(live[:, 0].sum())
-    p, c, t = int(live[0, 1]), int(live[0, 2]), int(live[0, 3])
-    has_k = bool(live[0, 4] >= 0)
-    k = int(max(live[:, 4].max(), metas[:, 5].max())) if has_k else -1
-    cw, tw, kw = max(c, 0), max(t, 0), max(k, 0)
-    n = int(st["n"])
-    f64 = torch.float64
+    def widths(st):
+        return [*_state.widths_of(st).values(), _state.PRECISIONS.index(st["precision"])]
 
-    def arr(key, shape):
-        return np.asarray(st[key], dtype=np.float64).reshape(shape) if n > 0 else np.zeros(shape)
+    mine = torch.tensor([len(states)] + [v for st in states for v in widths(st)], dtype=torch.int64)
+    # Ranks may hold different numbers of states: gather the counts first.
+    count = torch.tensor([mine.numel()], dtype=torch.int64, device=dev)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    size = max(int(c.item()) for c in counts)
+    padded = torch.full((size,), -2, dtype=torch.int64, device=dev)
+    padded[:mine.numel()] = mine.to(dev)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    rows = [g.cpu().numpy() for g in gathered]
+    sizes = sorted({int(r[0]) for r in rows})
+    if len(sizes) > 1:
+        raise ValueError(f"all_reduce: ranks hold different numbers of groups {sizes}; use the same "
+                         "Moments(groups=k) on every rank")
+    per_slot = []
+    for i in range(len(states)):
+        metas = []
+        for r in rows:
+            v = r[1 + i * (nw + 1): 1 + (i + 1) * (nw + 1)]
+            metas.append(dict(zip(_state.WIDTHS, (int(x) for x in v[:nw]))) | {"prec": int(v[nw])})
+        try:
+            _state.check_compatible(metas)
+        except ValueError as e:
+            raise ValueError(f"all_reduce across ranks: {e}") from None
+        per_slot.append(metas)
 
-    mean, out_mean, tgt_mean = arr("mean", (p,)), arr("out_mean", (cw,)), arr("tgt_mean", (tw,))
-
-    # Global means: sum_r n_r mu_r / N (float64).
-    wsum = torch.from_numpy(np.concatenate([mean, out_mean, tgt_mean]) * n).to(dev, f64)
-    dist.all_reduce(wsum, group=group)
-    g = wsum.cpu().numpy() / N
-    gm, go, gt = g[:p], g[p:p + cw], g[p + cw:]
-
-    # Shift to the global mean, then sum.
-    d, e, u = mean - gm, out_mean - go, tgt_mean - gt
-    parts = [arr("M", (p, p)) + n * np.outer(d, d)]
-    if cw:
-        parts += [arr("B", (p, cw)) + n * np.outer(d, e), arr("A", (cw, cw)) + n * np.outer(e, e)]
-    if tw:
-        parts += [arr("Bt", (p, tw)) + n * np.outer(d, u), arr("At", (tw, tw)) + n * np.outer(u, u)]
-    if kw:
-        counts = np.zeros(kw)
-        sums = np.zeros((kw, p))
-        if n > 0 and int(st["k"]) > 0:
-            kk = int(st["k"])
-            counts[:kk] = np.asarray(st["class_counts"], dtype=np.float64)  # exact below 2^53
-            sums[:kk] = np.asarray(st["class_sums"], dtype=np.float64)
-        parts += [counts, sums]
-    flat = torch.from_numpy(np.concatenate([q.reshape(-1) for q in parts])).to(dev, f64)
-    dist.all_reduce(flat, group=group)
-    flat = flat.cpu().numpy()
-
-    out = dict(st)
-    pos = 0
-
-    def take(shape):
-        nonlocal pos
-        size = int(np.prod(shape))
-        a = flat[pos:pos + size].reshape(shape)
-        pos += size
-        return a
-
-    out.update(n=N, p=p, c=c, t=t, k=k, precision=PRECISIONS[int(live[:, 6].max())],
-               mean=gm.copy(), M=take((p, p)), out_mean=go.copy(), tgt_mean=gt.copy())
-    out["B"] = take((p, cw)) if cw else np.zeros((p, 0))
-    out["A"] = take((cw, cw)) if cw else np.zeros((0, 0))
-    out["Bt"] = take((p, tw)) if tw else np.zeros((p, 0))
-    out["At"] = take((tw, tw)) if tw else np.zeros((0, 0))
-    if kw:
-        out["class_counts"] = np.rint(take((kw,))).astype(np.int64)
-        out["class_sums"] = take((kw, p))
-    else:
-        out["class_counts"] = np.zeros(0, dtype=np.int64)
-        out["class_sums"] = np.zeros((0, p))
-    for key in ("M", "A", "At"):  # symmetric up to rounding of the outer products
-        out[key] = (out[key] + out[key].T) / 2
+    out = []
+    for st, metas in zip(states, per_slot):
+        w = _state.merged_widths(metas)
+        if w["n"] == 0:
+            out.append(st)
+            continue
+        wsum = torch.from_numpy(_state.weighted_means(st, w)).to(dev, torch.float64)
+        dist.all_reduce(wsum, group=group)
+        means = _state.split_means(wsum.cpu().numpy() / w["n"], w)
+        flat = torch.from_numpy(_state.shifted_sums(st, means, w)).to(dev, torch.float64)
+        dist.all_reduce(flat, group=group)
+        precision = _state.PRECISIONS[max((m["prec"] for m in metas if m["n"] > 0),
+                                          key=lambda j: _state.PRECISION_MODES[j].coarseness)]
+        out.append(_state.assemble(flat.cpu().numpy(), means, w, precision))
     return out
+
+
+def all_reduce_state(st: dict, group: Optional[Any] = None) -> dict:
+    """The global state of all ranks of ``group`` (see ``all_reduce_states``)."""
+    return all_reduce_states([st], group)[0]

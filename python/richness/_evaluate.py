@@ -11,12 +11,19 @@ selection, batch splitting, BLAS thread matching) are shared with
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 import weakref
 from typing import Sequence, Any, Callable, Iterable, List, Optional, Tuple, Union
 
 from ._moments import Moments
 from ._report import Report
+
+log = logging.getLogger("richness")
+
+
+class RichnessWarning(UserWarning):
+    """A caveat of a report (finite n, rank cut, NC1 precision), also in ``report.warnings``."""
 
 
 def require_torch(what: str):
@@ -385,6 +392,45 @@ def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch
     return f2, o2, labels
 
 
+def shift_for_next_token(feats: Any, outs: Any, labels: Any, attention_mask: Any, tokens: TokensSpec
+                         ) -> Tuple[Any, Any, Any, Any, TokensSpec]:
+    """Causal-LM labels (HF style, ``labels=input_ids``): the class of position
+    i is the token at i + 1. Positions 0..T-2 are kept with labels[:, 1:]; the
+    last position has no label. A position is dropped when its label is
+    negative (HF's ignore index -100) or when it or the next one is padding.
+    A tokens mask (or callable) of shape (b, T) is cut to the kept positions."""
+    import torch
+
+    if labels is None:
+        raise ValueError("shift_labels=True needs labels (labels=input_ids for a causal LM)")
+    if feats is None or not isinstance(feats, torch.Tensor) or feats.ndim != 3:
+        shape = tuple(feats.shape) if isinstance(feats, torch.Tensor) else type(feats).__name__
+        raise ValueError(f"shift_labels=True needs a (batch, tokens, features) head input, got {shape}")
+    b, T, _ = feats.shape
+    if not isinstance(labels, torch.Tensor):
+        labels = torch.as_tensor(labels)
+    if tuple(labels.shape) != (b, T):
+        raise ValueError(f"shift_labels=True needs labels of shape (batch, tokens) = {(b, T)}, got "
+                         f"{tuple(labels.shape)}")
+    if labels.is_floating_point():
+        raise ValueError("shift_labels=True needs integer token labels, got floating point")
+    nxt = labels[:, 1:].to(feats.device)
+    keep = nxt >= 0
+    if attention_mask is not None and tuple(attention_mask.shape) == (b, T):
+        pad = attention_mask.to(feats.device).bool()
+        keep = keep & pad[:, :-1] & pad[:, 1:]
+    o = outs[:, :-1] if isinstance(outs, torch.Tensor) and outs.ndim == 3 else outs
+    if isinstance(tokens, torch.Tensor) and tokens.ndim >= 1 and tokens.shape[-1] == T:
+        tokens = tokens[..., :-1]
+    elif callable(tokens) and not isinstance(tokens, (str, torch.Tensor)):
+        user_tokens = tokens
+
+        def tokens(batch, _f=user_tokens):
+            mask = _f(batch)
+            return mask[..., :-1] if mask.shape[-1] == T else mask
+    return feats[:, :-1], o, nxt, keep, tokens
+
+
 def label_kwargs(labels: Any, n: int, device: Any) -> dict:
     """``{"labels": y}`` for integers, ``{"targets": t}`` for floats, ``{}`` for None."""
     import torch
@@ -470,7 +516,7 @@ def layer_rows(act: Any, n: int, name: str) -> Any:
 def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = None, precision: Optional[str] = None,
             progress: bool = True, batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all",
             desc: str = "richness", allow_empty: bool = False,
-            layers: Optional[Sequence] = None) -> Tuple[Moments, Any]:
+            layers: Optional[Sequence] = None, shift_labels: bool = False) -> Tuple[Moments, Any]:
     """One pass over ``loader``: ``(Moments, head module)``. With an ``nn.Linear``
     head only features (and labels) are streamed: DLR then uses the head's
     weights (SPEC.md linear-head shortcut); other heads stream their outputs.
@@ -520,7 +566,10 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
                 else:
                     x, y = capture.take()
                 del out
-                feats, outs, labels = select_rows(x, y, labels, tokens=tokens, batch=batch, attention_mask=amask)
+                tok = tokens
+                if shift_labels:
+                    x, y, labels, amask, tok = shift_for_next_token(x, y, labels, amask, tokens)
+                feats, outs, labels = select_rows(x, y, labels, tokens=tok, batch=batch, attention_mask=amask)
                 del x, y
                 lk = label_kwargs(labels, feats.shape[0], feats.device)
                 if with_labels is None:
@@ -559,7 +608,7 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
 def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Optional[Iterable] = None,
              device: Any = None, precision: Optional[str] = None, progress: bool = True,
              batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all", distributed: bool = False,
-             rtol: Optional[float] = None, layers: Optional[Sequence] = None) -> Report:
+             rtol: Optional[float] = None, layers: Optional[Sequence] = None, shift_labels: bool = False) -> Report:
     """DLR, spectrum, curves and NC1 of ``model`` on the samples of ``loader``.
 
     Args:
@@ -583,6 +632,10 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
             positions (minus padding), ``"last"`` (the last kept position of each
             sequence), a boolean mask ``(tokens,)`` or ``(batch, tokens)``, or a
             callable ``batch -> mask``.
+        shift_labels: causal-LM labels (HF style, ``labels=input_ids``): the
+            class of position i is the token at i + 1; the last position of
+            each sequence (no next token), labels of -100 and padding are
+            dropped. Default False: labels are used as given, unshifted.
         distributed: merge the states of all ranks (``torch.distributed``; e.g.
             ``DistributedSampler``-sharded loaders) before finishing: every rank
             gets the global report.
@@ -598,7 +651,8 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
     threads (one for small batches; see ``BlasThreads``).
     """
     moments, head_mod = collect(model, loader, head=head, device=device, precision=precision, progress=progress,
-                                batch_fn=batch_fn, tokens=tokens, allow_empty=distributed, layers=layers)
+                                batch_fn=batch_fn, tokens=tokens, allow_empty=distributed, layers=layers,
+                                shift_labels=shift_labels)
     layer_moments = {}
     if layers:
         head_mod, layer_moments = head_mod
@@ -606,7 +660,7 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
     if test_loader is not None:
         test, _ = collect(model, test_loader, head=head_mod, device=device, precision=precision,
                           progress=progress, batch_fn=batch_fn, tokens=tokens, desc="richness (held-out)",
-                          allow_empty=distributed)
+                          allow_empty=distributed, shift_labels=shift_labels)
     if distributed:
         moments.all_reduce()
         for lm in layer_moments.values():
@@ -619,6 +673,11 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
     report = moments.compute(head=w, test=test, rtol=rtol)
     if layers:
         report.layers = {name: lm.compute(rtol=rtol) for name, lm in layer_moments.items()}
+    log.info("evaluate: %d samples, head %s, DLR %s", report.n, type(head_mod).__name__,
+             "n/a" if report.dlr is None else f"{report.dlr:.4f}")
+    # a returned report's caveats are easy to miss: also through warnings (RichnessWarning)
+    for msg in report.warnings:
+        warnings.warn(msg, RichnessWarning, stacklevel=2)
     return report
 
 

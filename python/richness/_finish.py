@@ -124,8 +124,9 @@ class Functions:
     Held divided by A's largest diagonal s (B by sqrt(s)): DLR and the curves
     do not depend on the functions' scale, and the products ||B u||^2 / a then
     stay within float64 even when outputs reach 1e150 or 1e-150. ``proj_sq``
-    and ``trace`` share that unit (the curves are their ratio); ``span`` returns a in the true one
-    (times ``a_scale``, the square of a head's normalisation)."""
+    and ``trace`` share that unit (the curves are their ratio), and so do the
+    eigenvalues ``span`` returns (DLR uses only their ratios): times
+    ``a_scale`` they are A's, which may pass float64 where DLR does not."""
 
     def __init__(self, B: np.ndarray, A: np.ndarray, a_scale: float = 1.0) -> None:
         xp = _ns(A)
@@ -142,7 +143,7 @@ class Functions:
         return float(_ns(self.A).trace(self.A))
 
     def span(self, M: np.ndarray, floor: float) -> tuple:
-        """Eigenvalues a (desc) of A and the DLR numerator terms ||B u_i||^2 / a_i
+        """Eigenvalues a (desc) of A / a_scale and the DLR numerator terms ||B u_i||^2 / a_i
         for every direction with a_i > floor * a_max (SPEC: tr(B A^+ B^T))."""
         a, U = _eigh_desc(self.A)
         if not a[0] > 0.0:
@@ -150,7 +151,7 @@ class Functions:
         xp = _ns(a)
         m = int(xp.count_nonzero(a > floor * a[0]))
         BU = self.B @ U[:, :m]
-        return _logits(a, self.a_scale), xp.sum(BU * BU, axis=0) / a[:m]
+        return a, xp.sum(BU * BU, axis=0) / a[:m]
 
 
 class HeadFunctions(Functions):
@@ -181,7 +182,7 @@ class HeadFunctions(Functions):
             raise ValueError("outputs are constant (zero covariance): the learned function space is empty")
         m = int(xp.count_nonzero(a > floor * a[0]))
         U = U[:, :m]
-        return _logits(a, self.a_scale), xp.einsum("ij,ij->j", M @ U, U)
+        return a, xp.einsum("ij,ij->j", M @ U, U)
 
 
 def dlr_from_span(norm_m: float, a: np.ndarray, terms: np.ndarray, rtol: float) -> tuple:
@@ -453,7 +454,8 @@ def _finish(st, W, test, rtol, centered, spectrum, fn, norm_m) -> Report:
                         + (f" (isotropic features here would give {dlr_iso:.3f})" if dlr_iso is not None else ""))
 
     return Report(
-        dlr=dlr, rank=rank, logit_eigenvalues=_host(logit_eig), n=n, nc1=nc1_value,
+        dlr=dlr, rank=rank, n=n,
+        logit_eigenvalues=None if fn is None else _host(_logits(logit_eig, fn.a_scale)), nc1=nc1_value,
         eigenvalues=_host(rho), relative_eigenvalues=None if rho is None else _host(rho / rho[0]),
         effective_dim=effective_dim,
         quality=_host(quality), utilization=_host(utilization), test_quality=_host(test_quality),

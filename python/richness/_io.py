@@ -8,6 +8,7 @@ is rejected with a message naming the file and the problem.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -17,11 +18,12 @@ import zipfile
 
 import numpy as np
 
+from ._state import FIELDS, SCALARS, shape_of, widths_of
+from ._state import FLOAT_FIELDS as FLOATS
+from ._state import INT_FIELDS as INTS
+
 FORMAT = "richness.moments"
 VERSION = 1
-SCALARS = ("n", "p", "c", "t", "k", "num_classes", "precision")
-FLOATS = ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_sums")
-INTS = ("class_counts",)
 
 
 def _digest(arrays: dict, scalars: dict) -> str:
@@ -36,16 +38,60 @@ def _digest(arrays: dict, scalars: dict) -> str:
     return h.hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _temp_prefix(path: str) -> str:
+    # The target's name and this process's id: a save can tell its own
+    # leftovers (from a process that was killed) from a concurrent save's.
+    return f".{os.path.basename(path)}.richness-"
+
+
+def _remove_stale_temps(path: str) -> None:
+    """Remove temp files of earlier saves to ``path`` whose process is gone
+    (a save killed between writing and renaming leaves one behind)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    prefix = _temp_prefix(path)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # that process is alive: its save may still be under way
+        except ProcessLookupError:
+            pass
+        except OSError:  # alive, someone else's
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass
+
+
 def save_state(state: dict, path: "os.PathLike | str") -> None:
     """Write ``state`` to ``path`` atomically: a temp file in the same folder,
-    fsync, then rename over the target. A crash leaves the old file intact."""
+    fsync, then rename over the target. A crash leaves the old file intact
+    (and a temp file that the next save to the same path removes). The file
+    gets the permissions ``open`` would give a new file under the umask."""
     path = os.fspath(path)
     arrays = {k: np.asarray(state[k]) for k in FLOATS + INTS}
     meta = {"format": FORMAT, "version": VERSION, **{k: state[k] for k in SCALARS},
             "sha256": _digest(arrays, state)}
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".richness-", suffix=".tmp", dir=folder)
+    _remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}-", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600
         with os.fdopen(fd, "wb") as f:
             np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
             f.flush()
@@ -65,8 +111,39 @@ def save_state(state: dict, path: "os.PathLike | str") -> None:
         pass
 
 
+_META_MAX = 1 << 20  # bytes; a real meta entry is a few hundred
+
+
+def _member_headers(raw: bytes) -> dict:
+    """``{name: (shape, dtype)}`` of every .npy member, read from the headers
+    alone (no array data is read or allocated). A header that claims more
+    data than its member holds is rejected here."""
+    out = {}
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            if not name.endswith(".npy"):
+                raise ValueError(f"unexpected member {name!r}")
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+                else:
+                    raise ValueError(f"member {name!r} has npy format version {version}")
+                need = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                if need > info.file_size:
+                    raise ValueError(f"member {name!r} claims shape {tuple(shape)} ({need} bytes) but holds "
+                                     f"{info.file_size} bytes")
+            out[name[:-4]] = (tuple(shape), dtype)
+    return out
+
+
 def load_state(path: "os.PathLike | str") -> dict:
-    """Read and validate a file written by ``save_state``."""
+    """Read and validate a file written by ``save_state``. Every array's shape
+    is checked against the widths the file declares before any data is read,
+    so a foreign or hostile archive cannot make it allocate."""
     path = os.fspath(path)
 
     def bad(why: str) -> ValueError:
@@ -75,36 +152,63 @@ def load_state(path: "os.PathLike | str") -> dict:
     try:
         with open(path, "rb") as f:
             raw = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no such file", path) from None
     except OSError as e:
         raise bad(f"cannot read ({e.strerror})") from None
-    try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            data = {k: z[k] for k in z.files}
+    if raw[:6] == b"\x93NUMPY":
+        raise bad("a single .npy array, not a richness state (an .npz archive written by Moments.save)")
     # A damaged zip header can also read as an unsupported compression method or
     # zip version (NotImplementedError) or as an encrypted member (RuntimeError).
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile,
-            NotImplementedError, RuntimeError) as e:
-        raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
-    if "meta" not in data:
-        raise bad("not a richness state (no meta entry)")
+    damaged = (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile,
+               NotImplementedError, RuntimeError)
     try:
-        meta = json.loads(data["meta"].tobytes().decode())
+        headers = _member_headers(raw)
+    except damaged as e:
+        raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
+    if "meta" not in headers:
+        raise bad("not a richness state (no meta entry)")
+    meta_shape, meta_dtype = headers["meta"]
+    if meta_dtype != np.uint8 or len(meta_shape) != 1 or meta_shape[0] > _META_MAX:
+        raise bad(f"not a richness state (meta entry of shape {meta_shape}, dtype {meta_dtype})")
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            meta_raw = z["meta"]
+    except damaged as e:
+        raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
+    try:
+        meta = json.loads(meta_raw.tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise bad("corrupted metadata") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise bad(f"not a richness state (format {meta.get('format') if isinstance(meta, dict) else None!r})")
     if meta.get("version") != VERSION:
         raise bad(f"unsupported state version {meta.get('version')!r}; this richness reads version {VERSION}")
-    missing = [k for k in SCALARS + FLOATS + INTS + ("sha256",) if k not in meta and k not in data]
+    missing = [k for k in SCALARS + ("sha256",) if k not in meta] + [k for k in FLOATS + INTS if k not in headers]
     if missing:
         raise bad(f"missing entries: {', '.join(missing)}")
-    for k in FLOATS:
-        if data[k].dtype != np.float64:
-            raise bad(f"entry {k} has dtype {data[k].dtype}, expected float64")
-    if data["class_counts"].dtype != np.int64:
-        raise bad(f"entry class_counts has dtype {data['class_counts'].dtype}, expected int64")
+    extra = sorted(set(headers) - set(FLOATS + INTS) - {"meta"})
+    if extra:
+        raise bad(f"unexpected entries: {', '.join(extra)}")
+    try:
+        widths = widths_of(meta)
+    except TypeError as e:
+        raise bad(f"not a valid richness state ({e})") from None
+    for f in FIELDS:
+        shape, dtype = headers[f.name]
+        want = shape_of(f, widths)
+        if shape != want:
+            raise bad(f"not a valid richness state (entry {f.name} has shape {shape}, but the file's widths "
+                      f"give {want})")
+        if dtype != np.dtype(f.dtype):
+            raise bad(f"entry {f.name} has dtype {dtype}, expected {np.dtype(f.dtype)}")
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            data = {k: z[k] for k in FLOATS + INTS}
+    except damaged as e:
+        raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
     if _digest(data, meta) != meta["sha256"]:
         raise bad("checksum mismatch: the file is corrupted")
     state = {k: meta[k] for k in SCALARS}
-    state.update({k: data[k] for k in FLOATS + INTS})
+    state.update(data)
     return state

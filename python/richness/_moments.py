@@ -7,28 +7,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _adapt, _finish, _io, _uncertainty
-from ._core import CpuMoments
+from . import _adapt, _finish, _io, _state, _uncertainty
+from ._backend import STACK_CPU, Batch, CoreBackend, GroupedBackend
 from ._report import Report
-
-_STACK_CPU = ("stack_rows is an option of the CUDA backend (it stages rows before one device product); "
-              "the CPU backend has no staging: use stack_rows=0 with CPU data")
-
-_STATE_SHAPES = {
-    "mean": ("p",), "M": ("p", "p"), "out_mean": ("c",), "B": ("p", "c"), "A": ("c", "c"),
-    "tgt_mean": ("t",), "Bt": ("p", "t"), "At": ("t", "t"), "class_counts": ("k",),
-    "class_sums": ("k", "p"),
-}
-
-
-def _cuda_backend(num_classes: int, device: str):
-    try:
-        import torch  # noqa: F401  loads libcublas and the CUDA runtime that _cuda links against
-        from . import _cuda  # built only with RICHNESS_CUDA; needs libcublas at import
-    except ImportError as e:
-        raise RuntimeError(f"device {device!r} needs the CUDA backend, which is not available here ({e})") from None
-    index = int(device.split(":")[1]) if ":" in device else 0
-    return _cuda.CudaMoments(num_classes, index)
 
 
 class Moments:
@@ -80,46 +61,35 @@ class Moments:
             raise ValueError("group_seed needs groups=k")
         if num_classes is not None and (not isinstance(num_classes, (int, np.integer)) or num_classes < 1):
             raise ValueError(f"num_classes must be a positive integer or None, got {num_classes!r}")
-        if precision is not None and precision not in _adapt.PRECISIONS:
-            raise ValueError(f"precision must be one of {_adapt.PRECISIONS} or None, got {precision!r}")
+        if precision is not None and precision not in _state.PRECISIONS:
+            raise ValueError(f"precision must be one of {_state.PRECISIONS} or None, got {precision!r}")
         if device is not None:
             device = str(device)
             if device != "cpu" and not device.startswith("cuda"):
                 raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
             if device == "cuda":
                 device = "cuda:0"
-        if device in (None, "cpu") and precision in ("tf32", "bf16"):
-            if device == "cpu":
-                raise ValueError(f"precision {precision!r} needs device='cuda'; the CPU multiplies in fp32 or fp64")
+        if device == "cpu" and precision is not None and _state.precision_mode(precision).cuda_only:
+            raise ValueError(f"precision {precision!r} needs device='cuda'; the CPU multiplies in fp32 or fp64")
         if (isinstance(stack_rows, (bool, np.bool_)) or not isinstance(stack_rows, (int, np.integer))
                 or not 0 <= stack_rows < 2**31):
             raise ValueError(f"stack_rows must be an integer in [0, 2**31), got {stack_rows!r}")
         if stack_rows and device == "cpu":
-            raise ValueError(_STACK_CPU)
+            raise ValueError(STACK_CPU)
         self.stack_rows = int(stack_rows)
         self.num_classes = None if num_classes is None else int(num_classes)
         self.precision = precision
         self._device = device
-        self._impl = None  # the whole state (without groups)
-        self._parts = None  # the group sub-states (with groups)
+        self._backend = None  # created by the first batch, merge or load (or here, with a device)
         self._groups = None if groups is None else int(groups)
-        self._next_group = 0
-        self._group_rng = None if group_seed is None else np.random.default_rng(group_seed)
+        self._group_seed = group_seed
         if device is not None:
             self._create(device)
 
-    # -- backend --------------------------------------------------------------
+    # -- routing ---------------------------------------------------------------
 
-    def _make_backend(self, device: str):
-        nc = -1 if self.num_classes is None else self.num_classes
-        if device == "cpu":
-            if self.stack_rows:
-                raise ValueError(_STACK_CPU)
-            return CpuMoments(nc)
-        impl = _cuda_backend(nc, device)
-        if self.stack_rows:
-            impl.set_stack(self.stack_rows)
-        return impl
+    def _make_backend(self, device: str) -> CoreBackend:
+        return CoreBackend(device, self.num_classes, self.stack_rows)
 
     @property
     def device(self) -> Optional[str]:
@@ -128,111 +98,94 @@ class Moments:
 
     def _create(self, device: str) -> None:
         if device == "cpu" and self.stack_rows:  # before anything changes
-            raise ValueError(_STACK_CPU)
-        self._device = device
+            raise ValueError(STACK_CPU)
         if self._groups is None:
-            self._impl = self._make_backend(device)
+            backend = self._make_backend(device)
         else:
-            self._parts = [self._make_backend(device) for _ in range(self._groups)]
+            backend = GroupedBackend(lambda: self._make_backend(device), self._groups, self._group_seed)
+        self._device = device
+        self._backend = backend
 
     @property
-    def _started(self) -> bool:
-        return self._impl is not None or self._parts is not None
+    def _impl(self):
+        """The backend (kept under its older name for the CUDA switches)."""
+        return self._backend
 
     def _sink(self, device: str):
-        """The backend the next update or merge goes to (one group, in turn)."""
-        if not self._started:
+        """The backend the next update or merge goes to."""
+        if self._backend is None:
             self._create(device)
         elif device != self._device:
             raise ValueError(f"this Moments lives on {self._device} but the batch is on {device}; "
                              "move the batch or use a Moments on that device")
-        if self._parts is None:
-            return self._impl
-        return self._parts[self._pick_group()]
-
-    def _pick_group(self) -> int:
-        if self._group_rng is not None:
-            return int(self._group_rng.integers(self._groups))
-        return self._next_group
-
-    def _advance_group(self) -> None:
-        # Called only after a successful update, so a rejected batch leaves the
-        # rotation (and so the state) exactly as it was.
-        if self._parts is not None and self._group_rng is None:
-            self._next_group = (self._next_group + 1) % self._groups
-
-    def _whole(self):
-        """A backend holding all samples (the groups merged: k merges)."""
-        if self._parts is None:
-            return self._impl
-        total = self._make_backend(self._device)
-        for part in self._parts:
-            total.merge(part)
-        return total
+        return self._backend
 
     # -- accumulation ---------------------------------------------------------
 
     def update(self, features: Any, outputs: Any = None, labels: Any = None, targets: Any = None) -> None:
         """Add a batch: ``features`` (n, p); optional ``outputs`` (n, C),
         integer ``labels`` (n,) and float ``targets`` (n, T) or (n,)."""
-        fx = _adapt.as_matrix(features, "features")
-        ox = _adapt.as_matrix(outputs, "outputs", allow_1d=True) if outputs is not None else None
-        yx = _adapt.as_labels(labels) if labels is not None else None
-        tx = _adapt.as_matrix(targets, "targets", allow_1d=True) if targets is not None else None
-        parts = [m for m in (fx, ox, yx, tx) if m is not None]
-        devices = {m.device for m in parts}
+        batch = Batch(_adapt.as_matrix(features, "features"),
+                      _adapt.as_matrix(outputs, "outputs", allow_1d=True) if outputs is not None else None,
+                      _adapt.as_labels(labels) if labels is not None else None,
+                      _adapt.as_matrix(targets, "targets", allow_1d=True) if targets is not None else None)
+        devices = {m.device for m in batch if m is not None}
         if len(devices) > 1:
             raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
-        impl = self._sink(fx.device)
+        backend = self._sink(batch.features.device)
         precision = self.precision
         if precision is None:
-            floats = [m.dtype for m in (fx, ox, tx) if m is not None]
+            floats = [m.dtype for m in (batch.features, batch.outputs, batch.targets) if m is not None]
             precision = "fp64" if all(d == _adapt.F64 for d in floats) else "fp32"
-        args = (fx.arg(), ox.arg() if ox else None, yx.arg() if yx else None, tx.arg() if tx else None,
-                _adapt.PRECISIONS.index(precision))
-        if self._device == "cpu":
-            impl.update(*args)
-        else:
-            impl.update(*args, _current_stream(fx.owner))
-        self._advance_group()
+        backend.update(batch, precision)
 
     def merge(self, other: "Moments") -> None:
         """Add another state (Chan et al. pairwise merge; exact up to rounding)."""
         if not isinstance(other, Moments):
             raise TypeError(f"merge expects a Moments, got {type(other).__name__}")
-        if not other._started or other.n == 0:
+        if other._backend is None or other.n == 0:
             return
-        source = other._whole()
-        sink = self._sink(self._device if self._started else other._device)
-        if source is sink or type(source) is not type(sink):
-            tmp = self._make_backend(self._device)
-            tmp.set_state(source.get_state())
-            source = tmp
-        sink.merge(source)
-        self._advance_group()
+        self._sink(self._device if self._backend is not None else other._device).merge(other._backend)
 
     def all_reduce(self, group: Any = None) -> None:
         """Merge the states of all ranks of ``group`` (torch.distributed, gloo or
         NCCL) in float64: afterwards every rank holds the global state. Exact up
-        to rounding (SPEC.md: shift to the global mean, then sum); collective,
-        so every rank must call it."""
-        from ._distributed import all_reduce_state
+        to rounding (docs/MATH.md, "Merging states": shift to the global mean,
+        then sum); collective, so every rank must call it. With ``groups=k``
+        each rank's group i is merged with the other ranks' group i, so the
+        jackknife still works afterwards. Incompatible states raise the same
+        ValueError on every rank, and no rank's state changes."""
+        from ._distributed import all_reduce_states
 
-        self.load_state_dict(all_reduce_state(self.state_dict(), group=group))
+        if isinstance(self._backend, GroupedBackend):
+            states = all_reduce_states(self._backend.group_states(), group=group)
+            for st in states:
+                _state.validate(st)
+            self._check_num_classes(states)
+            self._backend.load_group_states(states)
+            self.num_classes = self._merged_num_classes(states)
+            return
+        self.load_state_dict(all_reduce_states([self.state_dict()], group=group)[0])
+
+    def _check_num_classes(self, states: list) -> None:
+        for st in states:
+            if self.num_classes is not None and st["num_classes"] != self.num_classes:
+                raise ValueError(f"state was saved with num_classes={st['num_classes']}, "
+                                 f"this Moments has num_classes={self.num_classes}")
+
+    def _merged_num_classes(self, states: list) -> Optional[int]:
+        nc = max(int(st["num_classes"]) for st in states)
+        return None if nc < 0 else nc
 
     def reset(self) -> None:
         """Forget all samples (widths are free again; num_classes is kept)."""
-        for impl in self._parts or [self._impl]:
-            if impl is not None:
-                impl.reset()
-        self._next_group = 0
+        if self._backend is not None:
+            self._backend.reset()
 
     @property
     def n(self) -> int:
         """Number of samples accumulated."""
-        if self._parts is not None:
-            return sum(int(part.n) for part in self._parts)
-        return 0 if self._impl is None else int(self._impl.n)
+        return 0 if self._backend is None else self._backend.n
 
     # -- finishing ------------------------------------------------------------
 
@@ -262,6 +215,7 @@ class Moments:
             if not isinstance(test, Moments):
                 raise TypeError(f"test must be a Moments, got {type(test).__name__}")
             test_state = test.state_dict()
+            _check_held_out(self._backend.widths() if self._backend is not None else None, test_state)
         if uncertainty and self._groups is None:
             raise ValueError("uncertainty=True needs the samples kept in groups: use Moments(groups=k), k >= 2")
         report = _finish.finish(self._finish_state(), W=W, test=test_state, rtol=rtol, centered=centered,
@@ -269,86 +223,37 @@ class Moments:
         if uncertainty:
             if report.dlr is None:
                 raise ValueError("uncertainty needs outputs or a head: DLR is undefined without them")
-            _uncertainty.add_jackknife(report, self._leave_one_out_states(), W)
+            _uncertainty.add_jackknife(report, self._backend.leave_one_out_states(), W)
         return report
-
-    def _leave_one_out_states(self) -> list:
-        """The k states without one group each, from prefix and suffix merges
-        (3k merges in all, exact: no subtraction of moments)."""
-        k = self._groups
-        sizes = [int(part.n) for part in self._parts]
-        if min(sizes) < 1:
-            raise ValueError(f"uncertainty needs every group filled; group sizes are {sizes} "
-                             f"(make at least {k} updates, or use fewer groups)")
-        prefix = [self._make_backend(self._device)]
-        for part in self._parts[:-1]:
-            nxt = self._make_backend(self._device)
-            nxt.merge(prefix[-1])
-            nxt.merge(part)
-            prefix.append(nxt)
-        out = [None] * k
-        suffix = self._make_backend(self._device)
-        for i in range(k - 1, -1, -1):
-            loo = self._make_backend(self._device)
-            loo.merge(prefix[i])
-            loo.merge(suffix)
-            out[i] = loo.get_state()
-            suffix.merge(self._parts[i])
-        return out
 
     # -- persistence ----------------------------------------------------------
 
     def _finish_state(self) -> dict:
         """``state_dict()``, except that a CUDA state stays on its device as
         float64 torch tensors, so that ``compute`` finishes there."""
-        if self._device in (None, "cpu") or not self._started:
+        if self._backend is None:
             return self.state_dict()
-        return _device_state(self._whole(), self._device)
+        return self._backend.device_state()
 
     def state_dict(self) -> dict:
         """A float64 numpy copy of the state (symmetric matrices filled)."""
-        if not self._started:
-            return CpuMoments(-1 if self.num_classes is None else self.num_classes).get_state()
-        return self._whole().get_state()
+        if self._backend is None:
+            return _state.empty(self.num_classes)
+        return self._backend.to_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the state with ``state`` (validated first; on error nothing changes)."""
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict, got {type(state).__name__}")
-        missing = [k for k in _io.SCALARS + _io.FLOATS + _io.INTS if k not in state]
-        if missing:
-            raise ValueError(f"state is missing entries: {', '.join(missing)}")
-        dims = {}
-        for key in ("n", "p", "c", "t", "k", "num_classes"):
-            v = state[key]
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-                raise TypeError(f"state entry {key!r} must be an integer, got {type(v).__name__}")
-            dims[key] = int(v)
-        if not isinstance(state["precision"], str):
-            raise TypeError(f"state entry 'precision' must be a string, got {type(state['precision']).__name__}")
-        if state["precision"] not in _adapt.PRECISIONS:
-            raise ValueError(f"state entry 'precision' is {state['precision']!r}, expected one of {_adapt.PRECISIONS}")
-        for key, axes in _STATE_SHAPES.items():
-            want = tuple(max(dims[a], 0) for a in axes)
-            got = np.shape(state[key])
-            if got != want:
-                raise ValueError(f"state entry {key!r} has shape {got}, expected {want}")
-        if self.num_classes is not None and dims["num_classes"] != self.num_classes:
-            raise ValueError(f"state was saved with num_classes={dims['num_classes']}, "
-                             f"this Moments has num_classes={self.num_classes}")
-        for key in _io.FLOATS:
-            if not np.isfinite(np.asarray(state[key], dtype=np.float64)).all():
-                raise ValueError(f"state entry {key!r} contains NaN or Inf")
+        w = _state.validate(state)
+        self._check_num_classes([state])
         device = self._device or "cpu"
-        target = self._make_backend(device)
-        target.set_state(dict(state))  # validates; raises before anything changes
-        self._device = device
         if self._groups is None:
-            self._impl = target
-        else:  # a loaded state is one block: the jackknife needs later updates
-            self._parts = [target] + [self._make_backend(device) for _ in range(self._groups - 1)]
-            self._next_group = 1 % self._groups
-        self.num_classes = None if dims["num_classes"] < 0 else dims["num_classes"]
+            backend = self._make_backend(device)
+        else:
+            backend = GroupedBackend(lambda: self._make_backend(device), self._groups, self._group_seed)
+        backend.from_state(state)  # validates in the core; raises before anything changes
+        self._backend = backend
+        self._device = device
+        self.num_classes = None if w["num_classes"] < 0 else w["num_classes"]
 
     def save(self, path: "os.PathLike | str") -> None:
         """Write the state to ``path`` atomically (an .npz archive, no pickle)."""
@@ -367,43 +272,20 @@ class Moments:
         return m
 
     def __repr__(self) -> str:
-        if not self._started or self.n == 0:
+        if self._backend is None or self.n == 0:
             return "Moments(empty)"
         groups = "" if self._groups is None else f", groups={self._groups}"
-        return f"Moments(n={self.n}, p={self._whole().p}, device={self._device!r}{groups})"
+        return f"Moments(n={self.n}, p={self._backend.widths()['p']}, device={self._device!r}{groups})"
 
 
-def _device_state(impl: Any, device: str) -> dict:
-    """The keys of ``state_dict()`` with float64 torch tensors on ``device``
-    (copied device to device from a CUDA backend; symmetric matrices filled)."""
-    import torch
-
-    n = int(impl.n)  # synchronises; raises a pending device-side input error
-    sh = impl.shape()
-    if n == 0 or sh["p"] < 0:
-        return impl.get_state()
-    p, c, t, k = sh["p"], max(sh["c"], 0), max(sh["t"], 0), max(sh["k"], 0)
-    dev = torch.device(device)
-
-    def f64(*shape):
-        return torch.empty(shape, dtype=torch.float64, device=dev)
-
-    st = {"n": n, "p": sh["p"], "c": sh["c"], "t": sh["t"], "k": sh["k"], "num_classes": sh["num_classes"],
-          "precision": sh["precision"], "mean": f64(p), "M": f64(p, p), "out_mean": f64(c), "B": f64(p, c),
-          "A": f64(c, c), "tgt_mean": f64(t), "Bt": f64(p, t), "At": f64(t, t),
-          "class_counts": torch.empty(k, dtype=torch.int64, device=dev), "class_sums": f64(k, p)}
-    impl.export_to({key: v.data_ptr() for key, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 0})
-    return st
-
-
-def _current_stream(tensor: Any) -> int:
-    """The caller's current CUDA stream for ``tensor``'s device (0 = legacy default)."""
-    try:
-        import torch
-
-        return int(torch.cuda.current_stream(tensor.device).cuda_stream)
-    except Exception:  # not a torch tensor: DLPack producers sync on the default stream
-        return 0
+def _check_held_out(train: Optional[dict], test: dict) -> None:
+    """A held-out state must describe the same functions of the same features."""
+    if train is None or train["p"] < 0 or test["p"] < 0:
+        return
+    for key, what in (("p", "features"), ("c", "outputs"), ("t", "targets")):
+        if test[key] >= 0 and test[key] != train[key]:
+            have = f"no {what}" if train[key] < 0 else str(train[key])
+            raise ValueError(f"test state has {test[key]} {what}, the training state {have}")
 
 
 def dlr(features: Any, outputs: Any = None, *, head: Any = None, rtol: Optional[float] = None) -> float:

@@ -1,13 +1,16 @@
 """Command line: ``richness demo | eval | plot | info`` (also ``python -m richness``).
 
-User errors (a missing file, a wrong shape, a bad key) print one line naming
-the file and the problem and exit with code 2, without a traceback.
+User errors (a missing file, a wrong shape, a bad key, a folder that cannot be
+written) print one line naming the file and the problem and exit with code 2,
+without a traceback. Progress and notes go to the ``richness`` logger
+(``-v`` shows the info level).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import mmap
 import os
 import sys
@@ -16,6 +19,9 @@ import zipfile
 from typing import List, Optional
 
 import numpy as np
+
+
+log = logging.getLogger("richness")
 
 
 class UserError(Exception):
@@ -30,24 +36,47 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": n
 _PAGE = mmap.PAGESIZE
 
 
+_SUFFIXES = ".npy, .npz, .safetensors, .pt, .h5/.hdf5 or .parquet"
+
+
+def _optional(module: str, package: str, suffix: str):
+    """Import an optional reader or fail naming the pip package."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"reading {suffix} files needs {package}: pip install {package}") from None
+
+
 class ArrayFile:
-    """A 1-D or 2-D array in a ``.npy``, ``.npz`` or ``.safetensors`` file,
-    memory-mapped and read in row chunks. Pages behind the cursor are dropped
-    (madvise/posix_fadvise DONTNEED): file-backed pages of a mapping count in
-    the resident set, so a plain memmap of a 5 GB file would end up resident."""
+    """A 1-D or 2-D array in a ``.npy``, ``.npz``, ``.safetensors``, ``.pt``,
+    ``.h5``/``.hdf5`` or ``.parquet`` file, read in row chunks.
+
+    ``.npy``/``.npz``/``.safetensors`` are memory-mapped; pages behind the
+    cursor are dropped (madvise/posix_fadvise DONTNEED): file-backed pages of a
+    mapping count in the resident set, so a plain memmap of a 5 GB file would
+    end up resident. ``.pt`` is loaded with ``torch.load(weights_only=True,
+    mmap=True)`` (no pickled code runs). HDF5 datasets are sliced per chunk
+    (h5py); a Parquet column is read forward in record batches (pyarrow), one
+    sample per row, vectors as list columns."""
 
     def __init__(self, spec: str, default_key: Optional[str] = None) -> None:
         path, key = spec, None
         if not os.path.exists(spec) and ":" in spec:
             path, key = spec.rsplit(":", 1)
-        self.path, self.key = path, key or default_key
+        self.path, self.key, self.default_key = path, key, default_key
         self.label = path if key is None else f"{path}:{key}"
+        self.explicit_key = key is not None
         if not os.path.exists(path):
             raise UserError(f"{path}: no such file")
         if os.path.isdir(path):
-            raise UserError(f"{path}: is a directory, expected a .npy, .npz or .safetensors file")
+            raise UserError(f"{path}: is a directory, expected a {_SUFFIXES} file")
         self.bf16 = False
         self.array: Optional[np.ndarray] = None
+        self.names: List[str] = []  # the file's named arrays (empty for a one-array file)
+        self._reader = None  # (a, b) -> rows a..b-1, for files that are not memory-mapped
+        self._keep = None  # an open h5py file behind _reader
         self._mm = None
         self._fd = None
         self._released = 0
@@ -61,14 +90,37 @@ class ArrayFile:
                 self._open_npz(path)
             elif low.endswith(".safetensors"):
                 self._open_safetensors(path)
+            elif low.endswith((".pt", ".pth")):
+                self._open_torch(path)
+            elif low.endswith((".h5", ".hdf5")):
+                self._open_hdf5(path)
+            elif low.endswith(".parquet"):
+                self._open_parquet(path)
             else:
-                raise UserError(f"{path}: unknown file type; use .npy, .npz or .safetensors")
+                raise UserError(f"{path}: unknown file type; use {_SUFFIXES}")
         except UserError:
             raise
-        except (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError) as e:
+        except (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError, RuntimeError) as e:
             raise UserError(f"{self.label}: cannot read ({e})") from None
         if len(self.shape) not in (1, 2):
             raise UserError(f"{self.label}: expected a 1-D or 2-D array, got shape {self.shape}")
+
+    def _pick(self, names: List[str], noun: str) -> str:
+        """The key asked for (or the default, or the only array) among ``names``."""
+        self.names = list(names)
+        key = self.key
+        if key is None:
+            if self.default_key is not None and self.default_key in names:
+                key = self.default_key
+            elif len(names) == 1:
+                key = names[0]
+            else:
+                raise UserError(f"{self.path}: holds {len(names)} {noun}s ({', '.join(names)}); "
+                                f"name one as {self.path}:KEY")
+        if key not in names:
+            raise UserError(f"{self.path}: no {noun} {key!r}; it has {', '.join(names) or 'none'}")
+        self.key, self.label = key, f"{self.path}:{key}"
+        return key
 
     # file formats
     def _map(self, path: str, offset: int, dtype: np.dtype, shape: tuple, fortran: bool = False) -> None:
@@ -103,15 +155,7 @@ class ArrayFile:
 
     def _open_npz(self, path: str) -> None:
         with zipfile.ZipFile(path) as z:
-            names = [n[:-4] for n in z.namelist() if n.endswith(".npy")]
-            key = self.key
-            if key is None:
-                if len(names) != 1:
-                    raise UserError(f"{path}: holds {len(names)} arrays ({', '.join(names)}); name one as {path}:KEY")
-                key = names[0]
-            if key not in names:
-                raise UserError(f"{path}: no array {key!r}; it has {', '.join(names) or 'none'}")
-            self.key, self.label = key, f"{path}:{key}"
+            key = self._pick([n[:-4] for n in z.namelist() if n.endswith(".npy")], "array")
             info = z.getinfo(key + ".npy")
         if info.compress_type != zipfile.ZIP_STORED:
             # compressed members cannot be mapped: read this one into memory
@@ -141,15 +185,7 @@ class ArrayFile:
             except (UnicodeDecodeError, json.JSONDecodeError):
                 raise UserError(f"{path}: not a safetensors file (bad header)") from None
         tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-        key = self.key
-        if key is None:
-            if len(tensors) != 1:
-                raise UserError(f"{path}: holds {len(tensors)} tensors ({', '.join(tensors)}); name one as {path}:KEY")
-            key = next(iter(tensors))
-        if key not in tensors:
-            raise UserError(f"{path}: no tensor {key!r}; it has {', '.join(tensors) or 'none'}")
-        self.key, self.label = key, f"{path}:{key}"
-        t = tensors[key]
+        t = tensors[self._pick(list(tensors), "tensor")]
         if t.get("dtype") not in _ST_DTYPES:
             raise UserError(f"{self.label}: unsupported dtype {t.get('dtype')!r}")
         self.bf16 = t["dtype"] == "BF16"
@@ -159,6 +195,77 @@ class ArrayFile:
         if int(np.prod(shape)) * dtype.itemsize != stop - start:
             raise UserError(f"{self.label}: data offsets do not match shape {shape}")
         self._map(path, 8 + n + start, dtype, shape)
+
+    def _open_torch(self, path: str) -> None:
+        torch = _optional("torch", "torch", ".pt")
+        import pickle
+
+        try:
+            try:  # mmap: tensors stay on disk until a chunk touches them
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                obj = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+        except pickle.UnpicklingError as e:
+            raise UserError(f"{path}: not a file of tensors (torch.load with weights_only=True refused it: "
+                            f"{str(e).splitlines()[0]})") from None
+        if isinstance(obj, torch.Tensor):
+            if self.key is not None:
+                raise UserError(f"{self.label}: the file holds one tensor; drop ':{self.key}'")
+            t = obj
+        elif isinstance(obj, dict):
+            tensors = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+            t = tensors[self._pick(list(tensors), "tensor")]
+        else:
+            raise UserError(f"{path}: holds a {type(obj).__name__}; expected a tensor or a dict of tensors")
+        t = t.detach()
+        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: keep the bits, widened per chunk
+            self.bf16 = True
+            t = t.view(torch.int16)
+            self.array = t.numpy().view(np.uint16)
+        else:
+            try:
+                self.array = t.numpy()
+            except TypeError as e:
+                raise UserError(f"{self.label}: unsupported dtype ({e})") from None
+        self.shape, self.dtype = tuple(self.array.shape), self.array.dtype
+
+    def _open_hdf5(self, path: str) -> None:
+        h5py = _optional("h5py", "h5py", ".h5")
+        f = h5py.File(path, "r")
+        names: List[str] = []
+        f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        try:
+            ds = f[self._pick(names, "dataset")]
+        except UserError:
+            f.close()
+            raise
+        self.shape, self.dtype = tuple(int(s) for s in ds.shape), ds.dtype
+        self._keep = f
+        self._reader = lambda a, b: ds[a:b]  # h5py reads only the slice
+
+    def _open_parquet(self, path: str) -> None:
+        pa = _optional("pyarrow", "pyarrow", ".parquet")
+        pq = _optional("pyarrow.parquet", "pyarrow", ".parquet")
+        pf = pq.ParquetFile(path)
+        key = self._pick(list(pf.schema_arrow.names), "column")
+        typ = pf.schema_arrow.field(key).type
+        is_list = pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ)
+        value = typ.value_type if is_list else typ
+        try:
+            self.dtype = np.dtype(value.to_pandas_dtype())
+        except (NotImplementedError, TypeError):
+            raise UserError(f"{self.label}: unsupported column type {typ}") from None
+        rows = pf.metadata.num_rows
+        width = None
+        if pa.types.is_fixed_size_list(typ):
+            width = typ.list_size
+        elif is_list and rows:
+            first = next(pf.iter_batches(batch_size=1, columns=[key])).column(0)
+            width = len(first[0]) if first[0].is_valid else 0
+        self.shape = (rows, width) if is_list else (rows,)
+        self._reader = _ParquetColumn(pf, key, width, self.label)
 
     # reading
     @property
@@ -170,7 +277,7 @@ class ArrayFile:
             raise UserError(f"{self.label}: {what} must be floating point, got {self.dtype}")
 
     def chunk(self, a: int, b: int) -> np.ndarray:
-        x = self.array[a:b]
+        x = self._reader(a, b) if self._reader is not None else self.array[a:b]
         if self.bf16:  # bfloat16 bits -> float32
             x = (x.astype(np.uint32) << 16).view(np.float32)
         return x
@@ -196,29 +303,56 @@ class ArrayFile:
         self._released = end
 
 
-def _open(spec: Optional[str], bundle: Optional[str], key: str) -> Optional[ArrayFile]:
-    """An explicit file, else ``key`` inside the bundle (.npz / .safetensors) when it has it."""
+class _ParquetColumn:
+    """Rows a..b-1 of one Parquet column, read forward in record batches (a
+    chunk before the cursor restarts the scan). List columns become 2-D."""
+
+    def __init__(self, pf, key: str, width: Optional[int], label: str) -> None:
+        self.pf, self.key, self.width, self.label = pf, key, width, label
+        # about 16M values per record batch, whatever the width
+        self.batch = max(1, min(65536, (1 << 24) // max(width or 1, 1)))
+        self._restart()
+
+    def _restart(self) -> None:
+        self.it = self.pf.iter_batches(batch_size=self.batch, columns=[self.key])
+        self.start, self.buf = 0, None
+
+    def _convert(self, col, first: int) -> np.ndarray:
+        if col.null_count:
+            raise UserError(f"{self.label}: rows {first}..{first + len(col) - 1} hold {col.null_count} nulls")
+        if self.width is None:
+            return col.to_numpy(zero_copy_only=False)
+        if hasattr(col, "value_lengths"):  # variable-length lists must all have the first row's width
+            lengths = col.value_lengths().to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero(lengths != self.width)
+            if bad.size:
+                raise UserError(f"{self.label}: row {first + int(bad[0])} has {int(lengths[bad[0]])} values, "
+                                f"row 0 has {self.width}")
+        return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), self.width)
+
+    def __call__(self, a: int, b: int) -> np.ndarray:
+        if a < self.start:
+            self._restart()
+        parts = []
+        while True:
+            lo = self.start
+            hi = lo + (0 if self.buf is None else len(self.buf))
+            if self.buf is not None and hi > a and lo < b:
+                parts.append(self.buf[max(a, lo) - lo: min(b, hi) - lo])
+            if hi >= b:
+                break
+            col = next(self.it).column(0)
+            self.start, self.buf = hi, self._convert(col, hi)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _open(spec: Optional[str], bundle: Optional[ArrayFile], key: str) -> Optional[ArrayFile]:
+    """An explicit file, else the array ``key`` of the bundle the features came from, when it has one."""
     if spec is not None:
         return ArrayFile(spec)
-    if bundle is None:
+    if bundle is None or key not in bundle.names:
         return None
-    if not bundle.lower().endswith((".npz", ".safetensors")):
-        return None
-    if key not in _bundle_keys(bundle):
-        return None
-    return ArrayFile(f"{bundle}:{key}")
-
-
-def _bundle_keys(path: str) -> List[str]:
-    try:
-        if path.lower().endswith(".npz"):
-            with zipfile.ZipFile(path) as z:
-                return [n[:-4] for n in z.namelist() if n.endswith(".npy")]
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
-    except (OSError, zipfile.BadZipFile, ValueError, UnicodeDecodeError):
-        raise UserError(f"{path}: cannot read (not a valid {os.path.splitext(path)[1]} file)") from None
+    return ArrayFile(f"{bundle.path}:{key}")
 
 
 def _bar(total: int, enabled: bool, desc: str):
@@ -289,18 +423,21 @@ def _head_weights(spec: Optional[str]):
     f.check_float("head weights")
     if len(f.shape) != 2:
         raise UserError(f"{f.label}: head weights must be 2-D (outputs, features), got shape {f.shape}")
-    return np.array(f.array, dtype=np.float64) if not f.bf16 else f.chunk(0, f.rows).astype(np.float64)
+    return np.array(f.chunk(0, f.rows), dtype=np.float64)
 
 
 def eval_cmd(args: argparse.Namespace) -> int:
     if args.chunk < 1:
         raise UserError(f"--chunk must be a positive number of rows, got {args.chunk}")
-    bundle = args.features
-    feats = ArrayFile(args.features, default_key="features" if bundle.lower().endswith((".npz", ".safetensors"))
-                      and "features" in _bundle_keys(bundle) else None)
+    feats = ArrayFile(args.features, default_key="features")
+    # a bundle (FILE without :KEY) also supplies its outputs, labels and targets
+    bundle = None if feats.explicit_key else feats
     outs = _open(args.outputs, bundle, "outputs")
     labels = _open(args.labels, bundle, "labels")
     targets = _open(args.targets, bundle, "targets")
+    for f, what in ((feats, "features"), (outs, "outputs"), (labels, "labels"), (targets, "targets")):
+        if f is not None:
+            log.info("%s: %s, shape %s, %s", what, f.label, f.shape, "bfloat16" if f.bf16 else f.dtype)
     W = _head_weights(args.head)
     if W is not None and W.shape[1] != feats.shape[1]:
         raise UserError(f"{args.head}: head weights have {W.shape[1]} input columns but {feats.label} has "
@@ -310,17 +447,20 @@ def eval_cmd(args: argparse.Namespace) -> int:
                 num_classes=args.num_classes, progress=progress, desc="richness eval")
     test = None
     if args.test_features is not None:
-        tb = args.test_features
-        tfeats = ArrayFile(tb, default_key="features" if tb.lower().endswith((".npz", ".safetensors"))
-                           and "features" in _bundle_keys(tb) else None)
+        tfeats = ArrayFile(args.test_features, default_key="features")
+        tbundle = None if tfeats.explicit_key else tfeats
         if tfeats.shape[1:] != feats.shape[1:]:
             raise UserError(f"{tfeats.label}: has {tfeats.shape[1:]} features per sample, the training set "
                             f"{feats.shape[1:]}")
-        test = _stream(tfeats, _open(args.test_outputs, tb, "outputs") if outs is not None else None,
-                       _open(args.test_labels, tb, "labels") if labels is not None else None,
-                       _open(args.test_targets, tb, "targets") if targets is not None else None,
-                       chunk=args.chunk, precision=args.precision, num_classes=args.num_classes, progress=progress,
-                       desc="richness eval (held-out)")
+        touts = _open(args.test_outputs, tbundle, "outputs") if outs is not None else None
+        tlabels = _open(args.test_labels, tbundle, "labels") if labels is not None else None
+        ttargets = _open(args.test_targets, tbundle, "targets") if targets is not None else None
+        for train, held, what in ((outs, touts, "outputs"), (targets, ttargets, "targets")):
+            if held is not None and _width(held) != _width(train):
+                raise UserError(f"{held.label}: held-out {what} have {_width(held)} columns but the training "
+                                f"{what} ({train.label}) have {_width(train)}")
+        test = _stream(tfeats, touts, tlabels, ttargets, chunk=args.chunk, precision=args.precision,
+                       num_classes=args.num_classes, progress=progress, desc="richness eval (held-out)")
     try:
         rep = m.compute(head=W, test=test, rtol=args.rtol)
     except ValueError as e:
@@ -328,18 +468,28 @@ def eval_cmd(args: argparse.Namespace) -> int:
     if outs is None and W is None:
         print(f"richness: note: no outputs or --head given for {feats.label}: spectrum and curves only, no DLR",
               file=sys.stderr)
-    if args.save:
-        m.save(args.save)
-    if args.save_test and test is not None:
-        test.save(args.save_test)
+    # the report first: a state that cannot be written must not lose it
     if args.json:
-        print(json.dumps(rep.to_dict()))
+        print(json.dumps(rep.to_dict()), flush=True)
+        for w in rep.warnings:  # stdout is JSON for a program; the caveats also go where a person looks
+            log.warning("warning: %s", w)
     else:
         print(rep)
         _print_curves(rep)
-        if args.save:
-            print(f"state saved to {args.save}")
+        sys.stdout.flush()
+    for path, state in ((args.save, m), (args.save_test, test)):
+        if path and state is not None:
+            try:
+                state.save(path)
+            except OSError as e:
+                raise UserError(f"{path}: cannot write the state ({e.strerror or e})") from None
+            if not args.json:
+                print(f"{'held-out state' if state is test else 'state'} saved to {path}")
     return 0
+
+
+def _width(f: ArrayFile) -> int:
+    return f.shape[1] if len(f.shape) == 2 else 1
 
 
 def _print_curves(rep) -> None:
@@ -409,7 +559,7 @@ def _synthetic(seed: int):
 
 
 def _train_mlp(X, y, *, width: int, epochs: int, train_features: bool, seed: int, lr: float = 0.05,
-               batch: int = 128):
+               batch: int = 128, tick=None):
     """A ReLU network with two hidden layers (d -> width -> width -> classes) on
     standardised inputs, minibatch SGD with momentum on cross-entropy, float32.
     train_features=False freezes everything but the head at initialisation
@@ -451,6 +601,8 @@ def _train_mlp(X, y, *, width: int, epochs: int, train_features: bool, seed: int
                 for i, g in ((layer, grads[layer][0]), (L + layer, grads[layer][1])):
                     vel[i] = 0.9 * vel[i] - lr * g
                     params[i] += vel[i]
+        if tick is not None:
+            tick(1)
 
     W64 = [w.astype(np.float64) for w in Ws]
     b64 = [v.astype(np.float64) for v in bs]
@@ -464,7 +616,7 @@ def _train_mlp(X, y, *, width: int, epochs: int, train_features: bool, seed: int
     return forward, (W64[-1].T, b64[-1])
 
 
-def _train_mse(X, y, *, alpha: float, width: int, steps: int, seed: int, lr: float = 0.05):
+def _train_mse(X, y, *, alpha: float, width: int, steps: int, seed: int, lr: float = 0.05, tick=None):
     """Target-downscaled training (Chizat et al.'s laziness knob): squared error
     toward centered one-hot targets divided by ``alpha``, on the change of the
     network since initialisation, f - f_0. Larger alpha: the weights need to
@@ -484,7 +636,7 @@ def _train_mse(X, y, *, alpha: float, width: int, steps: int, seed: int, lr: flo
 
     F0 = net(Xf, P0)[1]
     vel = [np.zeros_like(q) for q in P]
-    for _ in range(steps):
+    for step in range(steps):
         Z = Xf @ P[0] + P[1]
         H = np.maximum(Z, 0.0)
         G = (H @ P[2] + P[3] - F0 - Y) / n
@@ -492,6 +644,8 @@ def _train_mse(X, y, *, alpha: float, width: int, steps: int, seed: int, lr: flo
         for i, g in enumerate((Xf.T @ GZ, GZ.sum(0), H.T @ G, G.sum(0))):
             vel[i] = 0.9 * vel[i] - lr * g
             P[i] += vel[i]
+        if tick is not None and (step + 1) % 10 == 0:
+            tick(10)
 
     def forward(A):
         A = np.asarray(A, dtype=np.float64)
@@ -513,26 +667,55 @@ def _measure(forward, Xtr, ytr, Xte, yte):
     return m.compute(test=test), float((Fte.argmax(1) == yte).mean())
 
 
+def _demo_bar(total: int, desc: str, unit: str, enabled: bool):
+    """A tqdm bar on stderr (nothing when tqdm is missing or progress is off)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True, file=sys.stderr)
+
+
+def _with_bar(fn, total: int, desc: str, unit: str, enabled: bool, **kw):
+    bar = _demo_bar(total, desc, unit, enabled)
+    try:
+        return fn(**kw, tick=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def demo(args: argparse.Namespace) -> int:
+    from . import Moments
+
     t0 = time.time()
     if args.steps < 1:
         raise UserError(f"--steps must be positive, got {args.steps}")
     if args.epochs < 1:
         raise UserError(f"--epochs must be positive, got {args.epochs}")
+    alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else []
+    for a in alphas:
+        if not a > 0:
+            raise UserError(f"--alphas: every alpha must be positive, got {a}")
+    progress = not args.no_progress
     data = _load_digits(args.seed) or _synthetic(args.seed)
     X, y, source = data
     split = int(0.7 * len(y))
     Xtr, ytr, Xte, yte = X[:split], y[:split], X[split:], y[split:]
     print(f"data: {source}; {len(ytr)} train / {len(yte)} test samples")
     print("network: 64 -> 256 -> 256 -> 10 ReLU, minibatch SGD with momentum, cross-entropy; "
-          "lazy = only the head trained\n")
+          "lazy = only the head trained")
+    if args.no_plots:
+        print("plots: off (--no-plots)\n")
+    else:
+        print(f"plots go to {os.path.join(args.out, '')} (curves.png/.svg, sweep.png/.svg; --out to change)\n")
     rows, reports = [], {}
     for name, train_features in (("full training (rich)", True), ("last layer only (lazy)", False)):
-        forward, head = _train_mlp(Xtr, ytr, width=256, epochs=args.epochs, train_features=train_features,
-                                   seed=args.seed)
+        forward, head = _with_bar(_train_mlp, args.epochs, name, "epoch", progress, X=Xtr, y=ytr, width=256,
+                                  epochs=args.epochs, train_features=train_features, seed=args.seed)
         rep, acc = _measure(forward, Xtr, ytr, Xte, yte)
-        from . import Moments
-
         Htr, _ = forward(Xtr)
         mh = Moments(num_classes=10)
         mh.update(Htr, labels=ytr)
@@ -542,22 +725,20 @@ def demo(args: argparse.Namespace) -> int:
     print(f"{'setting':<24} {'DLR':>7} {'DLR/iso':>8} {'NC1':>8} {'test acc':>9} {'eff. dim':>9} {'Pi_hat(C)':>10}")
     for name, d, dn, nc, acc, eff, u in rows:
         print(f"{name:<24} {d:7.3f} {dn:8.3f} {nc:8.3f} {acc:9.3f} {eff:9.1f} {u:10.3f}")
+    print("how to read: DLR 0 = rich (features collapse onto the learned functions), 1 = lazy (kernel regime);")
+    print(f"  DLR/iso 1 = as lazy as isotropic features (DLR {1 - np.sqrt(10 / 256):.3f} as n grows); "
+          "NC1 lower = classes more collapsed (docs/READING_DLR.md)")
 
-    alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else []
     sweep = []
     if alphas:
         print("\ntarget-downscaled sweep: squared error toward y / alpha on f - f_0 (larger alpha = lazier)")
         print(f"{'alpha':>8} {'DLR':>7} {'NC1':>8} {'test acc':>9} {'eff. dim':>9}")
         for a in alphas:
-            if not a > 0:
-                raise UserError(f"--alphas: every alpha must be positive, got {a}")
-            rep, acc = _measure(_train_mse(Xtr, ytr, alpha=a, width=256, steps=args.steps, seed=args.seed),
-                                Xtr, ytr, Xte, yte)
+            forward = _with_bar(_train_mse, args.steps, f"alpha {a:g}", "step", progress, X=Xtr, y=ytr, alpha=a,
+                                width=256, steps=args.steps, seed=args.seed)
+            rep, acc = _measure(forward, Xtr, ytr, Xte, yte)
             sweep.append((a, rep.dlr, rep.nc1, acc))
             print(f"{a:8g} {rep.dlr:7.3f} {rep.nc1:8.3f} {acc:9.3f} {rep.effective_dim:9.1f}")
-    print("\nDLR: 0 = rich (features collapse onto the learned functions), 1 = lazy (kernel regime).")
-    print(f"DLR/iso: DLR over what isotropic features of the same n, p and rank give "
-          f"(1 - sqrt(C/p) = {1 - np.sqrt(10 / 256):.3f} as n grows); see docs/READING_DLR.md")
     if not args.no_plots:
         try:
             from . import plot
@@ -569,9 +750,11 @@ def demo(args: argparse.Namespace) -> int:
                 paths += plot.sweep(a, {"DLR (0 = rich, 1 = lazy)": d, "NC1": nc, "test accuracy": acc},
                                     os.path.join(args.out, "sweep"), xlabel="alpha (targets y / alpha)",
                                     title="target-downscaled sweep")
-            print("plots: " + ", ".join(paths))
+            print("\nplots: " + ", ".join(paths))
         except ImportError as e:
-            print(f"plots skipped: {e}")
+            print(f"\nplots skipped: {e}")
+        except OSError as e:
+            raise UserError(f"{args.out}: cannot write the plots ({e.strerror or e})") from None
     print(f"done in {time.time() - t0:.1f} s")
     return 0
 
@@ -599,7 +782,11 @@ def info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="richness", description="Measure how rich or lazy training was (DLR).")
+    p.add_argument("--version", action="version", version=f"richness {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="also log what is read and done (to stderr)")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="rich vs lazy networks on built-in data, a target-downscaled sweep, plots")
@@ -608,14 +795,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--alphas", default="0.1,0.3,1,10",
                    help="comma-separated target scales of the sweep ('' to skip it)")
-    d.add_argument("--out", default="richness-demo", help="folder for the plots")
+    d.add_argument("--out", default="richness-demo", help="folder for the plots (default richness-demo/)")
     d.add_argument("--no-plots", action="store_true")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars (tqdm)")
     d.set_defaults(func=demo)
 
     e = sub.add_parser("eval", help="DLR, spectrum and curves from saved features/outputs/labels",
-                       description="Stream arrays from .npy / .npz / .safetensors files (FILE or FILE:KEY) in "
-                                   "chunks. A .npz/.safetensors bundle with arrays named features, outputs, labels, "
-                                   "targets supplies them all.")
+                       description="Stream arrays from .npy, .npz, .safetensors, .pt (torch.load, weights only), "
+                                   ".h5/.hdf5 (h5py) or .parquet (pyarrow) files (FILE or FILE:KEY) in chunks. A "
+                                   "bundle (any but .npy) with arrays named features, outputs, labels, targets "
+                                   "supplies them all. Parquet: one sample per row, vectors as list columns.")
     e.add_argument("features", help="features (samples x p): FILE or FILE:KEY, or a bundle")
     e.add_argument("--outputs", help="outputs / logits (samples x C)")
     e.add_argument("--labels", help="integer class labels (samples,)")
@@ -651,6 +840,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
+    # the library logs nowhere by default (NullHandler); the command line shows
+    # warnings, and info with -v, on stderr
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("richness: %(message)s"))
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         return args.func(args)
     except UserError as e:
@@ -659,3 +855,6 @@ def main(argv: Optional[list] = None) -> int:
     except KeyboardInterrupt:
         print("richness: interrupted", file=sys.stderr)
         return 130
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)

@@ -78,7 +78,8 @@ def curves(reports: Union[Report, Mapping[str, Report]], prefix: "str | os.PathL
     for ax in (ax_q, ax_u):
         ax.set_xscale("log")
         ax.set_xlabel("k (top-k feature eigenfunctions)")
-        ax.set_ylabel("fraction of variance explained")
+        # Nystrom-extended curves are monotone but can exceed 1 (docs/MATH.md, held-out curves)
+        ax.set_ylabel("fraction of variance explained" + ("\n(held-out dashed: not bounded by 1)" if held_out else ""))
         if not held_out:
             ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
@@ -180,8 +181,14 @@ def sweep(x: Iterable[float], series: Mapping[str, Iterable[float]], prefix: "st
     return _save(fig, prefix)
 
 
-def depth(layers: Mapping[str, Report], prefix: "str | os.PathLike", *, title: Optional[str] = None) -> List[str]:
-    """DLR (and its isotropic reference) by depth, from ``evaluate(..., layers=[...]).layers``."""
+def depth(layers: Union[Report, Mapping[str, Report]], prefix: "str | os.PathLike", *,
+          title: Optional[str] = None) -> List[str]:
+    """DLR (and its isotropic reference) by depth: the Report of
+    ``evaluate(..., layers=[...])`` or its ``.layers`` dict."""
+    if isinstance(layers, Report):
+        if not layers.layers:
+            raise ValueError("the report has no layers: use evaluate(..., layers=[...])")
+        layers = layers.layers
     plt = _plt()
     names = list(layers)
     x = np.arange(len(names))

@@ -1,4 +1,6 @@
-"""Known cases of SPEC.md, each against the independent float64 n x n reference."""
+"""Known values of DLR (docs/MATH.md, "Known values"): neural collapse,
+isotropic features, duplicated logits, the large-mean float32 case and more,
+each against the independent float64 n x n reference."""
 
 import numpy as np
 import pytest

@@ -1,6 +1,7 @@
-"""Trustworthy numbers: jackknife error bars, the finite-sample reference,
-rank-cut sensitivity, many outputs in p-space (SPEC.md, "Finite samples" and
-"Many outputs")."""
+"""Error bars and the numbers around DLR: the jackknife groups (their routing
+and validation included), the finite-sample isotropic reference, rank-cut
+sensitivity, many outputs in p-space (docs/MATH.md, "Jackknife error bars",
+"Finite-sample bias and the isotropic reference", "Many outputs")."""
 
 import tracemalloc
 
@@ -68,16 +69,70 @@ def test_rejected_batch_leaves_grouped_state_and_rotation_unchanged():
     for _ in range(4):
         x = rng.normal(size=(20, 5))
         m.update(x, x[:, :2])
-    before = [part.get_state() for part in m._parts]
+    before = m._backend.group_states()
     bad = rng.normal(size=(20, 5))
     bad[3, 1] = np.nan
     with pytest.raises(ValueError, match="1 non-finite"):
         m.update(bad, bad[:, :2])
-    after = [part.get_state() for part in m._parts]
+    after = m._backend.group_states()
     for s0, s1 in zip(before, after):
         for key in ("mean", "M", "B", "A"):
             assert np.array_equal(s0[key], s1[key])
-    assert m._next_group == 4 % 3
+    assert [s["n"] for s in after] == [40, 20, 20]
+    m.update(x, x[:, :2])  # the next accepted batch goes to the group after the last accepted one
+    assert [s["n"] for s in m._backend.group_states()] == [40, 40, 20]
+
+
+def _grouped_started():
+    """Moments(groups=3) after one update: groups 2 and 3 are still empty."""
+    rng = np.random.default_rng(4)
+    m = richness.Moments(groups=3, num_classes=4)
+    x = rng.normal(size=(30, 5))
+    m.update(x, x[:, :2], labels=rng.integers(0, 4, 30))
+    return m, rng
+
+
+@pytest.mark.parametrize("case", ["width", "no_outputs", "no_labels", "targets", "output_width"])
+def test_grouped_update_checked_against_the_whole(case):
+    m, rng = _grouped_started()
+    before = m._backend.group_states()
+    x = rng.normal(size=(10, 5))
+    y = rng.integers(0, 4, 10)
+    kwargs = {"width": dict(features=x[:, :4], outputs=x[:, :2], labels=y),
+              "no_outputs": dict(features=x, labels=y),
+              "no_labels": dict(features=x, outputs=x[:, :2]),
+              "targets": dict(features=x, outputs=x[:, :2], labels=y, targets=x[:, 0]),
+              "output_width": dict(features=x, outputs=x[:, :3], labels=y)}[case]
+    with pytest.raises(ValueError):
+        m.update(**kwargs)
+    after = m._backend.group_states()
+    for s0, s1 in zip(before, after):
+        assert s0["n"] == s1["n"] and s0["p"] == s1["p"] and s0["c"] == s1["c"] and s0["k"] == s1["k"]
+    # the whole still finishes, saves and reports
+    assert m.state_dict()["n"] == 30 and m.compute().dlr is not None
+
+
+def test_grouped_merge_checked_against_the_whole():
+    m, rng = _grouped_started()
+    other = richness.Moments(num_classes=7)
+    x = rng.normal(size=(10, 5))
+    other.update(x, x[:, :2], labels=rng.integers(0, 7, 10))
+    with pytest.raises(ValueError, match="num_classes"):
+        m.merge(other)
+    wide = richness.Moments()
+    wide.update(rng.normal(size=(10, 6)), x[:, :2], labels=rng.integers(0, 4, 10))
+    with pytest.raises(ValueError, match="feature widths"):
+        m.merge(wide)
+    assert [s["n"] for s in m._backend.group_states()] == [30, 0, 0]
+    assert m.state_dict()["n"] == 30
+
+
+def test_grouped_empty_update_keeps_the_rotation():
+    m, rng = _grouped_started()
+    m.update(np.zeros((0, 5)), np.zeros((0, 2)), labels=np.zeros(0, dtype=np.int64))
+    x = rng.normal(size=(10, 5))
+    m.update(x, x[:, :2], labels=rng.integers(0, 4, 10))
+    assert [s["n"] for s in m._backend.group_states()] == [30, 10, 0]
 
 
 def test_uncertainty_needs_groups_and_filled_groups():

@@ -1,0 +1,286 @@
+"""Backends: where a ``Moments``'s samples are accumulated.
+
+Every backend has the same interface (``Backend``): ``update`` with one
+adapted batch, ``merge``, ``reset``, ``n``, ``widths`` (host-known, no device
+synchronisation), ``to_state``/``from_state`` (the schema of ``_state``) and
+``device_state`` (the state where ``compute`` finishes it). ``CoreBackend``
+wraps one compiled accumulator (``_core.CpuMoments`` or ``_cuda.CudaMoments``);
+``GroupedBackend`` keeps the samples in k of them for the jackknife.
+``Moments`` validates and routes; the arithmetic lives in the core.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, NamedTuple, Optional
+
+import numpy as np
+
+from . import _state
+from ._core import CpuMoments, check_batch
+
+try:  # typing.Protocol exists from Python 3.8
+    from typing import Protocol
+except ImportError:  # pragma: no cover
+    Protocol = object  # type: ignore[assignment,misc]
+
+
+class Batch(NamedTuple):
+    """One adapted batch (``_adapt.Matrix`` views; None where not streamed)."""
+
+    features: Any
+    outputs: Any = None
+    labels: Any = None
+    targets: Any = None
+
+    def args(self) -> tuple:
+        return tuple(None if m is None else m.arg() for m in self)
+
+
+class Backend(Protocol):
+    device: str
+
+    def update(self, batch: Batch, precision: str) -> None: ...
+    def merge(self, other: "Backend") -> None: ...
+    def reset(self) -> None: ...
+    @property
+    def n(self) -> int: ...
+    def widths(self) -> dict: ...
+    def to_state(self) -> dict: ...
+    def from_state(self, state: dict) -> None: ...
+    def device_state(self) -> dict: ...
+    def whole(self) -> "CoreBackend": ...
+
+
+def _precision_code(name: str) -> int:
+    # The core's Precision enum follows the order of _state.PRECISION_MODES.
+    return _state.PRECISIONS.index(name)
+
+
+def _cuda_core(num_classes: int, device: str):
+    try:
+        import torch  # noqa: F401  loads libcublas and the CUDA runtime that _cuda links against
+        from . import _cuda  # built only with RICHNESS_CUDA; needs libcublas at import
+    except ImportError as e:
+        raise RuntimeError(f"device {device!r} needs the CUDA backend, which is not available here ({e})") from None
+    index = int(device.split(":")[1]) if ":" in device else 0
+    return _cuda.CudaMoments(num_classes, index)
+
+
+def _current_stream(tensor: Any) -> int:
+    """The caller's current CUDA stream for ``tensor``'s device (0 = legacy default)."""
+    try:
+        import torch
+
+        return int(torch.cuda.current_stream(tensor.device).cuda_stream)
+    except Exception:  # not a torch tensor: DLPack producers sync on the default stream
+        return 0
+
+
+class CoreBackend:
+    """One compiled accumulator on ``device`` ("cpu" or "cuda:N").
+
+    Attributes the interface does not name (the CUDA product and staging
+    switches, ``staged_rows``) are the core object's.
+    """
+
+    def __init__(self, device: str, num_classes: Optional[int], stack_rows: int = 0) -> None:
+        nc = -1 if num_classes is None else int(num_classes)
+        self.device = device
+        self.stack_rows = stack_rows
+        self._num_classes = num_classes
+        if device == "cpu":
+            if stack_rows:
+                raise ValueError(STACK_CPU)
+            self.core = CpuMoments(nc)
+        else:
+            self.core = _cuda_core(nc, device)
+            if stack_rows:
+                self.core.set_stack(stack_rows)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "core":  # not yet set: no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(self.core, name)
+
+    def empty_like(self) -> "CoreBackend":
+        return CoreBackend(self.device, self._num_classes, self.stack_rows)
+
+    def update(self, batch: Batch, precision: str) -> None:
+        args = (*batch.args(), _precision_code(precision))
+        if self.device == "cpu":
+            self.core.update(*args)
+        else:
+            self.core.update(*args, _current_stream(batch.features.owner))
+
+    def merge(self, other: "CoreBackend") -> None:
+        source = other.whole()
+        if source is self or type(source.core) is not type(self.core):
+            tmp = self.empty_like()
+            tmp.from_state(source.to_state())
+            source = tmp
+        self.core.merge(source.core)
+
+    def reset(self) -> None:
+        self.core.reset()
+
+    @property
+    def n(self) -> int:
+        return int(self.core.n)  # CUDA: synchronises, raises a pending device-side input error
+
+    def widths(self) -> dict:
+        """p, c, t, k, num_classes and precision, known on the host (no sync)."""
+        return dict(self.core.shape())
+
+    def to_state(self) -> dict:
+        return self.core.get_state()
+
+    def from_state(self, state: dict) -> None:
+        self.core.set_state(dict(state))
+
+    def device_state(self) -> dict:
+        if self.device == "cpu":
+            return self.to_state()
+        return _device_state(self.core, self.device)
+
+    def whole(self) -> "CoreBackend":
+        return self
+
+
+class GroupedBackend:
+    """The samples kept in k sub-states (each update or merge goes whole to one
+    group: in turn, or at random with a seed), so that the jackknife can leave
+    one group out without a second pass."""
+
+    def __init__(self, make: Callable[[], CoreBackend], groups: int, seed: Optional[int] = None) -> None:
+        self._make = make
+        self.parts: List[CoreBackend] = [make() for _ in range(groups)]
+        self.device = self.parts[0].device
+        self._next = 0
+        self._rng = None if seed is None else np.random.default_rng(seed)
+        self._pending: Optional[int] = None
+
+    def _pick(self) -> int:
+        if self._pending is None:
+            self._pending = int(self._rng.integers(len(self.parts))) if self._rng is not None else self._next
+        return self._pending
+
+    def _advance(self) -> None:
+        # Only after a successful update or merge: a rejected batch leaves the
+        # rotation (and so the state) exactly as it was. The random choice is
+        # drawn once per accepted batch, so a rejected one does not move it.
+        if self._rng is None:
+            self._next = (self._next + 1) % len(self.parts)
+        self._pending = None
+
+    def update(self, batch: Batch, precision: str) -> None:
+        part = self.parts[self._pick()]
+        if part.widths()["p"] < 0:  # an empty group knows no widths: check against the whole
+            check_batch(self.widths(), *batch.args())
+        part.update(batch, precision)
+        if batch.features.rows > 0:  # an empty batch adds nothing and does not move the rotation
+            self._advance()
+
+    def merge(self, other: Any) -> None:
+        mine = dict(self.widths(), n=self.n)
+        theirs = dict(other.widths(), n=other.n)
+        _state.check_compatible([{k: int(w[k]) for k in _state.WIDTHS} for w in (mine, theirs)])
+        self.parts[self._pick()].merge(other)
+        self._advance()
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+        self._next = 0
+        self._pending = None
+
+    @property
+    def n(self) -> int:
+        return sum(part.n for part in self.parts)
+
+    def widths(self) -> dict:
+        """The widths of the whole (of the started groups; they agree)."""
+        found = [w for w in (part.widths() for part in self.parts) if w["p"] >= 0]
+        if not found:
+            return self.parts[0].widths()
+        out = dict(found[0])
+        if out["k"] >= 0:
+            out["k"] = max(w["k"] for w in found)
+        out["precision"] = _state.coarsest(w["precision"] for w in found)
+        return out
+
+    def whole(self) -> CoreBackend:
+        total = self._make()
+        for part in self.parts:
+            total.merge(part)
+        return total
+
+    def to_state(self) -> dict:
+        return self.whole().to_state()
+
+    def device_state(self) -> dict:
+        return self.whole().device_state()
+
+    def from_state(self, state: dict) -> None:
+        # A loaded state is one block: the jackknife needs later updates.
+        first = self._make()
+        first.from_state(state)
+        self.parts = [first] + [self._make() for _ in range(len(self.parts) - 1)]
+        self._next = 1 % len(self.parts)
+        self._pending = None
+
+    def group_states(self) -> List[dict]:
+        return [part.to_state() for part in self.parts]
+
+    def load_group_states(self, states: List[dict]) -> None:
+        parts = []
+        for st in states:
+            part = self._make()
+            part.from_state(st)
+            parts.append(part)
+        self.parts = parts
+
+    def leave_one_out_states(self) -> List[dict]:
+        """The k states without one group each, from prefix and suffix merges
+        (3k merges in all, exact: no subtraction of moments)."""
+        k = len(self.parts)
+        sizes = [part.n for part in self.parts]
+        if min(sizes) < 1:
+            raise ValueError(f"uncertainty needs every group filled; group sizes are {sizes} "
+                             f"(make at least {k} updates, or use fewer groups)")
+        prefix = [self._make()]
+        for part in self.parts[:-1]:
+            nxt = self._make()
+            nxt.merge(prefix[-1])
+            nxt.merge(part)
+            prefix.append(nxt)
+        out: List[Any] = [None] * k
+        suffix = self._make()
+        for i in range(k - 1, -1, -1):
+            loo = self._make()
+            loo.merge(prefix[i])
+            loo.merge(suffix)
+            out[i] = loo.to_state()
+            suffix.merge(self.parts[i])
+        return out
+
+
+STACK_CPU = ("stack_rows is an option of the CUDA backend (it stages rows before one device product); "
+             "the CPU backend has no staging: use stack_rows=0 with CPU data")
+
+
+def _device_state(core: Any, device: str) -> dict:
+    """The keys of a state dict with float64 torch tensors on ``device``
+    (copied device to device from a CUDA backend; symmetric matrices filled)."""
+    import torch
+
+    n = int(core.n)  # synchronises; raises a pending device-side input error
+    sh = core.shape()
+    if n == 0 or sh["p"] < 0:
+        return core.get_state()
+    dev = torch.device(device)
+    st = {"n": n, **{k: sh[k] for k in ("p", "c", "t", "k", "num_classes", "precision")}}
+    dtypes = {np.float64: torch.float64, np.int64: torch.int64}
+    for f in _state.FIELDS:
+        st[f.name] = torch.empty(_state.shape_of(f, sh), dtype=dtypes[f.dtype], device=dev)
+    core.export_to({f.name: st[f.name].data_ptr() for f in _state.FIELDS if st[f.name].numel() > 0})
+    return st

@@ -1,0 +1,263 @@
+"""The state's one schema: its fields, their shapes, validation and merging.
+
+Every place that handles a state dict (``Moments.state_dict`` and
+``load_state_dict``, the saved ``.npz`` file, the torch.distributed and
+torchmetrics merges) reads the field list from here, so adding a field or a
+precision mode is one entry below plus its arithmetic in the core.
+
+A state is a dict with the integer widths ``n, p, c, t, k, num_classes``
+(-1 where a stream is absent or, for ``num_classes``, not fixed), the product
+``precision`` by name, and one float64 (or int64) array per field. Symmetric
+matrices are full (both triangles filled).
+
+The many-state merge (docs/MATH.md, "Merging states") shifts every state's
+co-moments to the global mean and sums them:
+
+    M = sum_r (M_r + n_r d_r d_r^T),   d_r = mu_r - mu
+
+and likewise for each cross-moment with the two streams' mean shifts. It is
+Chan's pairwise merge applied to all states at once: one sum, so it suits
+collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A precision mode of the products (docs/MATH.md, "The rank cut")."""
+
+    name: str
+    coarseness: int     # merging two states keeps the coarser mode
+    rtol: float         # default eigenvalue cut: about the products' relative noise
+    cuda_only: bool
+
+
+PRECISION_MODES: Tuple[Precision, ...] = (
+    Precision("fp64", 0, 1e-10, False),
+    Precision("fp32", 1, 1e-5, False),
+    Precision("tf32", 2, 1e-3, True),
+    Precision("bf16", 3, 1e-2, True),
+)
+PRECISIONS: Tuple[str, ...] = tuple(m.name for m in PRECISION_MODES)
+_MODE = {m.name: m for m in PRECISION_MODES}
+
+
+def precision_mode(name: str) -> Precision:
+    """The table entry of a precision named ``name`` (ValueError if unknown)."""
+    try:
+        return _MODE[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown precision {name!r}; expected one of {PRECISIONS}") from None
+
+
+def coarsest(names: Iterable[str]) -> str:
+    """The coarsest of several precisions (what a merged state's products were)."""
+    return max((precision_mode(n) for n in names), key=lambda m: m.coarseness).name
+
+
+@dataclass(frozen=True)
+class Field:
+    """One array of the state.
+
+    axes: its shape in terms of the widths p, c, t, k (a width of -1 counts 0).
+    shift: for a co-moment, the two means whose shifts enter the merge
+        (``X + n d_a d_b^T``); None for a mean or a plain sum.
+    """
+
+    name: str
+    axes: Tuple[str, ...]
+    dtype: type = np.float64
+    symmetric: bool = False
+    shift: Optional[Tuple[str, str]] = None
+    is_mean: bool = False
+
+
+FIELDS: Tuple[Field, ...] = (
+    Field("mean", ("p",), is_mean=True),
+    Field("M", ("p", "p"), symmetric=True, shift=("mean", "mean")),
+    Field("out_mean", ("c",), is_mean=True),
+    Field("B", ("p", "c"), shift=("mean", "out_mean")),
+    Field("A", ("c", "c"), symmetric=True, shift=("out_mean", "out_mean")),
+    Field("tgt_mean", ("t",), is_mean=True),
+    Field("Bt", ("p", "t"), shift=("mean", "tgt_mean")),
+    Field("At", ("t", "t"), symmetric=True, shift=("tgt_mean", "tgt_mean")),
+    Field("class_counts", ("k",), dtype=np.int64),
+    Field("class_sums", ("k", "p")),
+)
+WIDTHS: Tuple[str, ...] = ("n", "p", "c", "t", "k", "num_classes")
+SCALARS: Tuple[str, ...] = WIDTHS + ("precision",)
+FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in FIELDS)
+FLOAT_FIELDS: Tuple[str, ...] = tuple(f.name for f in FIELDS if f.dtype == np.float64)
+INT_FIELDS: Tuple[str, ...] = tuple(f.name for f in FIELDS if f.dtype == np.int64)
+_MEAN_OF_WIDTH = {"p": "mean", "c": "out_mean", "t": "tgt_mean"}
+
+
+def shape_of(field: Field, widths: Dict[str, int]) -> Tuple[int, ...]:
+    return tuple(max(int(widths[a]), 0) for a in field.axes)
+
+
+def empty(num_classes: Optional[int] = None) -> dict:
+    """The state of a Moments that has seen nothing."""
+    st = {"n": 0, "p": -1, "c": -1, "t": -1, "k": -1,
+          "num_classes": -1 if num_classes is None else int(num_classes), "precision": "fp64"}
+    for f in FIELDS:
+        st[f.name] = np.zeros(shape_of(f, st), dtype=f.dtype)
+    return st
+
+
+def widths_of(state: dict) -> Dict[str, int]:
+    """The integer widths of ``state``, type-checked (TypeError otherwise)."""
+    out = {}
+    for key in WIDTHS:
+        v = state[key]
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"state entry {key!r} must be an integer, got {type(v).__name__}")
+        out[key] = int(v)
+    return out
+
+
+def validate(state: dict) -> Dict[str, int]:
+    """Check a state dict against the schema before anything reads it: every
+    entry present, integer widths, a known precision, every array of the
+    shape its widths give, finite floats. Returns the widths."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    missing = [k for k in SCALARS + FIELD_NAMES if k not in state]
+    if missing:
+        raise ValueError(f"state is missing entries: {', '.join(missing)}")
+    extra = sorted(str(k) for k in state if k not in SCALARS + FIELD_NAMES)
+    if extra:
+        raise ValueError(f"state has unknown entries: {', '.join(extra)}")
+    w = widths_of(state)
+    if not isinstance(state["precision"], str):
+        raise TypeError(f"state entry 'precision' must be a string, got {type(state['precision']).__name__}")
+    if state["precision"] not in PRECISIONS:
+        raise ValueError(f"state entry 'precision' is {state['precision']!r}, expected one of {PRECISIONS}")
+    for f in FIELDS:
+        want = shape_of(f, w)
+        got = np.shape(state[f.name])
+        if got != want:
+            raise ValueError(f"state entry {f.name!r} has shape {got}, expected {want}")
+        if f.dtype == np.float64 and not np.isfinite(np.asarray(state[f.name], dtype=np.float64)).all():
+            raise ValueError(f"state entry {f.name!r} contains NaN or Inf")
+    return w
+
+
+# -- many-state merge ----------------------------------------------------------
+
+
+def check_compatible(metas: List[Dict[str, int]]) -> None:
+    """Raise the same ValueError for every caller when states of widths
+    ``metas`` (dicts of WIDTHS) cannot merge. Empty states merge with anything
+    (within a fixed num_classes)."""
+    fixed = sorted({m["num_classes"] for m in metas if m["num_classes"] >= 0})
+    if len(fixed) > 1:
+        raise ValueError(f"cannot merge: states fix different num_classes {fixed}")
+    live = [m for m in metas if m["n"] > 0]
+    for key, what in (("p", "feature widths"), ("c", "output widths"), ("t", "target widths")):
+        vals = sorted({m[key] for m in live})
+        if len(vals) > 1:
+            raise ValueError(f"cannot merge: states hold different {what} {vals} (-1 = not streamed)")
+    if len({m["k"] >= 0 for m in live}) > 1:
+        raise ValueError("cannot merge: some states streamed labels and others did not")
+    if fixed:
+        k = max((m["k"] for m in metas), default=-1)
+        if k > fixed[0]:
+            raise ValueError(f"cannot merge: a state has {k} classes, more than num_classes={fixed[0]}")
+
+
+def merged_widths(metas: List[Dict[str, int]]) -> Dict[str, int]:
+    """Widths of the merge of compatible states (check_compatible first)."""
+    live = [m for m in metas if m["n"] > 0]
+    nc = max(m["num_classes"] for m in metas)
+    if not live:
+        return {"n": 0, "p": -1, "c": -1, "t": -1, "k": -1, "num_classes": nc}
+    first = live[0]
+    k = max(max(m["k"] for m in live), nc) if first["k"] >= 0 else -1
+    return {"n": sum(m["n"] for m in live), "p": first["p"], "c": first["c"], "t": first["t"], "k": k,
+            "num_classes": nc}
+
+
+def weighted_means(state: dict, widths: Dict[str, int]) -> np.ndarray:
+    """``n`` times each mean, concatenated (the global means are their sum / N)."""
+    n = int(state["n"])
+    parts = []
+    for f in FIELDS:
+        if f.is_mean:
+            size = shape_of(f, widths)
+            parts.append(np.asarray(state[f.name], np.float64).reshape(size) * n if n > 0 else np.zeros(size))
+    return np.concatenate(parts)
+
+
+def split_means(flat: np.ndarray, widths: Dict[str, int]) -> Dict[str, np.ndarray]:
+    out, pos = {}, 0
+    for f in FIELDS:
+        if f.is_mean:
+            size = int(np.prod(shape_of(f, widths)))
+            out[f.name] = np.array(flat[pos:pos + size], dtype=np.float64)
+            pos += size
+    return out
+
+
+def shifted_sums(state: dict, means: Dict[str, np.ndarray], widths: Dict[str, int]) -> np.ndarray:
+    """One state's summands of the merge, flattened: each co-moment shifted to
+    the global ``means`` (``X + n d_a d_b^T``), class arrays padded to the
+    merged class count. Summing these over states gives the merged fields."""
+    n = int(state["n"])
+    d = {}
+    for name, g in means.items():
+        d[name] = (np.asarray(state[name], np.float64).reshape(g.shape) - g) if n > 0 else np.zeros(g.shape)
+    parts = []
+    for f in FIELDS:
+        if f.is_mean:
+            continue
+        shape = shape_of(f, widths)
+        a = np.zeros(shape)
+        if n > 0:
+            own = np.asarray(state[f.name], np.float64)
+            a[tuple(slice(0, s) for s in own.shape)] = own  # class arrays may be shorter
+            if f.shift is not None:
+                a += n * np.outer(d[f.shift[0]], d[f.shift[1]])
+        parts.append(a.reshape(-1))
+    return np.concatenate(parts)
+
+
+def assemble(flat: np.ndarray, means: Dict[str, np.ndarray], widths: Dict[str, int], precision: str) -> dict:
+    """The merged state from the summed ``shifted_sums`` and the global means."""
+    st: dict = dict(widths)
+    st["precision"] = precision
+    pos = 0
+    for f in FIELDS:
+        shape = shape_of(f, widths)
+        if f.is_mean:
+            st[f.name] = means[f.name].reshape(shape)
+            continue
+        size = int(np.prod(shape))
+        a = np.asarray(flat[pos:pos + size], dtype=np.float64).reshape(shape)
+        pos += size
+        if f.dtype == np.int64:
+            a = np.rint(a).astype(np.int64)  # counts are exact in float64 below 2^53
+        elif f.symmetric:
+            a = (a + a.T) / 2  # symmetric up to the rounding of the outer products
+        st[f.name] = a
+    return st
+
+
+def merge(states: List[dict]) -> dict:
+    """The merge of several state dicts (numpy, float64), in one shift-and-sum."""
+    metas = [widths_of(s) for s in states]
+    check_compatible(metas)
+    w = merged_widths(metas)
+    live = [s for s, m in zip(states, metas) if m["n"] > 0]
+    if not live:
+        out = empty(None if w["num_classes"] < 0 else w["num_classes"])
+        return out
+    means = split_means(sum(weighted_means(s, w) for s in live) / w["n"], w)
+    flat = sum(shifted_sums(s, means, w) for s in live)
+    return assemble(flat, means, w, coarsest(s["precision"] for s in live))
