@@ -112,7 +112,7 @@ def _eigh_desc(S: np.ndarray) -> tuple:
 
 def _logits(a, a_scale: float):
     """A's eigenvalues in the units of the moments; FloatingPointError past float64."""
-    with np.errstate(over="ignore"):  # checked just below
+    with np.errstate(over="ignore", invalid="ignore"):  # checked just below
         a = a * a_scale
     if not bool(_ns(a).isfinite(a).all()):
         raise FloatingPointError("the output covariance's eigenvalues overflow float64")
