@@ -19,7 +19,21 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "richness CPU core: streamed float64 co-moments (SPEC.md), BLAS products";
   py::register_exception<type_error>(m, "DTypeError", PyExc_TypeError);
 
-  py::class_<CpuMoments>(m, "CpuMoments")
+  py::register_exception_translator([](std::exception_ptr e) {
+    try {
+      if (e) std::rethrow_exception(e);
+    } catch (const memory_error& err) {
+      PyErr_SetString(PyExc_MemoryError, err.what());
+    }
+  });
+
+  // Every method that takes the object's mutex first releases the GIL, so a
+  // thread waiting for the mutex never blocks the Python threads (nor the one
+  // holding the mutex, which never needs the GIL while it holds it).
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<CpuMoments>(m, "CpuMoments",
+                         "Streamed float64 co-moments on the CPU. Thread-safe: one object may be updated, merged "
+                         "and read from several threads; each call sees whole batches only.")
       .def(py::init<int64_t>(), py::arg("num_classes") = -1)
       .def(
           "update",
@@ -37,14 +51,43 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("features"), py::arg("outputs") = py::none(), py::arg("labels") = py::none(),
           py::arg("targets") = py::none(), py::arg("precision") = 1)
-      .def("merge", &CpuMoments::merge, py::arg("other"))
-      .def("reset", &CpuMoments::reset)
-      .def("get_state", [](const CpuMoments& self) { return export_state(self.state()); })
-      .def("set_state", [](CpuMoments& self, const py::dict& d) { self.mutable_state() = import_state(d); })
-      .def("shape", [](const CpuMoments& self) { return shape_of(self.state()); },
-           "Widths, class count and precision (the same keys as the CUDA backend's shape()).")
-      .def_property_readonly("n", [](const CpuMoments& self) { return self.state().n; })
-      .def_property_readonly("p", [](const CpuMoments& self) { return self.state().p; });
+      .def("merge", &CpuMoments::merge, py::arg("other"), release())
+      .def("reset", &CpuMoments::reset, release())
+      .def("get_state",
+           [](const CpuMoments& self) {
+             State s;
+             {
+               py::gil_scoped_release release;
+               s = self.snapshot();
+             }
+             return export_state(s);
+           })
+      .def("set_state",
+           [](CpuMoments& self, const py::dict& d) {
+             State s = import_state(d);
+             py::gil_scoped_release release;
+             self.set_state(std::move(s));
+           })
+      .def(
+          "shape",
+          [](const CpuMoments& self) {
+            State head;
+            {
+              py::gil_scoped_release release;
+              head = self.widths();
+            }
+            return shape_of(head);
+          },
+          "Widths, class count and precision (the same keys as the CUDA backend's shape()).")
+      .def_property_readonly("n",
+                             [](const CpuMoments& self) {
+                               py::gil_scoped_release release;
+                               return self.n();
+                             })
+      .def_property_readonly("p", [](const CpuMoments& self) {
+        py::gil_scoped_release release;
+        return self.p();
+      });
 
   m.def(
       "check_batch",

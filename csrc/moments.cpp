@@ -6,8 +6,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <type_traits>
 #include <atomic>
+#include <limits>
 #include <thread>
+
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <cblas.h>
 
@@ -146,18 +152,48 @@ void add_column_sums(const Matrix& m, int64_t r0, int64_t r1, double* s) {
   });
 }
 
-void column_means(const Matrix& m, std::vector<double>& out) {
+// Column sums with each column's exact minimum and maximum (as float64).
+void add_column_stats(const Matrix& m, int64_t r0, int64_t r1, double* s, double* lo, double* hi) {
+  for_each_row(m, r0, r1, [&](int64_t, auto get) {
+    for (int64_t j = 0; j < m.cols; ++j) {
+      const double v = get(j);
+      s[j] += v;
+      lo[j] = std::min(lo[j], v);
+      hi[j] = std::max(hi[j], v);
+    }
+  });
+}
+
+// Float64 column means, each kept within its column's [min, max]: the mean is
+// sum * (1 / n), whose rounding would otherwise center a constant column on a
+// value it never takes and leave a false covariance (docs/MATH.md, constant
+// features). range and magnitude: the largest max - min and |value|.
+void column_means(const Matrix& m, std::vector<double>& out, double& range, double& magnitude) {
   const int64_t w = m.cols;
-  std::vector<std::vector<double>> partial(std::max(1, blas_get_num_threads()));
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> sum(std::max(1, blas_get_num_threads())), lo(sum.size()), hi(sum.size());
   parallel_rows(m.rows, w, [&](int64_t t, int64_t r0, int64_t r1) {
-    partial[t].assign(w, 0.0);
-    add_column_sums(m, r0, r1, partial[t].data());
+    sum[t].assign(w, 0.0);
+    lo[t].assign(w, inf);
+    hi[t].assign(w, -inf);
+    add_column_stats(m, r0, r1, sum[t].data(), lo[t].data(), hi[t].data());
   });
   out.assign(w, 0.0);
-  for (const auto& part : partial)
-    for (int64_t j = 0; j < (int64_t)part.size(); ++j) out[j] += part[j];
+  std::vector<double> mn(w, inf), mx(w, -inf);
+  for (size_t t = 0; t < sum.size(); ++t)
+    for (int64_t j = 0; j < (int64_t)sum[t].size(); ++j) {
+      out[j] += sum[t][j];
+      mn[j] = std::min(mn[j], lo[t][j]);
+      mx[j] = std::max(mx[j], hi[t][j]);
+    }
   const double inv = 1.0 / (double)m.rows;
-  for (int64_t j = 0; j < w; ++j) out[j] *= inv;
+  range = magnitude = 0.0;
+  for (int64_t j = 0; j < w; ++j) {
+    out[j] *= inv;
+    if (std::isfinite(out[j])) out[j] = std::min(std::max(out[j], mn[j]), mx[j]);
+    range = std::max(range, mx[j] - mn[j]);
+    magnitude = std::max({magnitude, std::fabs(mn[j]), std::fabs(mx[j])});
+  }
 }
 
 int64_t count_nonfinite(const Matrix& m) {
@@ -171,8 +207,8 @@ int64_t count_nonfinite(const Matrix& m) {
 
 // Float64 column means, which double as the finiteness check: a finite sum
 // of finite values is finite, so only a non-finite sum needs the count.
-void means_checked(const Matrix& m, const char* name, std::vector<double>& mu) {
-  column_means(m, mu);
+void means_checked(const Matrix& m, const char* name, std::vector<double>& mu, double& range, double& magnitude) {
+  column_means(m, mu, range, magnitude);
   bool finite = true;
   for (double v : mu) finite = finite && std::isfinite(v);
   if (finite) return;
@@ -245,36 +281,58 @@ inline double sum_parts(const std::vector<const T*>& parts, int64_t idx) {
   return v;
 }
 
+// Float64 vectors a merge needs, allocated before the state changes.
+struct MergeWork {
+  std::vector<double> d, e_out, e_tgt;
+  MergeWork(int64_t p, int64_t c, int64_t t)
+      : d((size_t)p), e_out((size_t)std::max<int64_t>(c, 0)), e_tgt((size_t)std::max<int64_t>(t, 0)) {}
+};
+
+// Runs fn(r0, r1) for row ranges on threads; a range whose thread cannot be
+// started runs here, so a merge that has begun always completes.
+template <typename Fn>
+void run_ranges(int64_t workers, Fn&& range_of, const std::function<void(int64_t, int64_t)>& fn) {
+  std::vector<std::thread> pool;
+  try {
+    pool.reserve((size_t)workers);
+  } catch (...) {
+  }
+  for (int64_t w = 1; w < workers; ++w) {
+    try {
+      pool.emplace_back(fn, range_of(w), range_of(w + 1));
+    } catch (...) {
+      fn(range_of(w), range_of(w + 1));
+    }
+  }
+  fn(range_of(0), range_of(1));
+  for (auto& t : pool) t.join();
+}
+
 // Chan et al.: with d = mean_b - mean_a and f = na nb / n,
 //   M = Ma + Mb + f d d^T,  B = Ba + Bb + f d_phi d_out^T,  mean += d nb / n.
-// Only lower triangles of the symmetric blocks are read and written.
+// Only lower triangles of the symmetric blocks are read and written. Neither
+// allocates nor throws: callers check overflow_of and allocate `work` first.
 template <typename T>
-void merge_block(State& s, const Block<T>& b) {
+void merge_block(State& s, const Block<T>& b, MergeWork& work) {
   const double na = (double)s.n, nb = (double)b.n, n = na + nb;
   const double f = na * nb / n, w = nb / n;
   const int64_t p = s.p;
-  std::vector<double> d(p);
+  std::vector<double>& d = work.d;
   for (int64_t j = 0; j < p; ++j) d[j] = b.mean[j] - s.mean[j];
   // The p x p triangle is the merge's bulk: split it over the workers by
   // area (row i holds i + 1 entries, so worker w starts at p sqrt(w / W)).
   const int64_t workers = std::min<int64_t>(blas_get_num_threads(), p * p / (int64_t(1) << 18) + 1);
   auto first_row = [&](int64_t w) { return (int64_t)std::llround((double)p * std::sqrt((double)w / workers)); };
-  auto merge_rows = [&](int64_t r0, int64_t r1) {
+  run_ranges(workers, first_row, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       double* mi = s.M.data() + i * p;
       const double fdi = f * d[i];
       for (int64_t j = 0; j <= i; ++j) mi[j] += sum_parts(b.M, i * p + j) + fdi * d[j];
     }
-  };
-  {
-    std::vector<std::thread> pool;
-    for (int64_t w = 1; w < workers; ++w) pool.emplace_back(merge_rows, first_row(w), first_row(w + 1));
-    merge_rows(0, first_row(1));
-    for (auto& t : pool) t.join();
-  }
-  auto cross = [&](int64_t c, std::vector<double>& mean, const double* bmean, std::vector<double>& Bs,
-                   const std::vector<const T*>& Bb, std::vector<double>& As, const std::vector<const T*>& Ab) {
-    std::vector<double> e(c);
+  });
+  auto cross = [&](int64_t c, std::vector<double>& e, std::vector<double>& mean, const double* bmean,
+                   std::vector<double>& Bs, const std::vector<const T*>& Bb, std::vector<double>& As,
+                   const std::vector<const T*>& Ab) {
     for (int64_t j = 0; j < c; ++j) e[j] = bmean[j] - mean[j];
     for (int64_t i = 0; i < p; ++i) {
       double* bi = Bs.data() + i * c;
@@ -288,10 +346,48 @@ void merge_block(State& s, const Block<T>& b) {
     }
     for (int64_t j = 0; j < c; ++j) mean[j] += e[j] * w;
   };
-  if (s.c >= 0) cross(s.c, s.out_mean, b.out_mean, s.B, b.B, s.A, b.A);
-  if (s.t >= 0) cross(s.t, s.tgt_mean, b.tgt_mean, s.Bt, b.Bt, s.At, b.At);
+  if (s.c >= 0) cross(s.c, work.e_out, s.out_mean, b.out_mean, s.B, b.B, s.A, b.A);
+  if (s.t >= 0) cross(s.t, work.e_tgt, s.tgt_mean, b.tgt_mean, s.Bt, b.Bt, s.At, b.At);
   for (int64_t j = 0; j < p; ++j) s.mean[j] += d[j] * w;
   s.n += b.n;
+}
+
+// Which stream's merged moments would overflow (0 features, 1 outputs,
+// 2 targets), or -1. The moment matrices are Gram matrices, so by
+// Cauchy-Schwarz no entry exceeds the largest diagonal (up to rounding): the
+// diagonals of the state, of each product part (in its own type T) and the
+// mean-shift term f |d|^2 bound every merged entry, B's included. A margin of
+// 4 covers the rounding. Reads O(p) values; changes nothing.
+template <typename T>
+int overflow_of(const State& s, const Block<T>& b, int64_t p, int64_t c, int64_t t) {
+  const double part_max = (double)std::numeric_limits<T>::max() / 4;
+  const double state_max = std::numeric_limits<double>::max() / 4;
+  const bool started = s.n > 0 && s.p >= 0;
+  const double f = started ? (double)s.n * (double)b.n / ((double)s.n + (double)b.n) : 0.0;
+  auto check = [&](int64_t w, const std::vector<const T*>& parts, const std::vector<double>& old,
+                   const std::vector<double>& old_mean, const double* bmean) {
+    double bound = 0.0;
+    for (int64_t i = 0; i < w; ++i) {
+      double diag = 0.0;
+      for (const T* q : parts) {
+        const double v = (double)q[i * w + i];
+        if (!(v <= part_max)) return false;  // Inf or NaN from the product itself
+        diag += v;
+      }
+      double shift = 0.0;
+      if (started) {
+        const double di = bmean[i] - old_mean[i];
+        diag += old[i * w + i];
+        shift = f * di * di;
+      }
+      bound = std::max(bound, diag + shift);
+    }
+    return bound <= state_max;  // false for Inf and NaN
+  };
+  if (!check(p, b.M, s.M, s.mean, b.mean)) return 0;
+  if (c > 0 && !check(c, b.A, s.A, s.out_mean, b.out_mean)) return 1;
+  if (t > 0 && !check(t, b.At, s.At, s.tgt_mean, b.tgt_mean)) return 2;
+  return -1;
 }
 
 // Sizes the state for its first samples (p, c, t, k fixed from then on).
@@ -312,18 +408,63 @@ void shape_state(State& s, int64_t p, int64_t c, int64_t t, int64_t k) {
   s.class_sums.assign(k > 0 ? (size_t)(k * p) : 0, 0.0);
 }
 
-// Grows the class arrays to k classes (labels streamed without num_classes).
-void grow_classes(State& s, int64_t k) {
-  if (k <= s.k) return;
-  s.class_counts.resize(k, 0);
-  s.class_sums.resize((size_t)(k * s.p), 0.0);
-  s.k = k;
-}
+// Where a merge writes: the state itself, or (for its first samples) a fresh
+// state sized in advance; with class arrays grown in advance. Everything is
+// allocated in the constructor; commit() only swaps, so a failed allocation
+// leaves the state as it was.
+struct Target {
+  State& s;
+  State fresh;
+  bool is_fresh = false;
+  int64_t grow_to = -1;
+  std::vector<int64_t> counts;
+  std::vector<double> sums;
+
+  Target(State& state, int64_t p, int64_t c, int64_t t, int64_t k) : s(state) {
+    if (s.p < 0 || s.n == 0) {
+      fresh.num_classes = s.num_classes;
+      fresh.precision = s.precision;
+      shape_state(fresh, p, c, t, k);
+      is_fresh = true;
+    } else if (k > s.k) {  // labels streamed without num_classes: grow to k classes
+      counts.reserve((size_t)k);
+      counts.assign(s.class_counts.begin(), s.class_counts.end());
+      counts.resize((size_t)k, 0);
+      sums.reserve((size_t)(k * s.p));
+      sums.assign(s.class_sums.begin(), s.class_sums.end());
+      sums.resize((size_t)(k * s.p), 0.0);
+      grow_to = k;
+    }
+  }
+  State& state() { return is_fresh ? fresh : s; }
+  void grow() noexcept {
+    if (grow_to < 0) return;
+    s.class_counts.swap(counts);
+    s.class_sums.swap(sums);
+    s.k = grow_to;
+  }
+  void commit() noexcept {
+    if (is_fresh) s = std::move(fresh);
+  }
+};
 
 int64_t max_label(const Matrix& y) {
   int64_t mx = -1;
   for (int64_t i = 0; i < y.rows; ++i) mx = std::max(mx, label_at(y, i));
   return mx;
+}
+
+const char* stream_name(int which) {
+  return which == 0 ? "features" : which == 1 ? "outputs" : "targets";
+}
+
+// Bytes this machine can give one process: physical memory, or less under a
+// ulimit -v. A request above it cannot succeed, so it is refused unallocated.
+double memory_limit() {
+  double limit = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGE_SIZE);
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) limit = std::min(limit, (double)rl.rlim_cur);
+  return limit > 0 ? limit : std::numeric_limits<double>::infinity();
 }
 
 }  // namespace
@@ -340,10 +481,6 @@ void State::reset() {
 void State::merge(const State& o) {
   if (o.p < 0 || o.n == 0) return;
   check_mergeable({n, p, c, t, k, num_classes}, {o.n, o.p, o.c, o.t, o.k, o.num_classes});
-  if (p < 0 || n == 0) {
-    shape_state(*this, o.p, o.c, o.t, o.k < 0 ? -1 : std::max<int64_t>(o.k, num_classes));
-  }
-  if (o.k >= 0) grow_classes(*this, o.k);
   Block<double> b;
   b.n = o.n;
   b.mean = o.mean.data();
@@ -354,10 +491,19 @@ void State::merge(const State& o) {
   b.tgt_mean = o.tgt_mean.data();
   b.Bt = {o.Bt.data()};
   b.At = {o.At.data()};
-  merge_block(*this, b);
-  for (int64_t i = 0; i < o.k; ++i) class_counts[i] += o.class_counts[i];
-  for (size_t i = 0; i < o.class_sums.size(); ++i) class_sums[i] += o.class_sums[i];
-  precision = std::max(precision, o.precision);
+  const int which = overflow_of(*this, b, o.p, o.c, o.t);
+  if (which >= 0)
+    throw std::invalid_argument(std::string("cannot merge: the merged ") + stream_name(which) +
+                                " moments would overflow float64; rescale the data; nothing was merged");
+  Target target(*this, o.p, o.c, o.t, o.k < 0 ? -1 : std::max<int64_t>(o.k, num_classes));
+  MergeWork work(o.p, o.c, o.t);
+  target.grow();
+  State& s = target.state();
+  merge_block(s, b, work);
+  for (int64_t i = 0; i < o.k; ++i) s.class_counts[i] += o.class_counts[i];
+  for (size_t i = 0; i < o.class_sums.size(); ++i) s.class_sums[i] += o.class_sums[i];
+  s.precision = std::max(s.precision, o.precision);
+  target.commit();
 }
 
 // ---- validation -----------------------------------------------------------
@@ -389,6 +535,60 @@ static void check_labels(const Matrix& y, int64_t num_classes, int64_t p) {
 // ---- CPU update -------------------------------------------------------------
 
 void CpuMoments::update(const Batch& b, Precision precision) {
+  std::lock_guard<std::mutex> lock(mu_);
+  update_locked(b, precision);
+}
+
+void CpuMoments::merge(const CpuMoments& other) {
+  if (&other == this) {  // merging with itself doubles it: read a copy first
+    const State copy = snapshot();
+    std::lock_guard<std::mutex> lock(mu_);
+    state_.merge(copy);
+    return;
+  }
+  std::scoped_lock lock(mu_, other.mu_);  // std::lock order: no deadlock between a.merge(b) and b.merge(a)
+  state_.merge(other.state_);
+}
+
+void CpuMoments::reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.reset();
+}
+
+State CpuMoments::snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_;
+}
+
+State CpuMoments::widths() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  State w;
+  w.n = state_.n;
+  w.p = state_.p;
+  w.c = state_.c;
+  w.t = state_.t;
+  w.k = state_.k;
+  w.num_classes = state_.num_classes;
+  w.precision = state_.precision;
+  return w;
+}
+
+void CpuMoments::set_state(State s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_ = std::move(s);
+}
+
+int64_t CpuMoments::n() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_.n;
+}
+
+int64_t CpuMoments::p() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_.p;
+}
+
+void CpuMoments::update_locked(const Batch& b, Precision precision) {
   if (precision == Precision::tf32 || precision == Precision::bf16)
     throw std::invalid_argument(std::string("precision '") + precision_name(precision) +
                                 "' needs the CUDA backend; the CPU multiplies in fp32 or fp64");
@@ -397,10 +597,25 @@ void CpuMoments::update(const Batch& b, Precision precision) {
   if (b.features.rows == 0) return;
   // Value checks read the data once; their float64 means are the batch means.
   BatchMeans means;
-  means_checked(b.features, "features", means.features);
-  if (b.outputs) means_checked(*b.outputs, "outputs", means.outputs);
-  if (b.targets) means_checked(*b.targets, "targets", means.targets);
+  means_checked(b.features, "features", means.features, means.range[0], means.magnitude[0]);
+  if (b.outputs) means_checked(*b.outputs, "outputs", means.outputs, means.range[1], means.magnitude[1]);
+  if (b.targets) means_checked(*b.targets, "targets", means.targets, means.range[2], means.magnitude[2]);
   if (b.labels) check_labels(*b.labels, state_.num_classes, b.features.cols);
+  // A spread whose squares fall below the product type's normal range would
+  // be lost (or kept at a few bits) in the products: refuse it rather than
+  // report a constant or a wrong value.
+  const bool fp64 = precision == Precision::fp64;
+  const double tiny = 64.0 * std::sqrt(fp64 ? std::numeric_limits<double>::min() : (double)std::numeric_limits<float>::min());
+  const Matrix* inputs[3] = {&b.features, b.outputs, b.targets};
+  for (int i = 0; i < 3; ++i) {
+    if (!inputs[i] || !(means.range[i] > 0.0 && means.range[i] < tiny)) continue;
+    Msg os;
+    os << stream_name(i) << " vary by at most " << Sci{means.range[i]} << ", too little for "
+       << precision_name(precision) << " products: their squares underflow "
+       << (fp64 ? "float64" : "float32") << "; rescale them (DLR does not depend on the scale)"
+       << (fp64 ? "" : " or use precision='fp64'") << "; the batch was not added";
+    throw std::invalid_argument(os.str());
+  }
   if (precision == Precision::fp64) update_typed<double>(b, means, precision, scratch_d_);
   else update_typed<float>(b, means, precision, scratch_f_);
 }
@@ -417,6 +632,30 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
   // least 256 rows and 2^22 multiply-adds keep each BLAS call efficient.
   const int64_t workers = std::max<int64_t>(
       1, std::min<int64_t>({(int64_t)blas_get_num_threads(), nb / 256, nb * p * p / (int64_t(1) << 22)}));
+  int64_t k_needed = -1;
+  if (b.labels) k_needed = std::max(max_label(*b.labels) + 1, state_.num_classes);
+  // Refuse what cannot fit before allocating any of it (counted in double:
+  // the products of the widths may pass int64).
+  {
+    const double P = (double)p, C = (double)c, Tt = (double)t, K = (double)std::max<int64_t>(k_needed, 0);
+    const double per_part = P * P + P * C + C * C + P * Tt + Tt * Tt;
+    const double scratch = (double)sizeof(T) * ((double)nb * (P + C + Tt) + (double)workers * per_part);
+    const bool first = state_.p < 0 || state_.n == 0;
+    const double square = 8.0 * P * P;
+    const double state = first ? 8.0 * (P + C + Tt + per_part + K * (P + 1)) : 0.0;
+    const double classes = !first && K > (double)state_.k ? 8.0 * K * (P + 1) : 0.0;
+    const double need = scratch + state + classes, limit = memory_limit();
+    if (need > limit) {
+      Msg os;
+      os << "this batch needs " << Sci{need} << " bytes";
+      if (first) os << ": the state at p=" << p << " holds a p x p float64 matrix of " << Sci{square} << " bytes";
+      if (K * P * 8.0 > square) os << " and class sums for " << (int64_t)K << " classes of " << Sci{K * P * 8.0} << " bytes";
+      os << ", plus " << Sci{scratch} << " bytes of products; this process can have at most " << Sci{limit}
+         << " bytes. Reduce the feature width (pool or project the features)"
+         << (K * P * 8.0 > square ? " or num_classes" : "") << "; the batch was not added";
+      throw memory_error(os.str());
+    }
+  }
   // All products go to scratch first: nothing below can leave the state half
   // updated (an allocation failure throws before the merge starts).
   sc.x.resize((size_t)(nb * p));
@@ -465,15 +704,23 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
   }
   blk.out_mean = nu.data();
   blk.tgt_mean = tau.data();
-  int64_t k_needed = -1;
-  if (b.labels) k_needed = std::max(max_label(*b.labels) + 1, state_.num_classes);
 
-  State& s = state_;
-  if (s.p < 0)
-    shape_state(s, p, b.outputs ? b.outputs->cols : -1, b.targets ? b.targets->cols : -1,
-                b.labels ? std::max<int64_t>(k_needed, 0) : -1);
-  if (b.labels) grow_classes(s, k_needed);
-  merge_block(s, blk);
+  const int which = overflow_of(state_, blk, p, c, t);
+  if (which >= 0) {
+    Msg os;
+    os << stream_name(which) << " are too large: their co-moments overflow "
+       << (std::is_same<T, float>::value ? "the float32 products" : "float64")
+       << " (largest magnitude in the batch " << Sci{means.magnitude[which]}
+       << "); rescale them (DLR does not depend on the scale)"
+       << (std::is_same<T, float>::value ? " or use precision='fp64'" : "") << "; the batch was not added";
+    throw std::invalid_argument(os.str());
+  }
+  Target target(state_, p, b.outputs ? c : -1, b.targets ? t : -1, b.labels ? std::max<int64_t>(k_needed, 0) : -1);
+  MergeWork work(p, c, t);
+  // Nothing below allocates or throws.
+  target.grow();
+  State& s = target.state();
+  merge_block(s, blk, work);
   if (b.labels) {
     const Matrix& y = *b.labels;
     for (int64_t i = 0; i < nb; ++i) ++s.class_counts[label_at(y, i)];
@@ -483,6 +730,7 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
     });
   }
   s.precision = std::max(s.precision, precision);
+  target.commit();
 }
 
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -234,24 +235,43 @@ inline void validate_batch(const Widths& s, const Batch& b) {
 // while checking finiteness).
 struct BatchMeans {
   std::vector<double> features, outputs, targets;
+  // Largest column range (max - min) and largest magnitude of each input,
+  // exact in float64: they tell overflow and underflow from the data.
+  double range[3] = {0, 0, 0}, magnitude[3] = {0, 0, 0};
+};
+
+// Raised when a state or a batch's scratch cannot fit in this machine's
+// memory (checked before allocating); bindings map it to MemoryError.
+struct memory_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 // CPU backend: centers each batch on its float64 mean, multiplies with BLAS
 // (ssyrk/dsyrk for M and A, gemm for B), merges with State::merge semantics.
+//
+// Thread-safe: every public method holds the object's mutex for its whole
+// call, so several threads may update, merge into and read one CpuMoments;
+// each call sees (and leaves) a state between whole batches. Bindings release
+// the GIL before calling (a waiting thread never holds it).
 class CpuMoments {
  public:
   explicit CpuMoments(int64_t num_classes = -1) { state_.num_classes = num_classes; }
 
   // precision: fp64 multiplies in double; fp32 in float (float16/bfloat16
   // inputs are widened to float after centering). tf32/bf16 are GPU modes.
+  // On any error (bad input, overflow, out of memory) the state is unchanged.
   void update(const Batch& b, Precision precision);
-  void merge(const CpuMoments& other) { state_.merge(other.state_); }
-  void reset() { state_.reset(); }
+  void merge(const CpuMoments& other);
+  void reset();
 
-  const State& state() const { return state_; }
-  State& mutable_state() { return state_; }
+  State snapshot() const;      // a consistent copy of the state
+  State widths() const;        // its scalar fields only (n, widths, precision), no arrays
+  void set_state(State s);     // replaces the state (s already validated)
+  int64_t n() const;
+  int64_t p() const;
 
  private:
+  mutable std::mutex mu_;  // guards state_ and the scratch
   State state_;
   // Scratch reused across batches: centered blocks and their products.
   template <typename T>
@@ -261,6 +281,7 @@ class CpuMoments {
   };
   Scratch<float> scratch_f_;
   Scratch<double> scratch_d_;
+  void update_locked(const Batch& b, Precision precision);
   template <typename T>
   void update_typed(const Batch& b, const BatchMeans& means, Precision precision, Scratch<T>& sc);
 };

@@ -6,12 +6,25 @@
 // std::to_string does not go through locale facets.
 #pragma once
 
+#include <cstdio>
 #include <string>
 #include <type_traits>
 
 namespace richness {
 
+// A number in scientific notation with 3 significant digits (3.1e+17), for
+// magnitudes that std::to_string would print as hundreds of digits.
+struct Sci {
+  double v;
+};
+
 struct Msg {
+  Msg& operator<<(Sci v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.3g", v.v);  // C formatting: no locale facets
+    s += buf;
+    return *this;
+  }
   std::string s;
   Msg& operator<<(const char* v) {
     s += v;

@@ -1028,3 +1028,45 @@ def test_set_state_into_a_staged_moments_then_stage_more(emu):
     with pytest.raises(ValueError, match="features contain 1 non-finite value"):
         tw.gpu.n
     assert_close(tw.gpu.get_state(), oracle(X, F, T, y, 5), 1e-12)
+
+
+def test_threads_share_one_object(emu):
+    # The bindings' per-object lock: 4 threads updating (and one reading) one CudaMoments give the
+    # oracle's state; without it they raced on the host-side staging and scratch.
+    import threading
+
+    rng = np.random.default_rng(5)
+    for _ in range(5):
+        gpu = emu.mod.CudaMoments(4, 0)
+        data = [(rng.normal(size=(n, 5)), rng.normal(size=(n, 2)), rng.integers(0, 4, size=n))
+                for n in rng.integers(1, 200, size=12)]
+        keep, errors = [], []
+        start = threading.Barrier(5)
+
+        def feed(part):
+            start.wait()
+            try:
+                for x, f, y in part:
+                    keep.append((x, f, y))  # alive until the next synchronising call
+                    gpu.update(marg(x), marg(f), marg(y), None, precision=PREC["fp64"], stream=0)
+            except Exception as e:
+                errors.append(e)
+
+        def read():
+            start.wait()
+            try:
+                for _ in range(10):
+                    st = gpu.get_state()
+                    assert st["class_counts"].sum() == st["n"]
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=feed, args=(data[i::4],)) for i in range(4)]
+        threads.append(threading.Thread(target=read))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        X, F, y = (np.concatenate([b[i] for b in data]) for i in range(3))
+        assert_close(gpu.get_state(), oracle(X, F, y=y, k=4), 1e-12, what="threads vs oracle")

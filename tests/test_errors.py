@@ -1,6 +1,10 @@
 """Bad input: each raises a specific exception whose message names the problem,
 and the state afterwards is exactly what it was before."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +69,29 @@ BAD_UPDATES = {
     "integer features": (dict(features=X.astype(np.int64), outputs=F, labels=Y), TypeError, r"features .*int64"),
     "complex features": (dict(features=X.astype(np.complex128), outputs=F, labels=Y), TypeError,
                          r"features has dtype complex128"),
+    "uint8 features": (dict(features=np.abs(X).astype(np.uint8), outputs=F, labels=Y), TypeError,
+                       r"features must be float32, float64, float16 or bfloat16, got uint8"),
+    "uint64 label past int64": (dict(features=X, outputs=F, labels=np.where(np.arange(N) == 5, 2**64 - 1, Y)
+                                     .astype(np.uint64)), ValueError,
+                                r"labels out of range: label 18446744073709551615 at row 5"),
+    # finite inputs whose products overflow: the state must not take an Inf
+    "float32 products overflow": (dict(features=(X * 1e19).astype(np.float32), outputs=F, labels=Y), ValueError,
+                                  r"features are too large: their co-moments overflow the float32 products "
+                                  r"\(largest magnitude in the batch 2\.\d+e\+19\)"),
+    "float64 products overflow": (dict(features=X * 1e160, outputs=F, labels=Y), ValueError,
+                                  r"features are too large: their co-moments overflow float64 "
+                                  r"\(largest magnitude in the batch 2\.\d+e\+160\)"),
+    "outputs overflow": (dict(features=X, outputs=F * 1e160, labels=Y), ValueError,
+                         r"outputs are too large: .*overflow float64"),
+    # constant within the batch (X is lost beside 1e160), but 1e160 away from the state's mean
+    "mean shift overflows": (dict(features=X + 1e160, outputs=F, labels=Y), ValueError,
+                             r"features are too large: .*overflow float64 \(largest magnitude in the batch 1e\+160\)"),
+    "float32 squares underflow": (dict(features=(X * 1e-30).astype(np.float32), outputs=F, labels=Y), ValueError,
+                                  r"features vary by at most \S+e-30, too little for fp32 products: their squares "
+                                  r"underflow float32.*precision='fp64'"),
+    "float64 squares underflow": (dict(features=X * 1e-170, outputs=F, labels=Y), ValueError,
+                                  r"features vary by at most \S+e-170, too little for fp64 products: their squares "
+                                  r"underflow float64"),
 }
 
 
@@ -103,7 +130,9 @@ def test_label_out_of_range_with_num_classes():
 
 
 @pytest.mark.parametrize("name", ["nan/inf features", "negative label", "float labels", "outputs rows differ",
-                                  "labels rows differ", "3-D outputs"])
+                                  "labels rows differ", "3-D outputs", "float32 products overflow",
+                                  "float64 products overflow", "outputs overflow", "float64 squares underflow",
+                                  "uint64 label past int64"])
 def test_bad_first_update_leaves_moments_fresh(name):
     # A rejected first batch must not fix the widths or the streams.
     kwargs, exc, pattern = BAD_UPDATES[name]
@@ -154,6 +183,77 @@ def test_constant_features():
     assert states_equal(m.state_dict(), before)
 
 
+@pytest.mark.parametrize("value", [0.1, 0.3, 1 / 3, 7.7, -2.2e5, 1e-100])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("rows", [[2000], [700, 1300], [3, 997, 1000]])
+def test_constant_features_whatever_the_rounding(value, dtype, rows):
+    # sum * (1/n) rounds: a constant column centered on it kept a false covariance (DLR 1.0 for 0.1)
+    m = richness.Moments()
+    rng = np.random.default_rng(len(rows))
+    for n in rows:
+        m.update(np.full((n, P), value, dtype=dtype), rng.normal(size=(n, C)))
+    with pytest.raises(ValueError, match=r"features are constant"):
+        m.compute()
+    with pytest.raises(ValueError, match=r"features are constant"):
+        m.compute(spectrum=False)
+
+
+def test_constant_at_the_rounding_level_of_the_mean():
+    # A state whose covariance is rounding residue (as a backend that does not snap its means to the
+    # data leaves): spread 1e-15 of a mean of 1, n = 2000.
+    m = richness.Moments()
+    m.update(X, F)
+    st = m.state_dict()
+    n = st["n"]
+    st["mean"] = np.full(P, 1.0)
+    st["M"] = np.full((P, P), n * 1e-30) + np.eye(P) * n * 1e-31
+    with pytest.raises(ValueError, match=r"features are constant \(zero covariance, or one at the rounding level"):
+        richness._finish.finish(st)
+    # the same spread about a mean of 0 is a tiny but real covariance
+    st["mean"] = np.zeros(P)
+    assert richness._finish.finish(st).dlr is not None
+
+
+def test_tiny_and_huge_scales_give_the_unscaled_dlr():
+    # DLR does not depend on the scales; the finishing keeps every product within float64
+    rng = np.random.default_rng(4)
+    Xs = rng.normal(size=(200, P))
+    Fs = Xs @ rng.normal(size=(P, C)) + 0.3 * rng.normal(size=(200, C))
+    W = rng.normal(size=(C, P))
+    Wwide = rng.normal(size=(7, P))  # C > p: the p-space head path
+    ref = dlr_naive(Xs, Fs)[0]
+    ref_head = dlr_naive(Xs, Xs @ W.T)[0]
+    ref_wide = dlr_naive(Xs, Xs @ Wwide.T)[0]
+    unscaled = richness.Moments()
+    unscaled.update(Xs, Fs)
+    util = unscaled.compute().utilization
+    for sx, sf, sw in [(1e-100, 1e-100, 1e-150), (1e150, 1e150, 1e-150), (1e-150, 1e150, 1e-300),
+                       (1e77, 1.0, 1e-100), (1.0, 1.0, 1e100)]:
+        m = richness.Moments()
+        m.update(Xs * sx, Fs * sf)
+        r = m.compute()
+        assert abs(r.dlr - ref) < 1e-10, (sx, sf)
+        np.testing.assert_allclose(r.utilization, util, rtol=1e-9)
+        assert abs(m.compute(head=W * sw).dlr - ref_head) < 1e-10, (sx, sw)
+        rw = m.compute(head=Wwide * sw)
+        assert abs(rw.dlr - ref_wide) < 1e-10, (sx, sw)
+        assert np.isfinite(rw.utilization).all()
+
+
+def test_finishing_failures_are_value_errors():
+    m = started()
+    before = m.state_dict()
+    # A's eigenvalues (W M W^T) pass float64: no LinAlgError, no "constant outputs"
+    with pytest.raises(ValueError, match=r"compute\(\) failed in float64 .*head weights up to 1e\+300.*rescale"):
+        m.compute(head=np.full((C, P), 1e300))
+    st = m.state_dict()
+    st["M"] = np.full((P, P), 1e300) + np.diag(np.arange(1.0, P + 1) * 1e300)
+    st["B"] = np.full((P, C), 1e300)
+    with pytest.raises(ValueError, match=r"compute\(\) failed in float64 .*\|M\| up to .*rescale"):
+        richness._finish.finish(st)
+    assert states_equal(m.state_dict(), before)
+
+
 def test_constant_outputs_and_zero_head():
     m = richness.Moments()
     m.update(X, np.tile([1.0, -2.0], (N, 1)))
@@ -172,6 +272,11 @@ def test_constant_outputs_and_zero_head():
     ((np.ones((C, P)), np.ones(C + 1)), ValueError, r"head bias has 3 entries but the weight has 2 rows"),
     (np.ones(P), ValueError, r"head weight must be 2-D"),
     (np.full((C, P), np.nan), ValueError, r"head weight contains NaN or Inf"),
+    (np.ones((C, P)) + 1j, ValueError, r"head weight must be real, got complex128"),
+    (torch.ones((C, P), dtype=torch.complex64), ValueError, r"head weight must be real, got torch.complex64"),
+    (np.ones((0, P)), ValueError, r"head weight has no rows \(outputs\): shape \(0, 4\)"),
+    ((np.ones((C, P)), np.array([np.nan, 1.0])), ValueError, r"head bias contains NaN or Inf"),
+    ((np.ones((C, P)), np.array([1.0, np.inf])), ValueError, r"head bias contains NaN or Inf"),
     (torch.nn.Linear(P + 1, C), ValueError, r"head weight has 5 input columns"),
     ((np.ones((C, P)), np.ones(C), np.ones(C)), ValueError, r"head must be \(W, b\)"),
     ("not a head", TypeError, r"head weight is not a float array"),
@@ -391,3 +496,58 @@ def test_huge_label_without_num_classes_is_refused_before_allocating():
     big = richness.Moments(num_classes=3_000_000)
     big.update(np.ones((2, 1)) * [[1.0], [2.0]], labels=np.array([0, 2_999_999]))
     assert big.state_dict()["class_counts"][2_999_999] == 1
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+def test_out_of_memory_first_batch_leaves_moments_fresh():
+    # num_classes=10**12 asks for 3.2e13 bytes of class sums: refused before anything is recorded
+    m = richness.Moments(num_classes=10**12)
+    fresh = m.state_dict()
+    with pytest.raises(MemoryError, match=r"class sums for 1000000000000 classes of 3\.2e\+13 bytes"):
+        m.update(X, F, labels=Y)
+    assert states_equal(m.state_dict(), fresh)
+    assert m.n == 0
+    m.update(X, F)  # the next update starts the state afresh
+    assert abs(m.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
+
+
+@pytest.mark.skipif(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") > 4e11,
+                    reason="this machine could hold a p = 200,000 state")
+def test_too_wide_is_refused_with_its_byte_count():
+    m = richness.Moments()
+    with pytest.raises(MemoryError, match=r"p=200000 holds a p x p float64 matrix of 3\.2e\+11 bytes"):
+        m.update(np.zeros((2, 200_000), np.float32))
+    assert m.n == 0
+    m.update(X, F)
+    assert abs(m.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
+
+
+ALLOCATION_FAILS = """
+import resource, numpy as np, richness
+rng = np.random.default_rng(0)
+m = richness.Moments()
+m.update(rng.normal(size=(50, 3)), rng.normal(size=(50, 2)))
+before = m.state_dict()
+vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize")][0]
+# room for the size check to pass (1.5 GB) but not for p = 12,000 (1.2 GB state + 0.6 GB products)
+resource.setrlimit(resource.RLIMIT_AS, (vm + 1_500_000_000, resource.RLIM_INFINITY))
+fresh = richness.Moments()
+try:
+    fresh.update(np.zeros((2, 12_000), np.float32) + np.arange(2.0)[:, None])
+    print("allocated")
+except MemoryError as e:
+    print("MemoryError", e)
+assert fresh.n == 0 and fresh.state_dict()["p"] == -1
+fresh.update(rng.normal(size=(20, 3)), rng.normal(size=(20, 2)))  # no segfault: widths were never recorded
+assert fresh.n == 20 and fresh.state_dict()["p"] == 3
+print("ok")
+"""
+
+
+def test_failed_allocation_records_no_width():
+    # Under a ulimit -v the size check passes and an allocation fails: p must not stay set without
+    # arrays behind it (the next update used to segfault).
+    out = subprocess.run([sys.executable, "-c", ALLOCATION_FAILS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("ok")

@@ -140,6 +140,32 @@ def test_merge_matches_reference_with_far_apart_means():
     assert abs(total.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
 
 
+def test_merge_that_would_overflow_is_refused():
+    # Each side is finite; the between-means term f d d^T of their merge is not: refuse it, naming
+    # overflow, and leave both sides as they were (the Inf used to land in M and spread on).
+    X, F, y, T = chunk(0, 40, 3)
+    near = moments_of((X, F, y, T))
+    far = moments_of((X + 1e160, F, y, T))  # constant within itself: X is lost beside 1e160
+    near_before, far_before = near.state_dict(), far.state_dict()
+    for sink, source in ((near, far), (far, near)):
+        with pytest.raises(ValueError, match=r"cannot merge: the merged features moments would overflow float64"):
+            sink.merge(source)
+    assert states_equal(near.state_dict(), near_before)
+    assert states_equal(far.state_dict(), far_before)
+    assert np.isfinite(near.state_dict()["M"]).all()
+
+
+def test_merge_growing_classes_is_all_or_nothing():
+    # The class arrays grow before the merge; a merge refused afterwards must not leave them grown.
+    a = moments_of(chunk(1, 30, 2))
+    b = moments_of((chunk(2, 30, 6)[0] + 1e160,) + chunk(2, 30, 6)[1:])
+    before = a.state_dict()
+    with pytest.raises(ValueError, match=r"overflow"):
+        a.merge(b)
+    assert states_equal(a.state_dict(), before)
+    assert a.state_dict()["k"] == 2
+
+
 def test_shift_and_sum_merge_of_many_states():
     """The one-sum merge of several states (what torch.distributed and the
     torchmetrics metric use) equals one pass over all the data, and the

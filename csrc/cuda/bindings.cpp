@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <mutex>
 #include <optional>
 #include <tuple>
 
@@ -28,17 +29,36 @@ Product product_of(const std::string& name) {
   throw std::invalid_argument("product must be auto, syrk, gemm, block_rows or tiles, got " + name);
 }
 
+// One lock per object, as in the CPU backend (CpuMoments): every bound method
+// holds it, so several Python threads may update, merge and read one object.
+// Each method releases the GIL before taking it (a thread waiting for the lock
+// never holds the GIL; the holder never needs it).
+struct LockedCudaMoments : CudaMoments {
+  using CudaMoments::CudaMoments;
+  std::mutex mu;
+};
+
+// Runs fn(self) with the GIL released and the object's lock held.
+template <typename Fn>
+auto locked(LockedCudaMoments& self, Fn&& fn) {
+  py::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(self.mu);
+  return fn(static_cast<CudaMoments&>(self));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "richness CUDA backend: streamed float64 co-moments on the device, cuBLAS products";
   py::register_exception<type_error>(m, "DTypeError", PyExc_TypeError);
 
-  py::class_<CudaMoments>(m, "CudaMoments")
+  py::class_<LockedCudaMoments>(m, "CudaMoments",
+                                "Streamed float64 co-moments on a CUDA device. Thread-safe: one object may be "
+                                "updated, merged and read from several threads.")
       .def(py::init<int64_t, int>(), py::arg("num_classes") = -1, py::arg("device") = 0)
       .def(
           "update",
-          [](CudaMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
+          [](LockedCudaMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
              std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, int precision, uintptr_t stream) {
             Matrix x = to_matrix(features), mo, ml, mt;
             const Matrix* po = nullptr;
@@ -49,26 +69,40 @@ PYBIND11_MODULE(_cuda, m) {
             if (targets) { mt = to_matrix(*targets); pt = &mt; }
             if (precision < 0 || precision > 3)
               throw std::invalid_argument("unknown precision code " + std::to_string(precision));
-            py::gil_scoped_release release;
-            self.update(x, po, pl, pt, static_cast<Precision>(precision), reinterpret_cast<cudaStream_t>(stream));
+            locked(self, [&](CudaMoments& s) {
+              s.update(x, po, pl, pt, static_cast<Precision>(precision), reinterpret_cast<cudaStream_t>(stream));
+            });
           },
           py::arg("features"), py::arg("outputs") = py::none(), py::arg("labels") = py::none(),
           py::arg("targets") = py::none(), py::arg("precision") = 1, py::arg("stream") = 0,
           "Enqueue one batch on `stream`; returns without waiting for the device.")
-      .def("merge", &CudaMoments::merge, py::arg("other"), py::call_guard<py::gil_scoped_release>())
-      .def("reset", &CudaMoments::reset)
-      .def("get_state", [](CudaMoments& self) {
-        State s;
-        {
-          py::gil_scoped_release release;
-          s = self.download();
-        }
-        return export_state(s);
-      })
-      .def("set_state", [](CudaMoments& self, const py::dict& d) { self.upload(import_state(d)); })
+      .def(
+          "merge",
+          [](LockedCudaMoments& self, LockedCudaMoments& other) {
+            py::gil_scoped_release release;
+            if (&other == &self) {
+              std::lock_guard<std::mutex> lock(self.mu);
+              self.merge(other);
+              return;
+            }
+            std::scoped_lock lock(self.mu, other.mu);  // std::lock order: a.merge(b) beside b.merge(a) is safe
+            self.merge(other);
+          },
+          py::arg("other"))
+      .def("reset", [](LockedCudaMoments& self) { locked(self, [](CudaMoments& s) { s.reset(); }); })
+      .def("get_state",
+           [](LockedCudaMoments& self) {
+             State s = locked(self, [](CudaMoments& c) { return c.download(); });
+             return export_state(s);
+           })
+      .def("set_state",
+           [](LockedCudaMoments& self, const py::dict& d) {
+             const State s = import_state(d);
+             locked(self, [&](CudaMoments& c) { c.upload(s); });
+           })
       .def(
           "export_to",
-          [](CudaMoments& self, const py::dict& ptrs) {
+          [](LockedCudaMoments& self, const py::dict& ptrs) {
             // ptrs: key -> device pointer (int) of caller-allocated float64
             // (int64 for class_counts) buffers with the state's shapes.
             CudaMoments::Targets t;
@@ -85,24 +119,31 @@ PYBIND11_MODULE(_cuda, m) {
             t.At = reinterpret_cast<double*>(get("At"));
             t.class_sums = reinterpret_cast<double*>(get("class_sums"));
             t.class_counts = reinterpret_cast<long long*>(get("class_counts"));
-            py::gil_scoped_release release;
-            self.export_to(t);
+            locked(self, [&](CudaMoments& c) { c.export_to(t); });
           },
           py::arg("ptrs"))
-      .def("shape", [](CudaMoments& self) {
+      .def("shape", [](LockedCudaMoments& self) {
         // Host-known facts (no synchronisation): widths, class count, precision.
+        int64_t v[5];
+        Precision prec = locked(self, [&](CudaMoments& c) {
+          v[0] = c.p(), v[1] = c.c(), v[2] = c.t(), v[3] = c.k(), v[4] = c.num_classes();
+          return c.precision();
+        });
         py::dict d;
-        d["p"] = self.p();
-        d["c"] = self.c();
-        d["t"] = self.t();
-        d["k"] = self.k();
-        d["num_classes"] = self.num_classes();
-        d["precision"] = precision_name(self.precision());
+        d["p"] = v[0];
+        d["c"] = v[1];
+        d["t"] = v[2];
+        d["k"] = v[3];
+        d["num_classes"] = v[4];
+        d["precision"] = precision_name(prec);
         return d;
       })
       .def(
           "set_product",
-          [](CudaMoments& self, const std::string& algo, int block) { self.set_product(product_of(algo), block); },
+          [](LockedCudaMoments& self, const std::string& algo, int block) {
+            const Product product = product_of(algo);
+            locked(self, [&](CudaMoments& c) { c.set_product(product, block); });
+          },
           py::arg("algo") = "auto", py::arg("block") = 512,
           "How X^T X is formed: auto, syrk, gemm, block_rows or tiles (benchmarks).")
       .def("set_row_cap", &CudaMoments::set_row_cap, py::arg("rows"),
@@ -110,25 +151,25 @@ PYBIND11_MODULE(_cuda, m) {
       .def_property_readonly("row_cap", &CudaMoments::row_cap)
       .def(
           "set_stack",
-          [](CudaMoments& self, int64_t rows, bool joint) {
-            py::gil_scoped_release release;
-            self.set_stack(rows, joint);
+          [](LockedCudaMoments& self, int64_t rows, bool joint) {
+            locked(self, [&](CudaMoments& c) { c.set_stack(rows, joint); });
           },
           py::arg("rows"), py::arg("joint") = true,
           "Stage up to `rows` centered rows before one product and one float64 merge (0 = off: one per batch).\n"
           "joint: with outputs/targets streamed, one product over the rows [X | F | T] (else one per block).\n"
           "Flushes pending rows first (synchronises).")
-      .def_property_readonly("stack_rows", &CudaMoments::stack_rows)
-      .def_property_readonly("stack_joint", &CudaMoments::stack_joint)
-      .def_property_readonly("staged_rows", &CudaMoments::staged_rows,
+      .def_property_readonly("stack_rows",
+                             [](LockedCudaMoments& self) { return locked(self, [](CudaMoments& c) { return c.stack_rows(); }); })
+      .def_property_readonly("stack_joint",
+                             [](LockedCudaMoments& self) { return locked(self, [](CudaMoments& c) { return c.stack_joint(); }); })
+      .def_property_readonly("staged_rows",
+                             [](LockedCudaMoments& self) { return locked(self, [](CudaMoments& c) { return c.staged_rows(); }); },
                              "Rows staged and not yet merged (host-known; no synchronisation).")
-      .def_property_readonly("staged_batches", &CudaMoments::staged_batches)
-      .def_property_readonly("n", [](CudaMoments& self) {
-        py::gil_scoped_release release;
-        return self.n();
-      })
-      .def_property_readonly("p", &CudaMoments::p)
-      .def_property_readonly("device", &CudaMoments::device);
+      .def_property_readonly("staged_batches",
+                             [](LockedCudaMoments& self) { return locked(self, [](CudaMoments& c) { return c.staged_batches(); }); })
+      .def_property_readonly("n", [](LockedCudaMoments& self) { return locked(self, [](CudaMoments& c) { return c.n(); }); })
+      .def_property_readonly("p", [](LockedCudaMoments& self) { return locked(self, [](CudaMoments& c) { return c.p(); }); })
+      .def_property_readonly("device", [](LockedCudaMoments& self) { return self.device(); });
 
   m.def("device_info", &richness::cuda::device_info, py::arg("device") = 0);
   m.def("info", &richness::cuda::backend_info, "What was built and which GPU is usable; never raises.");

@@ -96,9 +96,15 @@ def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
         code = FLOAT_CODES[dt]
     elif dt in INT_CODES:
         code = INT_CODES[dt]
-    elif dt.kind in "iu":
-        # other integer widths: widen losslessly (labels)
+    elif dt.kind in "iu" and name == "labels":
+        # other integer widths: widen to int64, which holds every valid label
+        if dt.kind == "u" and dt.itemsize >= 8 and x.size and (x > np.iinfo(np.int64).max).any():
+            row = int(np.argmax(x.reshape(-1) > np.iinfo(np.int64).max))
+            raise ValueError(f"labels out of range: label {int(x.reshape(-1)[row])} at row {row} "
+                             "(larger than any class index)")
         x, code = x.astype(np.int64), I64
+    elif dt.kind in "iub":
+        raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got {dt}")
     else:
         raise TypeError(f"{name} has dtype {dt}; expected float32, float64, float16, bfloat16"
                         " (features, outputs, targets) or int32/int64 (labels)")
@@ -140,6 +146,12 @@ def _torch_int(y: Any) -> Any:
 
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise TypeError(f"labels must be integers, got dtype {y.dtype}")
+    if y.dtype == getattr(torch, "uint64", None) and y.numel():
+        # int64 wraps 2**63 and above to negative values: name the real label
+        big = y.cpu().numpy() > np.iinfo(np.int64).max
+        if big.any():
+            row = int(np.argmax(big))
+            raise ValueError(f"labels out of range: label {int(y[row])} at row {row} (larger than any class index)")
     return y.to(torch.int64)
 
 
@@ -158,19 +170,28 @@ def weights_of(head: Any) -> tuple:
     w = to_numpy64(w, "head weight")
     if w.ndim != 2:
         raise ValueError(f"head weight must be 2-D (C, p), got shape {w.shape}")
+    if w.shape[0] == 0 or w.shape[1] == 0:
+        raise ValueError(f"head weight has no {'rows (outputs)' if w.shape[0] == 0 else 'columns'}: "
+                         f"shape {w.shape}; a head needs shape (C, p) with C, p >= 1")
     if not np.isfinite(w).all():
         raise ValueError("head weight contains NaN or Inf")
     if b is not None:
         b = to_numpy64(b, "head bias").reshape(-1)
         if b.shape[0] != w.shape[0]:
             raise ValueError(f"head bias has {b.shape[0]} entries but the weight has {w.shape[0]} rows")
+        if not np.isfinite(b).all():
+            raise ValueError("head bias contains NaN or Inf")
     return w, b
 
 
 def to_numpy64(x: Any, name: str) -> np.ndarray:
     """A float64 numpy copy of any array-like (torch tensors on any device)."""
     if _is_torch(x) and hasattr(x, "detach"):
+        if x.is_complex():  # .double() would drop the imaginary part
+            raise ValueError(f"{name} must be real, got {x.dtype}")
         x = x.detach().to("cpu").double().numpy()
+    if np.iscomplexobj(x):  # np.array(..., float64) would drop the imaginary part
+        raise ValueError(f"{name} must be real, got {np.asarray(x).dtype}")
     try:
         return np.array(x, dtype=np.float64)
     except (TypeError, ValueError) as e:

@@ -66,28 +66,85 @@ def _host(a):
     return a.detach().cpu().numpy()
 
 
+# Rounding level of a feature's spread relative to its mean: centering on a
+# float64 mean computed from n values leaves about sqrt(n) eps |mean| behind
+# in every sample (docs/MATH.md, constant features). A covariance at this
+# level is rounding, not signal.
+CONSTANT_RTOL = 32 * np.finfo(np.float64).eps
+
+
+def _norm(a) -> float:
+    """Frobenius norm, scaled first so that the squares neither overflow
+    (entries above 1e154) nor underflow (below 1e-154)."""
+    xp = _ns(a)
+    scale = float(xp.abs(a).max()) if a.shape[0] else 0.0
+    if not (scale > 0.0 and math.isfinite(scale)):
+        return scale
+    return scale * float(xp.linalg.norm(a / scale))
+
+
+def check_features(st: dict) -> float:
+    """``||M||_F``, after raising ValueError when the features are constant:
+    their covariance is zero or at the rounding level of their mean."""
+    M, n = st["M"], float(st["n"])
+    norm_m = _norm(M)
+    if not math.isfinite(norm_m):
+        raise ValueError("the feature moments are not finite: the state is corrupt; stream the data again")
+    xp = _ns(M)
+    diag = xp.diagonal(M)
+    top = float(diag.max())
+    spread = math.sqrt(top) * math.sqrt(float(xp.sum(diag / top)) / n) if top > 0.0 else 0.0
+    size = _norm(st["mean"])
+    if not norm_m > 0.0 or spread <= CONSTANT_RTOL * math.sqrt(n) * size:
+        tiny = norm_m == 0.0 and 0.0 < size < 1e-140
+        raise ValueError(
+            "features are constant (zero covariance, or one at the rounding level of their mean): DLR and the "
+            "spectrum are undefined; check that the features vary"
+            + ("; if they vary by less than 1e-154, their squares underflow float64: rescale them" if tiny else ""))
+    return norm_m
+
+
 def _eigh_desc(S: np.ndarray) -> tuple:
     xp = _ns(S)
     w, V = xp.linalg.eigh(S)
     return xp.clip(xp.flip(w, (0,)), 0.0, None), xp.flip(V, (1,))
 
 
+def _logits(a, a_scale: float):
+    """A's eigenvalues in the units of the moments; FloatingPointError past float64."""
+    with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+        a = a * a_scale
+    if not bool(_ns(a).isfinite(a).all()):
+        raise FloatingPointError("the output covariance's eigenvalues overflow float64")
+    return a
+
+
 class Functions:
-    """A family of streamed functions g with B_g (p x m) and A_g (m x m) given explicitly."""
+    """A family of streamed functions g with B_g (p x m) and A_g (m x m) given explicitly.
 
-    def __init__(self, B: np.ndarray, A: np.ndarray) -> None:
-        self.B, self.A = B, A
+    Held divided by A's largest diagonal s (B by sqrt(s)): DLR and the curves
+    do not depend on the functions' scale, and the products ||B u||^2 / a then
+    stay within float64 even when outputs reach 1e150 or 1e-150. ``proj_sq``
+    and ``trace`` share that unit (the curves are their ratio), and so do the
+    eigenvalues ``span`` returns (DLR uses only their ratios): times
+    ``a_scale`` they are A's, which may pass float64 where DLR does not."""
 
-    def proj_sq(self, V: np.ndarray) -> np.ndarray:
-        """||B_g^T v_k||^2 for the columns v_k of V."""
-        P = V.T @ self.B
+    def __init__(self, B: np.ndarray, A: np.ndarray, a_scale: float = 1.0) -> None:
+        xp = _ns(A)
+        top = float(xp.diagonal(A).max()) if A.shape[0] else 0.0
+        scale = top if top > 0.0 and math.isfinite(top) else 1.0
+        self.B, self.A, self.a_scale = B / math.sqrt(scale), A / scale, a_scale * scale
+
+    def proj_sq(self, V: np.ndarray, lam) -> np.ndarray:
+        """||B_g^T v_k||^2 / lam_k for the columns v_k of V (lam_k > 0)."""
+        P = (V.T @ self.B) / _ns(lam).sqrt(lam)[:, None]
         return _ns(P).sum(P * P, axis=1)
 
     def trace(self) -> float:
         return float(_ns(self.A).trace(self.A))
 
     def span(self, M: np.ndarray, floor: float) -> tuple:
-        """Eigenvalues a (desc) of A and the DLR numerator terms ||B u_i||^2 / a_i
+        """Eigenvalues a (desc) of A / a_scale and the DLR numerator terms ||B u_i||^2 / a_i
         for every direction with a_i > floor * a_max (SPEC: tr(B A^+ B^T))."""
         a, U = _eigh_desc(self.A)
         if not a[0] > 0.0:
@@ -103,11 +160,12 @@ class HeadFunctions(Functions):
     p-space (SPEC.md, "Many outputs"): B = M W^T and A = W M W^T are never
     formed, only W^T W (p x p). Used when C > p."""
 
-    def __init__(self, M: np.ndarray, WtW: np.ndarray) -> None:
-        self.M, self.WtW = M, WtW
+    def __init__(self, M: np.ndarray, WtW: np.ndarray, a_scale: float = 1.0) -> None:
+        self.M, self.WtW, self.a_scale = M, WtW, a_scale
 
-    def proj_sq(self, V: np.ndarray) -> np.ndarray:
-        MV = self.M @ V
+    def proj_sq(self, V: np.ndarray, lam) -> np.ndarray:
+        # M v / sqrt(lam) first: (M v)^T W^T W (M v) alone passes float64 once M passes 1e154
+        MV = (self.M @ V) / _ns(lam).sqrt(lam)[None, :]
         return _ns(MV).einsum("ij,ij->j", self.WtW @ MV, MV)
 
     def trace(self) -> float:
@@ -133,6 +191,8 @@ def dlr_from_span(norm_m: float, a: np.ndarray, terms: np.ndarray, rtol: float) 
     xp = _ns(a)
     r = int(xp.count_nonzero(a[: terms.shape[0]] > rtol * a[0]))
     dlr = 1.0 - float(xp.sum(terms[:r])) / (norm_m * math.sqrt(r))
+    if not math.isfinite(dlr):
+        raise FloatingPointError("the DLR numerator is not finite")
     # CKA <= 1 by Cauchy-Schwarz: only rounding can leave [0, 1].
     return min(max(dlr, 0.0), 1.0), r
 
@@ -144,11 +204,18 @@ def function_moments(st: dict, W: Optional[np.ndarray], M: Optional[np.ndarray] 
         M = st["M"] if M is None else M
         if W.shape[1] != M.shape[0]:
             raise ValueError(f"head weight has {W.shape[1]} input columns but the features have {M.shape[0]}")
+        # W / max|W|: DLR does not depend on the head's scale, and W M W^T
+        # then stays within float64 for any finite W (A's eigenvalues are
+        # scaled back by the square).
+        w = float(_ns(W).abs(W).max())
+        if not (w > 0.0 and math.isfinite(w)):
+            w = 1.0
+        W = W / w
         if W.shape[0] > W.shape[1]:
-            return HeadFunctions(M, W.T @ W)
+            return HeadFunctions(M, W.T @ W, w * w)
         B = M @ W.T
         A = W @ B
-        return Functions(B, (A + A.T) / 2)
+        return Functions(B, (A + A.T) / 2, w * w)
     if st["c"] > 0:
         return Functions(st["B"], st["A"])
     return None
@@ -156,12 +223,40 @@ def function_moments(st: dict, W: Optional[np.ndarray], M: Optional[np.ndarray] 
 
 def dlr_of_state(st: dict, W: Optional[np.ndarray], rtol: float) -> tuple:
     """(DLR, rank) alone, no spectrum: for monitors and jackknife replicates."""
-    fn = function_moments(st, W)
-    norm_m = float(_ns(st["M"]).linalg.norm(st["M"]))
-    if fn is None or not norm_m > 0.0:
-        raise ValueError("DLR is undefined for this state (no outputs/head, or constant features)")
-    a, terms = fn.span(st["M"], rtol)
-    return dlr_from_span(norm_m, a, terms, rtol)
+    if W is None and not st["c"] > 0:
+        raise ValueError("DLR is undefined for this state (no outputs/head)")
+    norm_m = check_features(st)
+    with _finishing(st, W):
+        a, terms = function_moments(st, W).span(st["M"], rtol)
+        return dlr_from_span(norm_m, a, terms, rtol)
+
+
+class _finishing:
+    """Turns a numerical failure of the finishing math (an eigensolver that
+    does not converge, an overflow to Inf or NaN) into a ValueError that says
+    what to do: the moments span more than float64 holds."""
+
+    def __init__(self, st: dict, W=None) -> None:
+        self.st, self.W = st, W
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if kind is None:
+            return False
+        numeric = (issubclass(kind, (np.linalg.LinAlgError, FloatingPointError))
+                   or kind.__name__ in ("LinAlgError", "_LinAlgError"))  # torch.linalg's
+        if not numeric:
+            return False
+        sizes = [f"|{key}| up to {float(_ns(self.st[key]).abs(self.st[key]).max()):.3g}"
+                 for key in ("M", "A", "At") if self.st[key].shape[0]]
+        if self.W is not None and self.W.shape[0]:
+            sizes.append(f"head weights up to {float(_ns(self.W).abs(self.W).max()):.3g}")
+        raise ValueError(
+            f"compute() failed in float64 ({err}); the moments are too large or too widely scaled "
+            f"({', '.join(sizes)}): rescale the features, outputs or head weights (DLR does not depend on "
+            "their scale) and stream again") from None
 
 
 def isotropic_dlr(n: int, p_eff: float, r: int) -> float:
@@ -274,14 +369,17 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
             W = xp.asarray(W).double()
         if test is not None:
             test = {k: (xp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in test.items()}
-    warnings = []
+    norm_m = check_features(st)
+    with _finishing(st, W):
+        return _finish(st, W, test, rtol, centered, spectrum, function_moments(st, W), norm_m)
 
-    fn = function_moments(st, W)
+
+def _finish(st, W, test, rtol, centered, spectrum, fn, norm_m) -> Report:
+    n, p, M, precision = int(st["n"]), int(st["p"]), st["M"], st["precision"]
+    xp = _ns(M)
+    warnings = []
     dlr = rank = logit_eig = None
     dlr_range = None
-    norm_m = float(xp.linalg.norm(M))
-    if not norm_m > 0.0:
-        raise ValueError("features are constant (zero covariance): DLR and the spectrum are undefined")
     if fn is not None:
         # Terms down to a decade below the cut give the rtol sensitivity for free.
         logit_eig, terms = fn.span(M, rtol / 10)
@@ -301,6 +399,8 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
         # Spectrum of Sigma = M / n (or the uncentered operator, the paper's v1).
         S = M if centered else M + n * xp.outer(st["mean"], st["mean"])
         lam, V = _eigh_desc(S)
+        if not bool(xp.isfinite(lam).all()):
+            raise FloatingPointError("the feature spectrum is not finite")
         if not lam[0] > 0.0:
             raise ValueError("features are constant (zero covariance): the spectrum is undefined")
         rho = lam / n
@@ -310,7 +410,7 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
         effective_dim = float(xp.exp(-xp.sum(q * xp.log(q))))
 
         def train_curve(g):
-            return None if g is None else _curve(g.proj_sq(Vk) / lk, g.trace(), p)
+            return None if g is None else _curve(g.proj_sq(Vk, lk), g.trace(), p)
 
         task = task_moments(st)
         quality = train_curve(task)
@@ -325,7 +425,7 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
 
             def test_curve(g):
                 # <e_k, g_j>_test = v_k^T B_test[:, j] / (n_test sqrt(rho_k)), rho_k from training.
-                return None if g is None else _curve(g.proj_sq(Vk) / (rho[:r_phi] * nt), g.trace(), p)
+                return None if g is None else _curve(g.proj_sq(Vk, rho[:r_phi] * nt), g.trace(), p)
 
             test_quality = test_curve(task_moments(test))
             test_utilization = test_curve(function_moments(test, W))
@@ -355,7 +455,8 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
                         + (f" (isotropic features here would give {dlr_iso:.3f})" if dlr_iso is not None else ""))
 
     return Report(
-        dlr=dlr, rank=rank, logit_eigenvalues=_host(logit_eig), n=n, nc1=nc1_value,
+        dlr=dlr, rank=rank, n=n,
+        logit_eigenvalues=None if fn is None else _host(_logits(logit_eig, fn.a_scale)), nc1=nc1_value,
         eigenvalues=_host(rho), relative_eigenvalues=None if rho is None else _host(rho / rho[0]),
         effective_dim=effective_dim,
         quality=_host(quality), utilization=_host(utilization), test_quality=_host(test_quality),

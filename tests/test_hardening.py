@@ -1,0 +1,122 @@
+"""One Moments shared by several threads: updates from 4 threads give the serial state, and a
+reader sees only whole batches."""
+
+import threading
+
+import numpy as np
+
+import richness
+from reference import center_rows, one_hot
+
+P, C, K = 6, 2, 5
+
+
+def batches(rng, count=16):
+    out = []
+    for n in rng.integers(1, 1500, size=count):
+        X = rng.normal(size=(n, P)) * 3.0 + rng.normal(size=P)
+        out.append((X, X[:, :C] ** 2 + rng.normal(size=(n, C)), rng.integers(0, K, size=n)))
+    return out
+
+
+def run_threads(fns):
+    start = threading.Barrier(len(fns))
+    errors = []
+
+    def wrap(fn):
+        def go():
+            start.wait()
+            try:
+                fn()
+            except Exception as e:  # reported in the main thread
+                errors.append(e)
+        return go
+
+    threads = [threading.Thread(target=wrap(fn)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_four_threads_give_the_serial_state():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        data = batches(rng)
+        # device given: the backend exists before the threads start (its lazy creation on a first
+        # update is Python-side and not locked)
+        m = richness.Moments(device="cpu")
+
+        def feed(part):
+            def go():
+                for X, F, y in part:
+                    m.update(X, F, labels=y)
+            return go
+
+        run_threads([feed(data[i::4]) for i in range(4)])
+        X = np.vstack([b[0] for b in data])
+        F = np.vstack([b[1] for b in data])
+        y = np.concatenate([b[2] for b in data])
+        st = m.state_dict()
+        # independent float64 reference from all rows at once (merge order moves only rounding)
+        Xc, Fc = center_rows(X), center_rows(F)
+        assert st["n"] == X.shape[0]
+        np.testing.assert_allclose(st["mean"], X.mean(0), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(st["M"], Xc.T @ Xc, rtol=1e-12, atol=1e-12 * np.abs(Xc.T @ Xc).max())
+        np.testing.assert_allclose(st["B"], Xc.T @ Fc, rtol=1e-12, atol=1e-12 * np.abs(Xc.T @ Fc).max())
+        np.testing.assert_allclose(st["A"], Fc.T @ Fc, rtol=1e-12, atol=1e-12 * np.abs(Fc.T @ Fc).max())
+        assert np.array_equal(st["class_counts"], np.bincount(y, minlength=st["k"]))
+        np.testing.assert_allclose(st["class_sums"], one_hot(y, st["k"]).T @ X, rtol=1e-12, atol=1e-9)
+
+
+def test_reader_sees_whole_batches():
+    rng = np.random.default_rng(1)
+    data = batches(rng, count=64)
+    sizes = {0}
+    m = richness.Moments(num_classes=K, device="cpu")
+    done = threading.Event()
+    seen = []
+
+    def feed(part):
+        def go():
+            for X, F, y in part:
+                m.update(X, F, labels=y)
+        return go
+
+    def read():
+        while True:
+            finished = done.is_set()  # then this read comes after the last update
+            st = m.state_dict()
+            n = st["n"]
+            # a snapshot between whole batches: counts, class sums and the mean agree with n
+            assert st["class_counts"].sum() == n
+            if n:
+                np.testing.assert_allclose(st["class_sums"].sum(0) / n, st["mean"], rtol=1e-9, atol=1e-9)
+                assert (np.diag(st["M"]) >= 0).all()
+            seen.append(n)
+            if finished and len(seen) >= 5:
+                return
+
+    reader_errors = []
+
+    def guarded_read():
+        try:
+            read()
+        except Exception as e:  # reported in the main thread
+            reader_errors.append(e)
+
+    reader = threading.Thread(target=guarded_read)
+    reader.start()
+    try:
+        run_threads([feed(data[i::4]) for i in range(4)])
+    finally:
+        done.set()
+        reader.join()
+    assert not reader_errors, reader_errors
+    total = sum(b[0].shape[0] for b in data)
+    assert m.n == total and seen[-1] == total
+    # every n the reader saw is a sum of whole batches
+    for X, _, _ in data:
+        sizes |= {s + X.shape[0] for s in sizes}
+    assert set(seen) <= sizes
