@@ -1,0 +1,105 @@
+"""Finishing math: from float64 co-moments to DLR, spectrum, curves, NC1 and error bars.
+
+One module per quantity (docs/MATH.md names each): ``dlr`` (the span of the
+learned functions, the rank cut, the C >> p head route), ``spectrum`` (feature
+eigenpairs, projections, training and held-out curves), ``nc1``,
+``isotropic`` (the finite-sample reference) and ``uncertainty`` (jackknife).
+Everything runs in float64 on p x p, p x C and C x C matrices (n never is a
+dimension), on numpy arrays or on torch tensors alike (``_xp.ns`` picks the
+namespace from the state), and ``finish`` assembles the Report.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .._report import Report
+from ._xp import host, ns
+from .dlr import (CONSTANT_RTOL, DEFAULT_RTOL, Functions, HeadFunctions, check_features, dlr_from_span,
+                  dlr_of_state, dlr_values, dlr_with_range, finishing, function_moments, logits, span_of_grams)
+from .isotropic import isotropic_dlr, reference
+from .nc1 import NC1_RELIABLE, nc1, nc1_from_class_means, nc1_from_grams
+from .spectrum import Spectrum, curve, held_out, label_moments, spectrum as feature_spectrum, task_moments
+from .uncertainty import add_jackknife, t975
+
+__all__ = ["CONSTANT_RTOL", "DEFAULT_RTOL", "Functions", "HeadFunctions", "NC1_RELIABLE", "Spectrum",
+           "add_jackknife", "check_features", "curve", "dlr_from_span", "dlr_of_state", "dlr_values",
+           "dlr_with_range", "feature_spectrum", "finish", "finishing", "function_moments", "held_out",
+           "isotropic_dlr", "label_moments", "logits", "nc1", "nc1_from_class_means", "nc1_from_grams",
+           "reference", "span_of_grams", "t975", "task_moments"]
+
+
+def _checked_rtol(st: dict, rtol: Optional[float]) -> float:
+    n = int(st["n"])
+    if n == 0:
+        raise ValueError("compute() on an empty Moments: no samples were added")
+    if n < 2:
+        raise ValueError(f"need at least 2 samples to measure a covariance, got n = {n}")
+    if rtol is None:
+        rtol = DEFAULT_RTOL[st["precision"]]
+    if not (isinstance(rtol, (int, float)) and 0.0 < rtol < 1.0):
+        raise ValueError(f"rtol must be a number in (0, 1), got {rtol!r}")
+    return rtol
+
+
+def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = None,
+           rtol: Optional[float] = None, centered: bool = True, spectrum: bool = True) -> Report:
+    """The report from a state dict (as ``Moments.state_dict()`` returns).
+    ``spectrum=False`` skips the p x p eigendecomposition and everything built
+    on it (eigenvalues, curves, held-out curves): DLR, its rank-cut range, the
+    finite-sample reference and NC1 remain. O(p^2 C) instead of O(p^3)."""
+    rtol = _checked_rtol(st, rtol)
+    if test is not None and not spectrum:
+        raise ValueError("held-out curves (test=) need the spectrum: drop spectrum=False")
+    xp = ns(st["M"])
+    if xp is not np:  # a torch state (CUDA): head and held-out state join it on its device
+        if W is not None:
+            W = xp.asarray(W).double()
+        if test is not None:
+            test = {k: (xp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in test.items()}
+    norm_m = check_features(st)
+    with finishing(st, W):
+        return _report(st, W, test, rtol, centered, spectrum, norm_m)
+
+
+def _report(st: dict, W, test: Optional[dict], rtol: float, centered: bool, spectrum: bool,
+            norm_m: float) -> Report:
+    n, p, precision = int(st["n"]), int(st["p"]), st["precision"]
+    warnings = []
+    fn = function_moments(st, W)
+    dlr = rank = logit_eig = dlr_range = None
+    if fn is not None:
+        dlr, rank, eig, dlr_range, warning = dlr_with_range(fn, st["M"], norm_m, rtol)
+        logit_eig = logits(eig, fn.a_scale)
+        warnings += [warning] if warning else []
+
+    spec = None
+    quality = utilization = test_quality = test_utilization = test_norms = None
+    if spectrum:
+        spec = feature_spectrum(st, rtol, centered)
+        quality, utilization = curve(spec, task_moments(st), p), curve(spec, fn, p)
+        if test is not None:
+            test_quality, test_utilization, test_norms = held_out(spec, st, test, W, centered)
+
+    nc1_value = None
+    if st["k"] > 0:
+        if precision in NC1_RELIABLE:
+            nc1_value = nc1(st, rtol)
+        else:
+            warnings.append(f"NC1 not reported: {precision} products cannot resolve within-class spread")
+
+    p_active, dlr_iso, dlr_norm, warning = reference(st, rtol, dlr, rank)
+    warnings += [warning] if warning else []
+
+    rho = None if spec is None else spec.rho
+    return Report(
+        dlr=dlr, rank=rank, n=n, logit_eigenvalues=host(logit_eig), nc1=nc1_value,
+        eigenvalues=host(rho), relative_eigenvalues=None if rho is None else host(rho / rho[0]),
+        effective_dim=None if spec is None else spec.effective_dim,
+        quality=host(quality), utilization=host(utilization), test_quality=host(test_quality),
+        test_utilization=host(test_utilization), test_eigenfunction_norms=host(test_norms),
+        feature_rank=None if spec is None else spec.rank, rtol=float(rtol), precision=precision,
+        centered=centered, dlr_rtol_range=dlr_range, active_features=p_active, dlr_isotropic=dlr_iso,
+        dlr_normalized=dlr_norm, warnings=warnings)

@@ -1,0 +1,40 @@
+"""The finite-sample reference: DLR of isotropic features at the same n, active features and rank."""
+
+from __future__ import annotations
+
+import math
+
+from ._xp import ns
+
+
+def isotropic_dlr(n: int, p_eff: float, r: int) -> float:
+    """Expected DLR of isotropic Gaussian features (n samples, p_eff features)
+    with an r-dimensional linear output span: with m = n - 1 centered degrees of
+    freedom, E tr(B A^+ B^T) = r (m + p - r) and E ||M||_F^2 = m p (m + p + 1)
+    (Wishart moments), so DLR_iso = 1 - sqrt(r) (m + p - r) / sqrt(m p (m + p + 1)).
+    Its n -> oo limit is 1 - sqrt(C/p) (docs/MATH.md, finite-sample bias and the
+    isotropic reference); docs/READING_DLR.md derives it."""
+    m = max(n - 1, 1)
+    p = max(p_eff, 1.0)
+    r = min(r, m, p)
+    value = 1.0 - math.sqrt(r) * (m + p - r) / math.sqrt(m * p * (m + p + 1))
+    return min(max(value, 0.0), 1.0)
+
+
+def reference(st: dict, rtol: float, dlr, rank) -> tuple:
+    """(active features, DLR_iso, DLR / DLR_iso, warning or None): isotropic
+    features of the same n, the same number of active features (dead units
+    excluded) and the same logit rank."""
+    n, p, M = int(st["n"]), int(st["p"]), st["M"]
+    xp = ns(M)
+    var = xp.diagonal(M)
+    p_active = int(xp.count_nonzero(var > rtol * var.max()))
+    dlr_iso = dlr_norm = None
+    if dlr is not None:
+        dlr_iso = isotropic_dlr(n, p_active, rank)
+        dlr_norm = dlr / dlr_iso if dlr_iso > 0 else None
+    warning = None
+    if n < 10 * p:
+        warning = (f"n = {n} is below 10 p = {10 * p}: DLR is biased toward rich at this sample size"
+                   + (f" (isotropic features here would give {dlr_iso:.3f})" if dlr_iso is not None else ""))
+    return p_active, dlr_iso, dlr_norm, warning

@@ -1,0 +1,95 @@
+"""The feature spectrum, its eigenfunctions' projections, and the training and held-out curves."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from ._xp import eigh_desc, f64, ns
+from .dlr import Functions, function_moments
+
+
+class Spectrum(NamedTuple):
+    """Eigenpairs of the feature operator (docs/MATH.md, spectrum and eigenfunctions)."""
+
+    rho: object  # eigenvalues of Sigma = M / n, descending, all p
+    rank: int  # eigenvalues above rtol * rho_1: the eigenfunctions the curves use
+    V: object  # their eigenvectors (p x rank)
+    lam: object  # their eigenvalues of M (rank)
+    effective_dim: float  # exp(-sum q_k log q_k), q_k = rho_k / sum rho
+
+
+def spectrum(st: dict, rtol: float, centered: bool = True) -> Spectrum:
+    """Spectrum of Sigma = M / n, or of the uncentered operator (the paper's v1)."""
+    n, M = int(st["n"]), st["M"]
+    xp = ns(M)
+    S = M if centered else M + n * xp.outer(st["mean"], st["mean"])
+    lam, V = eigh_desc(S)
+    if not bool(xp.isfinite(lam).all()):
+        raise FloatingPointError("the feature spectrum is not finite")
+    if not lam[0] > 0.0:
+        raise ValueError("features are constant (zero covariance): the spectrum is undefined")
+    rho = lam / n
+    r_phi = int(xp.count_nonzero(lam > rtol * lam[0]))
+    q = rho[rho > 0] / rho.sum()
+    return Spectrum(rho, r_phi, V[:, :r_phi], lam[:r_phi], float(xp.exp(-xp.sum(q * xp.log(q)))))
+
+
+def label_moments(st: dict) -> tuple:
+    """One-hot targets: B_y[:, k] = s_k - n_k mu, A_y = diag(n_k) - n pi pi^T (docs/MATH.md, one-hot labels)."""
+    xp = ns(st["mean"])
+    counts = f64(st["class_counts"])
+    B = st["class_sums"].T - xp.outer(st["mean"], counts)
+    A = xp.diag(counts) - xp.outer(counts, counts) / st["n"]
+    return B, A
+
+
+def task_moments(st: dict) -> Optional[Functions]:
+    """The task: float targets when streamed, else one-hot labels."""
+    if st["t"] > 0:
+        return Functions(st["Bt"], st["At"])
+    if st["k"] > 0:
+        return Functions(*label_moments(st))
+    return None
+
+
+def cumulative(proj_sq, denom: float, p: int):
+    """Pi_g(k) = sum_{i<=k} Q_g(i), k = 1..p, from ||<e_i, g>||^2 (docs/MATH.md,
+    projections and curves); constant past the rank. None when g is constant."""
+    if not denom > 0.0:
+        return None
+    xp = ns(proj_sq)
+    q = proj_sq / denom
+    out = xp.empty(p)
+    r = q.shape[0]
+    out[:r] = xp.cumsum(q)
+    out[r:] = out[r - 1] if r else 0.0
+    return out
+
+
+def curve(spec: Spectrum, g: Optional[Functions], p: int):
+    """Cumulative quality (g = task) or utilization (g = learned functions) on the training state."""
+    return None if g is None else cumulative(g.proj_sq(spec.V, spec.lam), g.trace(), p)
+
+
+def held_out(spec: Spectrum, st: dict, test: dict, W, centered: bool) -> tuple:
+    """(quality, utilization, eigenfunction norms) on a held-out state, by the
+    Nystrom extension of the training eigenfunctions (docs/MATH.md, held-out
+    curves): monotone but not bounded by 1."""
+    p = int(st["p"])
+    nt = int(test["n"])
+    if nt < 2:  # first: an empty test state has no width (p = -1) to compare
+        raise ValueError(f"the test state needs at least 2 samples, got n = {nt}")
+    if int(test["p"]) != p:
+        raise ValueError(f"test state has {test['p']} features, the training state {p}")
+    xp = ns(st["M"])
+    rho_k = spec.rho[:spec.rank]
+
+    def test_curve(g):
+        # <e_k, g_j>_test = v_k^T B_test[:, j] / (n_test sqrt(rho_k)), rho_k from training.
+        return None if g is None else cumulative(g.proj_sq(spec.V, rho_k * nt), g.trace(), p)
+
+    shift = test["mean"] - (st["mean"] if centered else 0.0)
+    second = test["M"] / nt + xp.outer(shift, shift)
+    norms = xp.zeros(p)
+    norms[:spec.rank] = xp.einsum("ij,ij->j", second @ spec.V, spec.V) / rho_k
+    return test_curve(task_moments(test)), test_curve(function_moments(test, W)), norms
