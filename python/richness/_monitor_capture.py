@@ -1,0 +1,85 @@
+"""What the Monitor's hooks capture, and the step buffers that hold it until it is reduced."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+class _PendingCapture:
+    """Forward hook on the head: queues (features, outputs) of the training
+    forwards of window steps until ``Monitor.step`` consumes them."""
+
+    def __init__(self, module: Any, mon: Any) -> None:
+        self.mon = mon
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, mod, args, out) -> None:
+        mon = self.mon
+        if _grad_enabled():
+            mon._head_ran = True
+        # training forwards run with gradients; validation under no_grad is skipped
+        if mon._active and args and _grad_enabled():
+            mon._pending.append((args[0].detach(), out.detach() if hasattr(out, "detach") else out))
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class _StepBuffer:
+    """Copies of the head's input, output and labels of consecutive steps, in
+    preallocated buffers with a leading step axis (one copy per tensor and
+    step; no reference to the activations is kept). Steps of one buffer have
+    the same shapes, dtypes and device (``fits``); the buffers are reused
+    after ``clear``. Their size is capped at ``BUDGET`` bytes."""
+
+    BUDGET = 32 << 20
+
+    def __init__(self, parts: Dict[str, Any], capacity: int) -> None:
+        import torch
+
+        per_step = sum(t.numel() * t.element_size() for t in parts.values())
+        self.capacity = max(1, min(capacity, self.BUDGET // max(per_step, 1)))
+        self.key = self._key(parts)
+        self.bufs = {name: torch.empty((self.capacity,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+                     for name, t in parts.items()}
+        self.metas: list = []  # one entry per buffered step
+
+    @staticmethod
+    def _key(parts: Dict[str, Any]) -> tuple:
+        return tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in parts.items())
+
+    def fits(self, parts: Dict[str, Any]) -> bool:
+        return len(self.metas) < self.capacity and self._key(parts) == self.key
+
+    def add(self, parts: Dict[str, Any], meta: Any = None) -> None:
+        j = len(self.metas)
+        for name, t in parts.items():
+            self.bufs[name][j].copy_(t)
+        self.metas.append(meta)
+
+    def rows(self) -> Dict[str, Any]:
+        """The buffered steps as one batch: (steps x n, ...) views."""
+        j = len(self.metas)
+        return {name: b[:j].reshape((-1,) + tuple(b.shape[2:])) for name, b in self.bufs.items()}
+
+    def clear(self) -> None:
+        self.metas.clear()
+
+
+def _probe_batches(probe: Any) -> Iterable:
+    import torch
+
+    if isinstance(probe, torch.Tensor):
+        return [(probe,)]
+    if isinstance(probe, tuple) and len(probe) == 2 and isinstance(probe[0], torch.Tensor):
+        return [probe]
+    if hasattr(probe, "__iter__"):
+        return probe
+    raise TypeError(f"probe must be a tensor, an (inputs, labels) pair or a re-iterable loader, "
+                    f"got {type(probe).__name__}")

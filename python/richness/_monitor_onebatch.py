@@ -1,0 +1,206 @@
+"""The one-batch route (every=1): groups of steps reduced at once from each batch's n x n Gram."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, Optional
+
+import numpy as np
+
+from . import _adapt, _core
+from ._evaluate import BlasThreads
+from ._monitor_capture import _StepBuffer
+from .finish import dlr_values, nc1_from_grams, span_of_grams
+
+
+@contextlib.contextmanager
+def _ieee_matmul(device_type: str) -> Iterator[None]:
+    """True float32 matrix products for the duration of the block, on the
+    buffers' backend (CUDA or oneDNN on the CPU), then the caller's setting
+    back. Training loops often allow TF32 or bf16 for their own float32
+    products (``torch.set_float32_matmul_precision("high")``, or
+    ``allow_tf32``); the Monitor's fp32 DLR (within 1e-6) needs IEEE
+    products. Nothing is touched where IEEE is already the setting (torch's
+    default). The setting is changed through the API the caller used: torch
+    >= 2.9 refuses to mix the legacy and the per-backend ones."""
+    import torch
+
+    backend = getattr(torch.backends.cuda if device_type == "cuda" else torch.backends.mkldnn, "matmul", None)
+    current = getattr(backend, "fp32_precision", None)  # per-backend API (torch >= 2.9); mirrors the legacy one
+    effective = getattr(torch.backends, "fp32_precision", "none") if current == "none" else current
+    try:
+        legacy: Optional[str] = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the per-backend API is in use: reading the legacy one raises
+        legacy = None
+    if effective in ("ieee", "none") or (effective is None and legacy == "highest"):
+        yield
+    elif legacy is not None:
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(legacy)
+    else:
+        backend.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            backend.fp32_precision = current
+
+
+class _BatchGroup(_StepBuffer):
+    """One-batch windows (``window=1`` with fewer rows than features, as with
+    every=1) waiting to be reduced together: ``reduce`` turns all of them at
+    once into a handful of small float64 matrices per step, with batched
+    products, so that the per-step cost is the copy and the fixed costs of the
+    reduction (Python, kernel launches, cold caches after the training step)
+    are paid once per group."""
+
+    def __init__(self, parts: Dict[str, Any], lag: int, classes: int) -> None:
+        super().__init__(parts, lag)
+        self.lag = lag
+        feats, outs = parts["features"], parts["outputs"]
+        self.x, self.f, self.y = self.bufs["features"], self.bufs["outputs"], self.bufs.get("labels")
+        self.classes = classes
+        # NC1 needs only the classes present in a batch, at most n of them: with
+        # more classes than samples (ImageNet's 1,000 and a batch of 256) each
+        # step's classes are renumbered 0..n-1, so that its k x k matrices are
+        # n x n (a 1,000-class k x k pair is 16 MB a step, and its host eigh
+        # costs more than the training step).
+        self.label_cols = min(classes, int(feats.shape[0]))
+        self.sample_space = int(outs.shape[1]) > int(feats.shape[0])  # more outputs than samples: n x n forms
+        self.grams: Any = None  # reduction scratch, made on the first reduce
+        self.centered: Any = None
+
+    def reduce(self, prec: str, threads: BlasThreads, core: bool = False) -> Any:
+        """See ``_reduce``; its products in true float32 whatever the training
+        loop allows for its own (``_ieee_matmul``). ``core``: the Grams of CPU
+        buffers through the core instead of torch (``_monitor.CORE_GRAMS``)."""
+        with _ieee_matmul(self.x.device.type):
+            return self._reduce(prec, threads, core)
+
+    def _reduce(self, prec: str, threads: BlasThreads, core: bool) -> Any:
+        """The small matrices of every buffered step, one row each: a (steps, m)
+        float64 tensor on the buffers' device. Issues no host synchronisation.
+
+        Everything comes from the n x n Gram G = Xc Xc^T of each batch (the
+        one product of size p; the rest is O(n^2 (C + K))), all products in
+        the product precision: ||M||_F = ||G||_F; with C <= n outputs,
+        A = Fc^T Fc and Q = B^T B = Fc^T G Fc (C x C); with more outputs than
+        samples, A = Fc Fc^T and G itself (n x n: the projector onto the
+        outputs' span in sample space); for NC1, with Yn the class-indicator
+        matrix divided by the class counts, D = Yn^T Xc are the class means of
+        Xc, so D D^T = Yn^T G Yn and D M D^T = (G Yn)^T (G Yn). Each batch is
+        centered on its own mean before the products."""
+        import torch
+
+        f64 = torch.float64
+        pdt = torch.float64 if prec == "fp64" else torch.float32
+        j = len(self.metas)
+        x = self.x
+        # Scratch kept across groups (fresh temporaries of this size page-fault
+        # on every group): the Grams, and the centered rows on the torch route.
+        if self.grams is None or self.grams.dtype != pdt:
+            self.grams = torch.empty((x.shape[0], x.shape[1], x.shape[1]), dtype=pdt, device=x.device)
+            self.centered = None
+        X = x[:j]
+        G = self.grams[:j]  # steps x n x n
+        if core:
+            # the core: float64 means, centering before narrowing, one syrk per
+            # batch, on at most torch's thread count
+            threads.set_for_work(j * int(x.shape[1]) ** 2 * int(x.shape[2]))
+            norm_m = torch.empty(j, dtype=f64)
+            _core.centered_grams(_adapt.as_matrix(X.reshape(-1, X.shape[2]), "features").arg(), X.shape[1],
+                                 _adapt.PRECISIONS.index(prec), G.data_ptr(), norm_m.data_ptr())
+        else:
+            # Compensated centering on the device (docs/MATH.md, streaming estimator:
+            # the batch mean "computed in float64 (or compensated)"): x - m is exact where x is within a factor 2 of
+            # m (Sterbenz), and the second pass removes what the first mean's
+            # rounding left, now at the scale of the spread: a mean of 1e4 with a
+            # spread of 1e-2 still gives DLR to 1e-6. Two fast passes in the
+            # product precision instead of a float64 copy of the buffer.
+            if self.centered is None:
+                self.centered = torch.empty(x.shape, dtype=pdt, device=x.device)
+            Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=self.centered[:j])
+            Xc.sub_(Xc.mean(dim=1, keepdim=True))
+            torch.bmm(Xc, Xc.transpose(1, 2), out=G)
+            norm_m = torch.linalg.vector_norm(G, dim=(1, 2)).to(f64)  # a float32 G's own accuracy
+        F64 = self.f[:j].to(f64, copy=True)
+        Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
+        Fc = Fc64.to(pdt)
+        labels = self.y is not None and self.classes > 0
+        if labels:
+            k = self.classes
+            lab = self.y[:j].long()
+            valid = (lab >= 0) & (lab < k)
+            kk = self.label_cols
+            col = lab.clamp(0, k - 1) if kk == k else _batch_class_ids(lab, valid, k)
+            Y = torch.zeros(lab.shape + (kk,), dtype=pdt, device=lab.device).scatter_(
+                2, col[..., None], valid.to(pdt)[..., None])
+            counts = Y.sum(dim=1)  # steps x kk
+            Yn = Y.div_(counts.clamp(min=1.0)[:, None, :])
+        if self.sample_space:
+            A = torch.bmm(Fc, Fc.transpose(1, 2)).to(f64)
+            Q = G.to(f64)
+            Z = Yn if labels else None
+        else:
+            A = torch.bmm(Fc.transpose(1, 2), Fc).to(f64)
+            Z = torch.cat([Fc, Yn], dim=2) if labels else Fc
+        if Z is not None:
+            H = torch.bmm(G, Z)  # G [Fc | Yn]
+            W = torch.bmm(Z.transpose(1, 2), H).to(f64)
+        c = int(Fc.shape[2])
+        parts = [norm_m[:, None], A.reshape(j, -1)]
+        if not self.sample_space:
+            Q = W[:, :c, :c]
+        parts.append(Q.reshape(j, -1))
+        if labels:
+            off = 0 if self.sample_space else c
+            E = H[:, :, off:]  # Xc D^T
+            parts += [counts.to(f64), W[:, off:, off:].reshape(j, -1),
+                      torch.bmm(E.transpose(1, 2), E).to(f64).reshape(j, -1),
+                      (~valid).sum(dim=1).to(f64)[:, None]]
+        return torch.cat(parts, dim=1)
+
+
+def _batch_class_ids(lab: Any, valid: Any, k: int) -> Any:
+    """Each sample's class renumbered within its own step, in order of class
+    (steps x n, values in 0..n-1), with fixed shapes and no host sync: sort
+    each row, count the distinct labels before each position. Samples with
+    invalid labels share one number past the valid ones (they carry zero
+    weight)."""
+    import torch
+
+    key, order = torch.where(valid, lab, k).sort(dim=1)
+    new = torch.ones_like(key, dtype=torch.bool)
+    new[:, 1:] = key[:, 1:] != key[:, :-1]
+    return torch.empty_like(key).scatter_(1, order, new.cumsum(dim=1) - 1)
+
+
+def finish_group(v: np.ndarray, n: int, c: int, k: int, rtol: float, sample_space: bool) -> tuple:
+    """DLR, rank and NC1 of each row of ``_BatchGroup.reduce`` (float64, host),
+    by the finishing's own functions on the stacked matrices (no loop over
+    steps): three lists, None where a value is undefined (constant features or
+    outputs; fewer than two classes; labels outside the head's classes).
+    ``c`` is the side of A and Q (C, or n in sample space); ``k`` the class
+    columns (the classes, or n when renumbered within each step)."""
+    steps = v.shape[0]
+    A = v[:, 1:1 + c * c].reshape(steps, c, c)
+    Q = v[:, 1 + c * c:1 + 2 * c * c].reshape(steps, c, c)
+    # <G, P> over the kept eigenpairs (a_i, u_i) of A: ||B u_i||^2 / a_i = u_i^T Q u_i / a_i
+    # (C-space), or u_i^T G u_i for eigenvectors of Fc Fc^T (sample space)
+    a, terms = span_of_grams(A, Q, rtol, divide=not sample_space)
+    dlr, rank = dlr_values(v[:, 0], a, terms, rtol)
+    ok = ~np.isnan(dlr)
+    dlrs = [float(d) if good else None for d, good in zip(dlr, ok)]
+    ranks = [int(r) if good else None for r, good in zip(rank, ok)]
+    nc1s: list = [None] * steps
+    if k:
+        pos = 1 + 2 * c * c
+        counts = v[:, pos:pos + k]
+        DDt = v[:, pos + k:pos + k + k * k].reshape(steps, k, k)
+        DMD = v[:, pos + k + k * k:pos + k + 2 * k * k].reshape(steps, k, k)
+        invalid = v[:, pos + k + 2 * k * k]
+        nc1, defined = nc1_from_grams(DDt, DMD, counts, n, rtol)
+        nc1s = [float(x) if good else None for x, good in zip(nc1, defined & (invalid == 0))]
+    return dlrs, ranks, nc1s

@@ -1,0 +1,79 @@
+"""The window route: the last ``window`` steps' batches, added to a Moments and finished at emission."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from ._evaluate import BlasThreads
+from ._moments import Moments
+from ._monitor_capture import _StepBuffer
+from .finish import DEFAULT_RTOL, NC1_RELIABLE, dlr_of_state, nc1
+
+
+class WindowRoute:
+    """The window's steps in a ``_StepBuffer`` (one copy per step), added to
+    the Moments as one batch when the buffer is full, changes shape, or the
+    window is emitted: one update of window x n rows instead of one per step
+    (one merge, one call, larger products; on a GPU a few launches per window
+    instead of per step)."""
+
+    def __init__(self, precision: Optional[str], window: int) -> None:
+        self.moments = Moments(precision=precision)
+        self.window = window
+        self.buf: Optional[_StepBuffer] = None
+
+    def add(self, parts: Dict[str, Any], threads: BlasThreads) -> None:
+        w = self.buf
+        if w is not None and not w.fits(parts):
+            self.update(threads)
+            if not w.fits(parts):
+                w = None
+        if w is None:
+            w = self.buf = _StepBuffer(parts, self.window)
+        w.add(parts)
+
+    def update(self, threads: BlasThreads) -> None:
+        """Add the buffered steps to the Moments as one batch."""
+        w = self.buf
+        if w is None or not w.metas:
+            return
+        try:
+            rows = w.rows()
+            threads.set_for(rows["features"])
+            self.moments.update(**rows)
+        finally:
+            w.clear()
+
+    def finish(self, threads: BlasThreads, distributed: bool, rtol: Optional[float],
+               head: Any = None) -> Optional[tuple]:
+        """(n, DLR, rank, NC1) of the window, None below 2 samples; the Moments
+        are empty after. ``head``: a linear head whose weights DLR uses instead
+        of the streamed outputs (C > p; docs/MATH.md, many outputs)."""
+        import torch
+
+        m = self.moments
+        try:
+            self.update(threads)
+            if distributed:
+                m.all_reduce()  # collective: all ranks emit at the same step
+            if m.n < 2:
+                return None
+            st = m.state_dict()  # the one host sync
+            rtol = rtol if rtol is not None else DEFAULT_RTOL[st["precision"]]
+            # Finish with torch float64 CPU tensors (zero-copy views of the state):
+            # the math then runs on torch's own thread pool, the one training
+            # uses, instead of waking numpy's BLAS threads every emission.
+            st = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in st.items()}
+            dlr = rank = nc1_value = None
+            try:
+                W = None if head is None else head.weight.detach().to("cpu", torch.float64)
+                dlr, rank = dlr_of_state(st, W, rtol)
+            except ValueError:
+                pass  # constant features or outputs: DLR undefined, reported as None
+            if st["k"] > 0 and st["precision"] in NC1_RELIABLE:
+                nc1_value = nc1(st, rtol)
+            return st["n"], dlr, rank, nc1_value
+        finally:
+            m.reset()
