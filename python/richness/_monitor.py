@@ -34,10 +34,10 @@ import numpy as np
 from ._evaluate import (BlasThreads, HeadFinder, check_tokens, collect, label_kwargs,
                         require_torch, resolve_head, select_rows)
 from ._monitor_capture import _grad_enabled, _PendingCapture, _probe_batches, _StepBuffer  # noqa: F401
-from ._monitor_onebatch import _batch_class_ids, _BatchGroup, _ieee_matmul, finish_group  # noqa: F401
+from ._monitor_onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group,  # noqa: F401
+                               OneBatchRoute)
 from ._monitor_sinks import FIELDS, _make_sinks  # noqa: F401
 from ._monitor_window import WindowRoute
-from .finish import DEFAULT_RTOL
 
 
 def _num(v: Any) -> Optional[float]:
@@ -139,10 +139,8 @@ class Monitor:
         self._window_route = WindowRoute(precision, window)
         self._pending: list = []
         self.lag = lag
-        self._group: Optional[_BatchGroup] = None  # one-batch windows waiting for one batched reduction
-        self._deferred = False  # this step's window went to the group
-        self._inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
-        self._classes: Optional[int] = None
+        self._one_batch = OneBatchRoute(lag, precision, rtol, self._finish_records)
+        self._deferred = False  # this step's window went to the one-batch route
         self._window_labels: Optional[bool] = None
         self._active = self._is_window_step(1)
         self._capture: Optional[_PendingCapture] = None
@@ -209,8 +207,7 @@ class Monitor:
         waiting for the device); ``flush()`` or closing emits the rest."""
         if self._closed:
             raise RuntimeError("this Monitor is closed")
-        if self._inflight:
-            self._poll()
+        self._one_batch.poll()
         self.steps += 1
         rec = None
         try:
@@ -222,9 +219,8 @@ class Monitor:
             self._warn_head_idle()
         if self.steps % self.every == 0:
             rec = self._emit()
-        g = self._group
-        if g is not None and g.metas and (len(g.metas) >= g.capacity or self.steps - g.metas[0][0] + 1 >= g.lag):
-            self._reduce_group()
+        if self._one_batch.due(self.steps):
+            self._one_batch.reduce(self._threads, _core_route)
         self._active = self.probe is None and self._is_window_step(self.steps + 1)
         return rec
 
@@ -288,76 +284,25 @@ class Monitor:
 
     def _defer(self, feats: Any, outs: Any, labels: Any) -> None:
         """Queue this step's one-batch window in the group (see ``_BatchGroup``)."""
-        import torch
-
-        parts = {"features": feats, "outputs": outs}
-        if labels is not None:
-            parts["labels"] = labels
-        g = self._group
-        if g is not None and not g.fits(parts):
-            self._reduce_group()
-            g = self._group = None
-        if g is None:
-            if labels is not None and self._classes is None:
-                head = self._head
-                self._classes = (head.out_features if isinstance(head, torch.nn.Linear)
-                                 else int(labels.max()) + 1)  # one sync, on the first group only
-            lag = self.lag if self.lag is not None else (16 if feats.device.type == "cpu" else 64)
-            g = self._group = _BatchGroup(parts, lag, self._classes or 0)
-        g.add(parts, (self._step_label(), round(time.time() - self._t0, 6)))
+        meta = (self._step_label(), round(time.time() - self._t0, 6))
+        self._one_batch.add(feats, outs, labels, self._head, meta, self._threads, _core_route)
         self._deferred = True
 
-    def _reduce_group(self) -> None:
-        """Reduce the queued one-batch windows. On the CPU their records are
-        finished and dispatched at once; on a GPU the small matrices are copied
-        to pinned host memory behind a CUDA event, and a later ``step()`` (or
-        ``flush()``) finishes them once the event has passed: the training loop
-        never waits."""
-        import torch
-
-        g = self._group
-        if g is None or not g.metas:
-            return
-        x, f = g.x, g.f
-        all64 = x.dtype == torch.float64 and f.dtype == torch.float64
-        prec = self.precision or ("fp64" if all64 else "fp32")
-        rtol = self.rtol if self.rtol is not None else DEFAULT_RTOL[prec]
-        try:
-            packed = g.reduce(prec, self._threads, _core_route(x))
-            n = int(x.shape[1])
-            meta = (list(g.metas), n, n if g.sample_space else int(f.shape[2]),
-                    g.label_cols if g.y is not None else 0, rtol, g.sample_space)
-        finally:
-            g.clear()  # the buffers are reused by the next group (same stream: ordered)
-        if packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(packed.device))
-            self._inflight.append((meta, host, event))
-        else:
-            self._finish_records(meta, packed.numpy())
-
     def _finish_records(self, meta: tuple, v: np.ndarray) -> None:
+        """Finish a reduced group's rows (``finish_group``) and emit their records."""
         metas, n, c, k, rtol, sample_space = meta
         for (step, t), dlr, rank, nc1 in zip(metas, *finish_group(v, n, c, k, rtol, sample_space)):
             self._dispatch({"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank,
                             "nc1": _num(nc1), "effective_dim": None, "time": t})
 
-    def _poll(self, wait: bool = False) -> None:
-        """Finish and dispatch device records whose copy has landed (all of them when ``wait``)."""
-        while self._inflight:
-            meta, host, event = self._inflight[0]
-            if not wait and not event.query():
-                return
-            event.synchronize()
-            self._inflight.pop(0)
-            self._finish_records(meta, host.numpy())
+    @property
+    def _group(self) -> Optional[_BatchGroup]:
+        return self._one_batch.group
 
     def flush(self) -> None:
         """Finish the queued one-batch windows (waiting for the GPU if needed) and emit them."""
-        self._reduce_group()
-        self._poll(wait=True)
+        self._one_batch.reduce(self._threads, _core_route)
+        self._one_batch.poll(wait=True)
 
     def _uses_weights(self) -> bool:
         """Window mode streams the head's outputs: they are the function at the
@@ -433,8 +378,7 @@ class Monitor:
             self.flush()  # queued records, and those still on their way from the GPU
         finally:
             self._pending = []
-            self._group = None
-            self._window_route.buf = None
+            self._one_batch.group = self._window_route.buf = None
             if self._capture is not None:
                 self._capture.remove()
             if self._finder is not None:

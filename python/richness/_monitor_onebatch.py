@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 
 from . import _adapt, _core
 from ._evaluate import BlasThreads
 from ._monitor_capture import _StepBuffer
-from .finish import dlr_values, nc1_from_grams, span_of_grams
+from .finish import DEFAULT_RTOL, dlr_values, nc1_from_grams, span_of_grams
 
 
 @contextlib.contextmanager
@@ -175,6 +175,86 @@ def _batch_class_ids(lab: Any, valid: Any, k: int) -> Any:
     new = torch.ones_like(key, dtype=torch.bool)
     new[:, 1:] = key[:, 1:] != key[:, :-1]
     return torch.empty_like(key).scatter_(1, order, new.cumsum(dim=1) - 1)
+
+
+class OneBatchRoute:
+    """The group of one-batch windows waiting for their reduction, and (on a
+    GPU) the reduced groups on their way to the host. ``finish_records(meta,
+    rows)`` finishes and emits a reduced group's records."""
+
+    def __init__(self, lag: Optional[int], precision: Optional[str], rtol: Optional[float],
+                 finish_records: Callable[[tuple, np.ndarray], None]) -> None:
+        self.lag, self.precision, self.rtol = lag, precision, rtol
+        self.finish_records = finish_records
+        self.group: Optional[_BatchGroup] = None
+        self.inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
+        self.classes: Optional[int] = None
+
+    def add(self, feats: Any, outs: Any, labels: Any, head: Any, meta: tuple, threads: BlasThreads,
+            core_route: Callable[[Any], bool]) -> None:
+        """Queue one step; a step that does not fit the group reduces the group first."""
+        import torch
+
+        parts = {"features": feats, "outputs": outs}
+        if labels is not None:
+            parts["labels"] = labels
+        g = self.group
+        if g is not None and not g.fits(parts):
+            self.reduce(threads, core_route)
+            g = self.group = None
+        if g is None:
+            if labels is not None and self.classes is None:
+                self.classes = (head.out_features if isinstance(head, torch.nn.Linear)
+                                else int(labels.max()) + 1)  # one sync, on the first group only
+            lag = self.lag if self.lag is not None else (16 if feats.device.type == "cpu" else 64)
+            g = self.group = _BatchGroup(parts, lag, self.classes or 0)
+        g.add(parts, meta)
+
+    def due(self, step: int) -> bool:
+        """Whether the group is full or its first step is ``lag`` steps old at ``step``."""
+        g = self.group
+        return g is not None and bool(g.metas) and (len(g.metas) >= g.capacity
+                                                    or step - g.metas[0][0] + 1 >= g.lag)
+
+    def reduce(self, threads: BlasThreads, core_route: Callable[[Any], bool]) -> None:
+        """Reduce the queued one-batch windows. On the CPU their records are
+        finished and dispatched at once; on a GPU the small matrices are copied
+        to pinned host memory behind a CUDA event, and a later ``poll`` finishes
+        them once the event has passed: the training loop never waits."""
+        import torch
+
+        g = self.group
+        if g is None or not g.metas:
+            return
+        x, f = g.x, g.f
+        all64 = x.dtype == torch.float64 and f.dtype == torch.float64
+        prec = self.precision or ("fp64" if all64 else "fp32")
+        rtol = self.rtol if self.rtol is not None else DEFAULT_RTOL[prec]
+        try:
+            packed = g.reduce(prec, threads, core_route(x))
+            n = int(x.shape[1])
+            meta = (list(g.metas), n, n if g.sample_space else int(f.shape[2]),
+                    g.label_cols if g.y is not None else 0, rtol, g.sample_space)
+        finally:
+            g.clear()  # the buffers are reused by the next group (same stream: ordered)
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(packed.device))
+            self.inflight.append((meta, host, event))
+        else:
+            self.finish_records(meta, packed.numpy())
+
+    def poll(self, wait: bool = False) -> None:
+        """Finish and dispatch device records whose copy has landed (all of them when ``wait``)."""
+        while self.inflight:
+            meta, host, event = self.inflight[0]
+            if not wait and not event.query():
+                return
+            event.synchronize()
+            self.inflight.pop(0)
+            self.finish_records(meta, host.numpy())
 
 
 def finish_group(v: np.ndarray, n: int, c: int, k: int, rtol: float, sample_space: bool) -> tuple:
