@@ -198,3 +198,14 @@ def test_shift_and_sum_merge_rejects_incompatible_states():
     d = moments_of(chunk(4, 30, 3), num_classes=5).state_dict()
     with pytest.raises(ValueError, match="num_classes"):
         _state.merge([c, d])
+
+
+def test_shift_and_sum_merge_refuses_overflow():
+    from richness import _state
+
+    a = richness.Moments()
+    a.update(np.array([[1e153], [-1e153]]))  # each state is finite and accepted ...
+    b = richness.Moments()
+    b.update(np.array([[1.5e154], [1.5e154 + 1e140]]))
+    with pytest.raises(ValueError, match="overflow"):  # ... but the mean shifts of their merge overflow
+        _state.merge([a.state_dict(), b.state_dict()])
