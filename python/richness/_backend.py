@@ -52,11 +52,6 @@ class Backend(Protocol):
     def whole(self) -> "CoreBackend": ...
 
 
-def _precision_code(name: str) -> int:
-    # The core's Precision enum follows the order of _state.PRECISION_MODES.
-    return _state.PRECISIONS.index(name)
-
-
 def _cuda_core(num_classes: int, device: str):
     try:
         import torch  # noqa: F401  loads libcublas and the CUDA runtime that _cuda links against
@@ -107,7 +102,7 @@ class CoreBackend:
         return CoreBackend(self.device, self._num_classes, self.stack_rows)
 
     def update(self, batch: Batch, precision: str) -> None:
-        args = (*batch.args(), _precision_code(precision))
+        args = (*batch.args(), precision)
         if self.device == "cpu":
             self.core.update(*args)
         else:

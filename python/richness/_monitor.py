@@ -768,7 +768,7 @@ class _BatchGroup(_StepBuffer):
             threads.set_for_work(j * int(x.shape[1]) ** 2 * int(x.shape[2]))
             norm_m = torch.empty(j, dtype=f64)
             _core.centered_grams(_adapt.as_matrix(X.reshape(-1, X.shape[2]), "features").arg(), X.shape[1],
-                                 _adapt.PRECISIONS.index(prec), G.data_ptr(), norm_m.data_ptr())
+                                 prec, G.data_ptr(), norm_m.data_ptr())
         else:
             # Compensated centering on the device (SPEC.md: "computed in float64
             # (or compensated)"): x - m is exact where x is within a factor 2 of

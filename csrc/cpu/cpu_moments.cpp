@@ -1,7 +1,7 @@
 // Where a batch enters (CpuMoments::update), is validated (validate_batch),
 // multiplied (update_typed) and merged into the float64 state (merge_block).
-#include "moments.hpp"
-#include "msg.hpp"
+#include "cpu_moments.hpp"
+#include "../common/msg.hpp"
 
 #include <algorithm>
 #include <cmath>
