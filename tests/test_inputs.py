@@ -274,7 +274,7 @@ def test_core_centered_grams_against_float64_and_bad_blocks():
     from richness import _adapt, _core
 
     rng = np.random.default_rng(0)
-    X = (1e4 + 1e-2 * rng.standard_normal((3 * 20, 30))).astype(np.float32)  # SPEC's mean 1e4, spread 1e-2
+    X = (1e4 + 1e-2 * rng.standard_normal((3 * 20, 30))).astype(np.float32)  # the mean-1e4, spread-1e-2 case (docs/MATH.md, "Streaming estimator")
     for prec, dt, tol in (("fp32", np.float32, 1e-5), ("fp64", np.float64, 1e-12)):
         G, norms = np.empty((3, 20, 20), dt), np.empty(3)
         _core.centered_grams(_adapt.as_matrix(X, "x").arg(), 20, prec, G.ctypes.data, norms.ctypes.data)

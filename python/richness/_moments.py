@@ -207,7 +207,7 @@ class Moments:
                 be streamed. Otherwise streamed outputs are used.
             test: a ``Moments`` over held-out samples: adds ``test_quality``,
                 ``test_utilization`` and ``test_eigenfunction_norms``.
-            rtol: eigenvalue cut; default by product precision (SPEC.md).
+            rtol: eigenvalue cut; default by product precision (docs/MATH.md, "Rank cut").
             centered: spectrum of the centered operator (default) or the
                 paper's v1 uncentered one.
             spectrum: False skips the p x p eigendecomposition and what rests
