@@ -1,4 +1,4 @@
-"""Independent float64 oracles written from SPEC.md's n x n formulas.
+"""Independent float64 oracles written from the n x n formulas of docs/MATH.md ("Finite-sample form").
 
 Nothing here imports richness: these are the numbers the package must match.
 """

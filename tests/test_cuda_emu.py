@@ -34,8 +34,9 @@ from reference import center_rows  # noqa: E402
 _why = emu_build.missing_tools()
 pytestmark = pytest.mark.skipif(bool(_why), reason=f"CUDA emulator build needs g++ and pybind11: {_why}")
 
-F32, F64, F16, BF16, I32, I64 = 0, 1, 2, 3, 4, 5
-PREC = {"fp64": 0, "fp32": 1, "tf32": 2, "bf16": 3}
+# The names the core takes for element types and precision modes (csrc/common/types.hpp).
+F32, F64, F16, BF16, I32, I64 = "float32", "float64", "float16", "bfloat16", "int32", "int64"
+PREC = {name: name for name in ("fp64", "fp32", "tf32", "bf16")}
 CODES = {np.dtype(np.float32): F32, np.dtype(np.float64): F64, np.dtype(np.float16): F16,
          np.dtype(np.int32): I32, np.dtype(np.int64): I64}
 KEYS = ("mean", "M", "out_mean", "B", "A", "tgt_mean", "Bt", "At", "class_sums")
@@ -97,7 +98,7 @@ def bf16_value(bits: np.ndarray) -> np.ndarray:
 
 
 class Bf16Bits(np.ndarray):
-    """A uint16 array holding bfloat16 bits (the core reads it with dtype code 3)."""
+    """A uint16 array holding bfloat16 bits (the core reads it as dtype bfloat16)."""
 
 
 def as_bf16(x) -> np.ndarray:
@@ -105,7 +106,7 @@ def as_bf16(x) -> np.ndarray:
 
 
 def marg(a: np.ndarray) -> tuple:
-    """(ptr, rows, cols, ld, code) of a 2-D row-major view (rows may be strided), or of 1-D labels."""
+    """(ptr, rows, cols, ld, dtype name) of a 2-D row-major view (rows may be strided), or of 1-D labels."""
     code = BF16 if isinstance(a, Bf16Bits) else CODES[a.dtype]
     item = a.itemsize
     if a.ndim == 1:
@@ -730,8 +731,8 @@ def test_set_state_get_state_round_trip(emu):
     c.set_state(tw.gpu.get_state())
     assert_close(c.get_state(), cpu_state, 1e-12, what="emu -> cpu")
     # a restored state keeps streaming
-    g.update(marg(X[:10]), marg(F[:10]), marg(y[:10]), marg(T[:10]), precision=0)
-    tw.cpu.update(marg(X[:10]), marg(F[:10]), marg(y[:10]), marg(T[:10]), precision=0)
+    g.update(marg(X[:10]), marg(F[:10]), marg(y[:10]), marg(T[:10]), precision="fp64")
+    tw.cpu.update(marg(X[:10]), marg(F[:10]), marg(y[:10]), marg(T[:10]), precision="fp64")
     assert_close(g.get_state(), tw.cpu.get_state(), 1e-12, what="after more batches")
     empty = emu.mod.CudaMoments(3, 0)
     empty.set_state(CpuMoments(3).get_state())
@@ -834,7 +835,7 @@ def test_labels_past_capacity_beyond_the_deferral_buffer_are_refused_whole(emu):
     tw.gpu.n
     before = emu.lib.emu_host_syncs()
     tw.update(X[600:1200], None, y[600:1200])  # 600 deferred rows: fit
-    tw.gpu.update(marg(X[1200:1800]), None, marg(y[1200:1800]), None, precision=0)  # 600 more: do not
+    tw.gpu.update(marg(X[1200:1800]), None, marg(y[1200:1800]), None, precision="fp64")  # 600 more: do not
     assert emu.lib.emu_host_syncs() == before
     with pytest.raises(ValueError, match=r"1 batch was not added.*600 rows labelled past the class capacity"):
         tw.gpu.n
@@ -888,7 +889,7 @@ def test_skipped_batch_does_not_grow_the_classes(emu, stack):
     bx, by = X[100:200].copy(), y[100:200].copy()
     bx[0, 0] = np.nan
     by[1] = 7
-    tw.gpu.update(marg(bx), None, marg(by), None, precision=0)
+    tw.gpu.update(marg(bx), None, marg(by), None, precision="fp64")
     with pytest.raises(ValueError, match="features contain 1 non-finite value"):
         tw.gpu.n
     g = tw.gpu.get_state()
@@ -898,7 +899,7 @@ def test_skipped_batch_does_not_grow_the_classes(emu, stack):
     assert_close(tw.gpu.get_state(), tw.cpu.get_state(), 1e-12, what="after growing again")
     # a state shaped by a skipped first batch: empty, and merging into it takes the other's shape
     e = Twin(emu, -1, cpu=False, stack=stack)
-    e.gpu.update(marg(bx), None, marg(by), None, precision=0)
+    e.gpu.update(marg(bx), None, marg(by), None, precision="fp64")
     with pytest.raises(ValueError):
         e.gpu.n
     assert e.gpu.get_state()["n"] == 0 and e.gpu.get_state()["k"] == -1
@@ -915,7 +916,7 @@ def test_skipped_batch_keeps_a_loaded_states_empty_classes(emu, how):
 
     X, _, _, y = problem(n=200, k=3, seed=21)
     src = CpuMoments(8)
-    src.update(marg(X[:100]), None, marg(y[:100]), None, precision=0)
+    src.update(marg(X[:100]), None, marg(y[:100]), None, precision="fp64")
     want = src.get_state()
     assert want["k"] == 8
     g = emu.mod.CudaMoments(-1, 0)
@@ -928,7 +929,7 @@ def test_skipped_batch_keeps_a_loaded_states_empty_classes(emu, how):
     bx, by = X[100:].copy(), y[100:].copy()
     bx[3, 1] = np.inf
     by[0] = 11
-    g.update(marg(bx), None, marg(by), None, precision=0)
+    g.update(marg(bx), None, marg(by), None, precision="fp64")
     with pytest.raises(ValueError, match="non-finite"):
         g.n
     got = g.get_state()

@@ -300,7 +300,7 @@ def test_nc1_against_direct_computation(K, p, sizes):
 
 @pytest.mark.parametrize("dtype,rel", [(np.float64, 1e-8), (np.float32, 5e-3)])
 def test_nc1_near_collapse(dtype, rel):
-    # SPEC.md: within-class spread 1e-2 of the between-class spread; fp32 products give
+    # docs/MATH.md, "NC1": within-class spread 1e-2 of the between-class spread; fp32 products give
     # NC1 to about 1e-3 relative (Sigma_W by subtraction cancels).
     rng = np.random.default_rng(35)
     K, p = 4, 6
@@ -358,7 +358,7 @@ def test_nc1_float32_large_mean():
 
 
 def test_quality_prefers_float_targets_over_labels():
-    # SPEC: quality uses the task; with both streamed, the float targets are the task.
+    # docs/MATH.md, "Projections and curves": quality uses the task; with both streamed, the float targets are the task.
     rng = np.random.default_rng(39)
     X, y = labelled_data(rng, 200, 5, 3)
     T = np.cos(X[:, :2])
@@ -370,7 +370,7 @@ def test_quality_prefers_float_targets_over_labels():
 
 
 def test_curves_with_more_outputs_than_features():
-    # C > p: the head path that works in p-space (SPEC.md, Many outputs).
+    # C > p: the head path that works in p-space (docs/MATH.md, "Many outputs").
     rng = np.random.default_rng(40)
     p, C = 6, 40
     X = rng.normal(size=(300, p)) * np.geomspace(3, 0.3, p) + 1.0

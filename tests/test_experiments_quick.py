@@ -69,7 +69,7 @@ def test_quick_mode_writes_results(name, tmp_path):
 
 def dlr_gram(features, outputs):
     """DLR from n x n matrices: 1 - <K, P> / (||K|| ||P||), K = H Phi Phi^T H,
-    P = projector onto span(H F) (SPEC.md), in float64."""
+    P = projector onto span(H F) (docs/MATH.md, "Which projector"), in float64."""
     phi = np.asarray(features, np.float64)
     f = np.asarray(outputs, np.float64)
     n = len(phi)

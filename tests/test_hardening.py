@@ -120,3 +120,40 @@ def test_reader_sees_whole_batches():
     for X, _, _ in data:
         sizes |= {s + X.shape[0] for s in sizes}
     assert set(seen) <= sizes
+
+
+def test_first_updates_from_several_threads_create_one_backend():
+    """A Moments without a device creates its backend on the first batch: threads
+    racing on that first batch must all land in one state (and groups keep every
+    batch)."""
+    import sys
+
+    rng = np.random.default_rng(11)
+    batches = [rng.normal(size=(int(rng.integers(1, 40)), 3)) for _ in range(8)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race shows within a few repetitions
+    try:
+        _race(batches)
+    finally:
+        sys.setswitchinterval(old)
+
+
+def _race(batches):
+    for reps in range(30):
+        for kw in ({}, {"groups": 3}):
+            m = richness.Moments(**kw)
+            start = threading.Barrier(len(batches))
+
+            def work(x, m=m, start=start):
+                start.wait()
+                m.update(x)
+
+            threads = [threading.Thread(target=work, args=(x,)) for x in batches]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            X = np.concatenate(batches)
+            assert m.n == X.shape[0]
+            Xc = X - X.mean(0)
+            np.testing.assert_allclose(m.state_dict()["M"], Xc.T @ Xc, rtol=1e-12, atol=1e-12)

@@ -274,8 +274,8 @@ def test_core_centered_grams_against_float64_and_bad_blocks():
     from richness import _adapt, _core
 
     rng = np.random.default_rng(0)
-    X = (1e4 + 1e-2 * rng.standard_normal((3 * 20, 30))).astype(np.float32)  # SPEC's mean 1e4, spread 1e-2
-    for prec, dt, tol in ((1, np.float32, 1e-5), (0, np.float64, 1e-12)):
+    X = (1e4 + 1e-2 * rng.standard_normal((3 * 20, 30))).astype(np.float32)  # the mean-1e4, spread-1e-2 case (docs/MATH.md, "Streaming estimator")
+    for prec, dt, tol in (("fp32", np.float32, 1e-5), ("fp64", np.float64, 1e-12)):
         G, norms = np.empty((3, 20, 20), dt), np.empty(3)
         _core.centered_grams(_adapt.as_matrix(X, "x").arg(), 20, prec, G.ctypes.data, norms.ctypes.data)
         Xb = X.astype(np.float64).reshape(3, 20, 30)
@@ -286,7 +286,7 @@ def test_core_centered_grams_against_float64_and_bad_blocks():
         assert np.allclose(norms, np.linalg.norm(want, axis=(1, 2)), rtol=tol, atol=0)
     G = np.empty((3, 20, 20), np.float32)
     with pytest.raises(ValueError, match="do not split into blocks of 7"):
-        _core.centered_grams(_adapt.as_matrix(X, "x").arg(), 7, 1, G.ctypes.data, norms.ctypes.data)
+        _core.centered_grams(_adapt.as_matrix(X, "x").arg(), 7, "fp32", G.ctypes.data, norms.ctypes.data)
     with pytest.raises(TypeError, match="float32, float64"):
-        _core.centered_grams(_adapt.as_matrix(np.zeros((4, 3), np.int32), "x").arg(), 2, 1, G.ctypes.data,
+        _core.centered_grams(_adapt.as_matrix(np.zeros((4, 3), np.int32), "x").arg(), 2, "fp32", G.ctypes.data,
                              norms.ctypes.data)

@@ -1,4 +1,4 @@
-"""SPEC.md invariances, property-based: DLR does not move under scaling, added
+"""The invariances of docs/MATH.md ("Known values"), property-based: DLR does not move under scaling, added
 constants, rotations of the features, invertible mixing of the outputs, sample
 permutation, batch splits and merge order; compute never touches the state."""
 

@@ -97,13 +97,13 @@ def test_neural_collapse_unbalanced_known_value():
     ref, r = dlr_naive(X, F)
     assert r == 3
     assert abs(got - ref) < 1e-12
-    assert abs(got - 0.119) < 5e-4  # SPEC.md: 0.119 (three decimals)
+    assert abs(got - 0.119) < 5e-4  # docs/MATH.md, "Known values": 0.119 (three decimals)
 
 
 # -- isotropic features ------------------------------------------------------------------
 
 def test_isotropic_features_near_limit():
-    # SPEC.md: 1 - sqrt(C/p) = 0.75 for p = 64, C = 4; at n = 20000 the value is
+    # docs/MATH.md, "Known values": 1 - sqrt(C/p) = 0.75 for p = 64, C = 4; at n = 20000 the value is
     # 0.7486 +- 0.0008 (biased low by O(p/n)). A fixed seed, a 4-sigma band, and the
     # exact float64 reference on the same samples.
     rng = np.random.default_rng(2026)
@@ -122,8 +122,8 @@ def test_isotropic_features_near_limit():
 
 
 def test_isotropic_bias_toward_rich_at_small_n():
-    # SPEC.md, Finite samples: p = 512, C = 10 gives 0.686 at n = 128, 0.844 at
-    # n = 2048, limit 1 - sqrt(10/512) = 0.860. SPEC gives single draws; the bands
+    # docs/MATH.md, "Finite-sample bias and the isotropic reference": p = 512, C = 10 gives 0.686 at n = 128, 0.844 at
+    # n = 2048, limit 1 - sqrt(10/512) = 0.860. those are single draws; the bands
     # are a few times the seed-to-seed spread at these sizes.
     p, C = 512, 10
     vals = []
@@ -310,7 +310,7 @@ def test_rtol_sets_the_rank_and_matches_reference():
     assert r == 3 and abs(cut.dlr - ref_cut) < 1e-12
     assert abs(richness.dlr(X, F, rtol=1e-6) - ref_cut) < 1e-12
     # the kept direction carries almost no output variance but counts fully in the
-    # projector (SPEC: what makes DLR sensitive to the cut)
+    # projector (docs/MATH.md, "Rank cut": what makes DLR sensitive to the cut)
     assert abs(cut.dlr - keep.dlr) > 0.05
     ev = keep.logit_eigenvalues
     Fc = F - F.mean(axis=0)

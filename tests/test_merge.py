@@ -198,3 +198,33 @@ def test_shift_and_sum_merge_rejects_incompatible_states():
     d = moments_of(chunk(4, 30, 3), num_classes=5).state_dict()
     with pytest.raises(ValueError, match="num_classes"):
         _state.merge([c, d])
+
+
+def test_shift_and_sum_merge_refuses_overflow():
+    from richness import _state
+
+    a = richness.Moments()
+    a.update(np.array([[1e153], [-1e153]]))  # each state is finite and accepted ...
+    b = richness.Moments()
+    b.update(np.array([[1.5e154], [1.5e154 + 1e140]]))
+    with pytest.raises(ValueError, match="overflow"):  # ... but the mean shifts of their merge overflow
+        _state.merge([a.state_dict(), b.state_dict()])
+
+
+def test_one_field_list_in_python_and_cpp():
+    """The state's arrays and precision modes are declared once per language
+    (python/richness/_state.py, csrc/common/state.hpp and types.hpp); the two
+    lists must agree, names and order."""
+    from richness import _core, _state
+
+    st = richness.Moments().state_dict()
+    core_keys = [k for k in st if k not in _state.SCALARS]
+    assert core_keys == list(_state.FIELD_NAMES)
+    assert list(_core.PRECISIONS) == list(_state.PRECISIONS)
+    m = moments_of(chunk(1, 30, 3))
+    full = m.state_dict()
+    for f in _state.FIELDS:
+        assert full[f.name].dtype == np.dtype(f.dtype)
+        assert full[f.name].shape == _state.shape_of(f, full)
+        if f.symmetric:
+            assert np.array_equal(full[f.name], full[f.name].T)

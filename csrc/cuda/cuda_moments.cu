@@ -7,7 +7,7 @@
 // merge run once per stage (flush_stage: stack_deviations, merge_groups,
 // stack_commit).
 #include "cuda_moments.hpp"
-#include "../msg.hpp"
+#include "../common/msg.hpp"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>

@@ -31,7 +31,8 @@
 #include <string>
 #include <vector>
 
-#include "../moments.hpp"  // DType, Precision, Matrix, State (data only)
+#include "../common/state.hpp"  // State (data only)
+#include "../common/types.hpp"  // DType, Precision, Matrix
 
 typedef struct cublasContext* cublasHandle_t;
 

@@ -8,7 +8,7 @@ and ``Report``.
 import logging as _logging
 
 # Loads the BLAS that _core links (scipy-openblas32). _core then runs it
-# single-threaded inside its own worker threads (csrc/moments.cpp).
+# single-threaded inside its own worker threads (csrc/cpu/cpu_moments.cpp).
 import scipy_openblas32 as _openblas  # noqa: F401
 
 from ._core import blas_info
@@ -26,5 +26,17 @@ except _NotFound:  # imported from a source tree that was never installed
 
 # progress and notes of evaluate and the command line; silent unless configured
 _logging.getLogger("richness").addHandler(_logging.NullHandler())
+
+
+def __getattr__(name: str):
+    # The submodules with optional dependencies (matplotlib, torchmetrics, lightning,
+    # torch.distributed) load on first use, so `richness.plot.depth(...)` works after a
+    # plain `import richness` without making matplotlib a dependency of the import.
+    if name in ("plot", "baselines", "torchmetrics", "lightning"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'richness' has no attribute {name!r}")
+
 
 __all__ = ["Moments", "Monitor", "Report", "RichnessWarning", "dlr", "evaluate", "blas_info", "__version__"]

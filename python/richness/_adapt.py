@@ -1,6 +1,6 @@
 """Adapters from numpy arrays, torch tensors and DLPack objects to the core.
 
-The core takes ``(pointer, rows, cols, row_stride, dtype_code)``; this module
+The core takes ``(pointer, rows, cols, row_stride, dtype_name)``; this module
 is the only place that knows about frameworks. Nothing here copies unless the
 layout forces it (columns not unit-strided, or a dtype numpy cannot view).
 """
@@ -11,13 +11,14 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-# Codes shared with csrc/moments.hpp (DType).
-F32, F64, F16, BF16, I32, I64 = 0, 1, 2, 3, 4, 5
+from . import _state
+
+# Element types by the names the core knows (csrc/common/types.hpp, RICHNESS_DTYPES).
+F32, F64, F16, BF16, I32, I64 = "float32", "float64", "float16", "bfloat16", "int32", "int64"
 FLOAT_CODES = {np.dtype(np.float32): F32, np.dtype(np.float64): F64, np.dtype(np.float16): F16}
 INT_CODES = {np.dtype(np.int32): I32, np.dtype(np.int64): I64}
 
-# Precision of the products (csrc/moments.hpp: Precision). Coarser = larger.
-PRECISIONS = ("fp64", "fp32", "tf32", "bf16")
+PRECISIONS = _state.PRECISIONS
 
 
 class Matrix(NamedTuple):
@@ -27,7 +28,7 @@ class Matrix(NamedTuple):
     rows: int
     cols: int
     ld: int
-    dtype: int
+    dtype: str  # F32 ... I64
     owner: Any  # keeps the memory alive while the core reads it
     device: str  # "cpu" or "cuda:N"
 

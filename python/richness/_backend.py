@@ -11,6 +11,7 @@ wraps one compiled accumulator (``_core.CpuMoments`` or ``_cuda.CudaMoments``);
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, List, NamedTuple, Optional
 
 import numpy as np
@@ -49,11 +50,6 @@ class Backend(Protocol):
     def from_state(self, state: dict) -> None: ...
     def device_state(self) -> dict: ...
     def whole(self) -> "CoreBackend": ...
-
-
-def _precision_code(name: str) -> int:
-    # The core's Precision enum follows the order of _state.PRECISION_MODES.
-    return _state.PRECISIONS.index(name)
 
 
 def _cuda_core(num_classes: int, device: str):
@@ -106,7 +102,7 @@ class CoreBackend:
         return CoreBackend(self.device, self._num_classes, self.stack_rows)
 
     def update(self, batch: Batch, precision: str) -> None:
-        args = (*batch.args(), _precision_code(precision))
+        args = (*batch.args(), precision)
         if self.device == "cpu":
             self.core.update(*args)
         else:
@@ -158,6 +154,18 @@ class GroupedBackend:
         self._next = 0
         self._rng = None if seed is None else np.random.default_rng(seed)
         self._pending: Optional[int] = None
+        # One update or merge at a time: the group rotation moves only after
+        # a batch is accepted, so choosing a group and adding to it is one step.
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        st = dict(self.__dict__)
+        del st["_lock"]
+        return st
+
+    def __setstate__(self, st: dict) -> None:
+        self.__dict__.update(st)
+        self._lock = threading.Lock()
 
     def _pick(self) -> int:
         if self._pending is None:
@@ -173,19 +181,21 @@ class GroupedBackend:
         self._pending = None
 
     def update(self, batch: Batch, precision: str) -> None:
-        part = self.parts[self._pick()]
-        if part.widths()["p"] < 0:  # an empty group knows no widths: check against the whole
-            check_batch(self.widths(), *batch.args())
-        part.update(batch, precision)
-        if batch.features.rows > 0:  # an empty batch adds nothing and does not move the rotation
-            self._advance()
+        with self._lock:
+            part = self.parts[self._pick()]
+            if part.widths()["p"] < 0:  # an empty group knows no widths: check against the whole
+                check_batch(self.widths(), *batch.args())
+            part.update(batch, precision)
+            if batch.features.rows > 0:  # an empty batch adds nothing and does not move the rotation
+                self._advance()
 
     def merge(self, other: Any) -> None:
-        mine = dict(self.widths(), n=self.n)
-        theirs = dict(other.widths(), n=other.n)
-        _state.check_compatible([{k: int(w[k]) for k in _state.WIDTHS} for w in (mine, theirs)])
-        self.parts[self._pick()].merge(other)
-        self._advance()
+        with self._lock:
+            mine = dict(self.widths(), n=self.n)
+            theirs = dict(other.widths(), n=other.n)
+            _state.check_compatible([{k: int(w[k]) for k in _state.WIDTHS} for w in (mine, theirs)])
+            self.parts[self._pick()].merge(other)
+            self._advance()
 
     def reset(self) -> None:
         for part in self.parts:

@@ -1,9 +1,12 @@
-"""Types of the compiled CPU core (csrc/bindings.cpp)."""
+"""Types of the compiled CPU core (csrc/bindings/core.cpp)."""
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-# A batch as the Python adapter passes it: (data pointer, rows, cols, row stride, dtype code).
-MatrixArg = Tuple[int, int, int, int, int]
+# A batch as the Python adapter passes it: (data pointer, rows, cols, row stride, dtype name).
+MatrixArg = Tuple[int, int, int, int, str]
+
+# Precision modes, finest to coarsest (python/richness/_state.py agrees).
+PRECISIONS: List[str]
 
 class DTypeError(TypeError): ...
 
@@ -15,7 +18,7 @@ class CpuMoments:
         outputs: Optional[MatrixArg] = None,
         labels: Optional[MatrixArg] = None,
         targets: Optional[MatrixArg] = None,
-        precision: int = 1,
+        precision: str = "fp32",
     ) -> None: ...
     def merge(self, other: CpuMoments) -> None: ...
     def reset(self) -> None: ...
@@ -34,7 +37,7 @@ def check_batch(
     labels: Optional[MatrixArg] = None,
     targets: Optional[MatrixArg] = None,
 ) -> None: ...
-def centered_grams(x: MatrixArg, per: int, precision: int, out: int, norms: int) -> None: ...
+def centered_grams(x: MatrixArg, per: int, precision: str, out: int, norms: int) -> None: ...
 def blas_info() -> str: ...
 def blas_get_num_threads() -> int: ...
 def blas_set_num_threads(n: int) -> None: ...

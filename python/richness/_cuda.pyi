@@ -1,8 +1,11 @@
-"""Types of the compiled CUDA backend (csrc/cuda/bindings.cpp); built only with CUDA."""
+"""Types of the compiled CUDA backend (csrc/bindings/cuda.cpp); built only with CUDA."""
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from ._core import MatrixArg
+
+# Precision modes, finest to coarsest (python/richness/_state.py agrees).
+PRECISIONS: List[str]
 
 class DTypeError(TypeError): ...
 
@@ -14,7 +17,7 @@ class CudaMoments:
         outputs: Optional[MatrixArg] = None,
         labels: Optional[MatrixArg] = None,
         targets: Optional[MatrixArg] = None,
-        precision: int = 1,
+        precision: str = "fp32",
         stream: int = 0,
     ) -> None: ...
     def merge(self, other: CudaMoments) -> None: ...
@@ -25,6 +28,9 @@ class CudaMoments:
     def shape(self) -> Dict[str, Union[int, str]]: ...
     def set_product(self, algo: str = "auto", block: int = 512) -> None: ...
     def set_stack(self, rows: int, joint: bool = True) -> None: ...
+    def set_row_cap(self, rows: int) -> None: ...
+    @property
+    def row_cap(self) -> int: ...
     @property
     def stack_rows(self) -> int: ...
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -50,6 +51,10 @@ class Moments:
     ``update`` adds a batch; ``merge`` adds another state; ``compute`` finishes
     a ``Report`` without touching the state. Invalid input raises and leaves
     the state exactly as it was.
+
+    One ``Moments`` may be updated, merged and read from several threads at
+    once: each call holds its backend's lock (the GIL is released while it
+    waits and computes) and sees whole batches only.
     """
 
     def __init__(self, num_classes: Optional[int] = None, *, device: Optional[str] = None,
@@ -83,6 +88,7 @@ class Moments:
         self._backend = None  # created by the first batch, merge or load (or here, with a device)
         self._groups = None if groups is None else int(groups)
         self._group_seed = group_seed
+        self._lock = threading.Lock()  # guards creating the backend (the core locks each backend itself)
         if device is not None:
             self._create(device)
 
@@ -114,8 +120,10 @@ class Moments:
     def _sink(self, device: str):
         """The backend the next update or merge goes to."""
         if self._backend is None:
-            self._create(device)
-        elif device != self._device:
+            with self._lock:  # two threads' first batches must not create two backends
+                if self._backend is None:
+                    self._create(device)
+        if device != self._device:
             raise ValueError(f"this Moments lives on {self._device} but the batch is on {device}; "
                              "move the batch or use a Moments on that device")
         return self._backend
@@ -199,7 +207,7 @@ class Moments:
                 be streamed. Otherwise streamed outputs are used.
             test: a ``Moments`` over held-out samples: adds ``test_quality``,
                 ``test_utilization`` and ``test_eigenfunction_norms``.
-            rtol: eigenvalue cut; default by product precision (SPEC.md).
+            rtol: eigenvalue cut; default by product precision (docs/MATH.md, "Rank cut").
             centered: spectrum of the centered operator (default) or the
                 paper's v1 uncentered one.
             spectrum: False skips the p x p eigendecomposition and what rests
@@ -270,6 +278,15 @@ class Moments:
         except (TypeError, ValueError) as e:
             raise ValueError(f"{os.fspath(path)}: not a valid richness state ({e})") from None
         return m
+
+    def __getstate__(self) -> dict:
+        st = dict(self.__dict__)
+        del st["_lock"]
+        return st
+
+    def __setstate__(self, st: dict) -> None:
+        self.__dict__.update(st)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         if self._backend is None or self.n == 0:

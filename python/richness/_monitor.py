@@ -8,9 +8,9 @@ DLR (and NC1 with labels) is finished from it and emitted
 (``_monitor_window``). Windows of one batch with fewer samples than features
 (every=1) take a cheaper exact route: each step's head input and output are
 copied into a buffer, and groups of up to ``lag`` steps are reduced at once
-from the n x n Gram of each batch (``_monitor_onebatch``). Probe mode (``probe=``): every ``every``
-steps a fixed probe set is evaluated in eval mode (train mode restored after)
-and its full report emitted.
+from the n x n Gram of each batch (``_monitor_onebatch``). Probe mode
+(``probe=``): every ``every`` steps a fixed probe set is evaluated in eval mode
+(train mode restored after) and its full report emitted.
 
 The only host synchronisation is at emission (finishing the state); ``update``
 never calls ``.item()`` or copies to the host (on a GPU the CUDA backend runs
@@ -31,13 +31,16 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from ._evaluate import (BlasThreads, HeadFinder, check_tokens, collect, label_kwargs,
-                        require_torch, resolve_head, select_rows)
+from ._batches import check_tokens, label_kwargs, select_rows
+from ._evaluate import collect
+from ._hooks import HeadFinder, resolve_head
 from ._monitor_capture import _grad_enabled, _PendingCapture, _probe_batches, _StepBuffer  # noqa: F401
 from ._monitor_onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group,  # noqa: F401
                                OneBatchRoute)
 from ._monitor_sinks import FIELDS, _make_sinks  # noqa: F401
 from ._monitor_window import WindowRoute
+from ._optional import require_torch
+from ._threads import BlasThreads
 
 
 def _num(v: Any) -> Optional[float]:

@@ -8,8 +8,8 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import numpy as np
 
 from . import _adapt, _core
-from ._evaluate import BlasThreads
 from ._monitor_capture import _StepBuffer
+from ._threads import BlasThreads
 from .finish import DEFAULT_RTOL, dlr_values, nc1_from_grams, span_of_grams
 
 
@@ -111,7 +111,7 @@ class _BatchGroup(_StepBuffer):
             threads.set_for_work(j * int(x.shape[1]) ** 2 * int(x.shape[2]))
             norm_m = torch.empty(j, dtype=f64)
             _core.centered_grams(_adapt.as_matrix(X.reshape(-1, X.shape[2]), "features").arg(), X.shape[1],
-                                 _adapt.PRECISIONS.index(prec), G.data_ptr(), norm_m.data_ptr())
+                                 prec, G.data_ptr(), norm_m.data_ptr())
         else:
             # Compensated centering on the device (docs/MATH.md, streaming estimator:
             # the batch mean "computed in float64 (or compensated)"): x - m is exact where x is within a factor 2 of

@@ -6,9 +6,9 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ._evaluate import BlasThreads
 from ._moments import Moments
 from ._monitor_capture import _StepBuffer
+from ._threads import BlasThreads
 from .finish import DEFAULT_RTOL, NC1_RELIABLE, dlr_of_state, nc1
 
 

@@ -258,6 +258,18 @@ def merge(states: List[dict]) -> dict:
     if not live:
         out = empty(None if w["num_classes"] < 0 else w["num_classes"])
         return out
-    means = split_means(sum(weighted_means(s, w) for s in live) / w["n"], w)
-    flat = sum(shifted_sums(s, means, w) for s in live)
+    with np.errstate(over="ignore", invalid="ignore"):
+        means = split_means(sum(weighted_means(s, w) for s in live) / w["n"], w)
+        flat = sum(shifted_sums(s, means, w) for s in live)
+    check_finite(flat, means)
     return assemble(flat, means, w, coarsest(s["precision"] for s in live))
+
+
+def check_finite(flat: np.ndarray, means: Dict[str, np.ndarray]) -> None:
+    """Raise when a merge overflowed float64 (the states are finite, so only
+    the sums and the mean shifts can be): nothing is kept."""
+    if np.isfinite(flat).all() and all(np.isfinite(m).all() for m in means.values()):
+        return
+    finite = [np.abs(a[np.isfinite(a)]).max(initial=0.0) for a in (flat, *means.values())]
+    raise ValueError(f"cannot merge: the merged co-moments overflow float64 (largest finite magnitude "
+                     f"{max(finite):.3g}); rescale the features or outputs")

@@ -1,5 +1,5 @@
-"""Baseline measures the paper compares DLR against (SPEC.md, "Neural-collapse
-and baseline measures").
+"""Baseline measures the paper compares DLR against (docs/MATH.md, "S_init
+baseline" and "NC1").
 
 * ``InitSimilarity``: kernel similarity to initialisation,
   ``S_init = CKA(K_t, K_0) = ||Phi_t,c^T Phi_0,c||_F^2 / (||M_t||_F ||M_0||_F)``,

@@ -1,6 +1,6 @@
 """Pictures of a Report or a Monitor log (matplotlib, optional dependency).
 
-``curves`` draws the interpretability curves of SPEC.md: cumulative quality
+``curves`` draws the interpretability curves (docs/MATH.md, "Projections and curves"): cumulative quality
 Pi*(k) and utilization Pi_hat(k) (training solid, held-out dashed) and the
 relative eigenvalues rho_k / rho_1. ``history`` draws DLR (and NC1) over
 training steps from ``Monitor`` records. Both write PNG and SVG.

@@ -3,7 +3,7 @@
     python tests/cuda_emu/build.py          # builds, prints the module's path
 
 The .cu file is translated (translate.py) into a temporary directory and
-compiled with g++ together with csrc/cuda/bindings.cpp and the emulator's
+compiled with g++ together with csrc/bindings/cuda.cpp and the emulator's
 runtime; <cuda_runtime.h>, <cublas_v2.h>, ... resolve to the stubs in
 include/. The result is ``_cuda<EXT_SUFFIX>`` in a cache directory keyed by
 the sources and flags, loaded under the name ``_cuda`` (never installed into
@@ -35,8 +35,9 @@ FLAGS = ["-std=c++20", "-O1", "-fPIC", "-g0", "-Wall", "-Wno-unknown-pragmas", "
          # 7 blocks along y instead of 65535: every grid-stride loop over rows (and over the column
          # means' row chunks, as beyond 16.7M rows on a GPU) runs several times in the tests
          "-DRICHNESS_GRID_Y_MAX=7"]
-SOURCES = [CUDA_DIR / "cuda_moments.cu", CUDA_DIR / "cuda_moments.hpp", CUDA_DIR / "bindings.cpp",
-           ROOT / "csrc" / "moments.hpp", ROOT / "csrc" / "state_dict.hpp", ROOT / "csrc" / "msg.hpp",
+BINDINGS = ROOT / "csrc" / "bindings" / "cuda.cpp"
+SOURCES = [*sorted(CUDA_DIR.glob("*.cu")), *sorted(CUDA_DIR.glob("*.hpp")), *sorted(CUDA_DIR.glob("*.cuh")), BINDINGS,
+           *sorted((ROOT / "csrc" / "common").glob("*.hpp")), ROOT / "csrc" / "bindings" / "common.hpp",
            HERE / "cuda_emu.hpp", HERE / "emu_runtime.cpp", HERE / "translate.py", HERE / "build.py",
            *sorted((HERE / "include").glob("*.h"))]
 
@@ -84,7 +85,7 @@ def build(cache: Path | None = None, verbose: bool = False) -> Path:
         cu = work / "cuda_moments_emu.cpp"
         cu.write_text(text)
         cxx = os.environ.get("CXX", "g++")
-        units = [cu, CUDA_DIR / "bindings.cpp", HERE / "emu_runtime.cpp"]
+        units = [cu, BINDINGS, HERE / "emu_runtime.cpp"]
 
         def compile_one(src: Path) -> Path:
             obj = work / (src.stem + ".o")

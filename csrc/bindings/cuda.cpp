@@ -1,6 +1,7 @@
-// pybind11 surface of the CUDA backend (module richness._cuda). Same calling
-// convention as _core.CpuMoments, plus the caller's stream as an integer
-// (torch.cuda.current_stream().cuda_stream) and device export for compute().
+// pybind11 surface of the CUDA backend (module richness._cuda). The methods of
+// _core.CpuMoments (bindings/core.cpp) with the same arguments, plus the
+// caller's stream as an integer (torch.cuda.current_stream().cuda_stream),
+// device export for compute(), and the product and staging switches.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -9,8 +10,8 @@
 #include <optional>
 #include <tuple>
 
-#include "../state_dict.hpp"
-#include "cuda_moments.hpp"
+#include "../cuda/cuda_moments.hpp"
+#include "common.hpp"
 
 namespace py = pybind11;
 using namespace richness;
@@ -59,22 +60,16 @@ PYBIND11_MODULE(_cuda, m) {
       .def(
           "update",
           [](LockedCudaMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
-             std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, int precision, uintptr_t stream) {
-            Matrix x = to_matrix(features), mo, ml, mt;
-            const Matrix* po = nullptr;
-            const Matrix* pl = nullptr;
-            const Matrix* pt = nullptr;
-            if (outputs) { mo = to_matrix(*outputs); po = &mo; }
-            if (labels) { ml = to_matrix(*labels); pl = &ml; }
-            if (targets) { mt = to_matrix(*targets); pt = &mt; }
-            if (precision < 0 || precision > 3)
-              throw std::invalid_argument("unknown precision code " + std::to_string(precision));
+             std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, const std::string& precision,
+             uintptr_t stream) {
+            const BatchArgs args(features, outputs, labels, targets);
+            const Batch b = args.batch();
+            const Precision prec = precision_of(precision);
             locked(self, [&](CudaMoments& s) {
-              s.update(x, po, pl, pt, static_cast<Precision>(precision), reinterpret_cast<cudaStream_t>(stream));
+              s.update(b.features, b.outputs, b.labels, b.targets, prec, reinterpret_cast<cudaStream_t>(stream));
             });
           },
-          py::arg("features"), py::arg("outputs") = py::none(), py::arg("labels") = py::none(),
-          py::arg("targets") = py::none(), py::arg("precision") = 1, py::arg("stream") = 0,
+          RICHNESS_BATCH_ARGS, py::arg("precision") = "fp32", py::arg("stream") = 0,
           "Enqueue one batch on `stream`; returns without waiting for the device.")
       .def(
           "merge",
@@ -109,34 +104,20 @@ PYBIND11_MODULE(_cuda, m) {
             auto get = [&](const char* key) -> uintptr_t {
               return ptrs.contains(key) ? ptrs[key].cast<uintptr_t>() : 0;
             };
-            t.mean = reinterpret_cast<double*>(get("mean"));
-            t.M = reinterpret_cast<double*>(get("M"));
-            t.out_mean = reinterpret_cast<double*>(get("out_mean"));
-            t.B = reinterpret_cast<double*>(get("B"));
-            t.A = reinterpret_cast<double*>(get("A"));
-            t.tgt_mean = reinterpret_cast<double*>(get("tgt_mean"));
-            t.Bt = reinterpret_cast<double*>(get("Bt"));
-            t.At = reinterpret_cast<double*>(get("At"));
-            t.class_sums = reinterpret_cast<double*>(get("class_sums"));
-            t.class_counts = reinterpret_cast<long long*>(get("class_counts"));
+#define RICHNESS_TARGET(name, type, rows, cols, sym) t.name = reinterpret_cast<decltype(t.name)>(get(#name));
+            RICHNESS_STATE_ARRAYS(RICHNESS_TARGET)
+#undef RICHNESS_TARGET
             locked(self, [&](CudaMoments& c) { c.export_to(t); });
           },
           py::arg("ptrs"))
       .def("shape", [](LockedCudaMoments& self) {
         // Host-known facts (no synchronisation): widths, class count, precision.
-        int64_t v[5];
-        Precision prec = locked(self, [&](CudaMoments& c) {
-          v[0] = c.p(), v[1] = c.c(), v[2] = c.t(), v[3] = c.k(), v[4] = c.num_classes();
-          return c.precision();
+        State head;  // widths only
+        locked(self, [&](CudaMoments& c) {
+          head.p = c.p(), head.c = c.c(), head.t = c.t(), head.k = c.k(), head.num_classes = c.num_classes();
+          head.precision = c.precision();
         });
-        py::dict d;
-        d["p"] = v[0];
-        d["c"] = v[1];
-        d["t"] = v[2];
-        d["k"] = v[3];
-        d["num_classes"] = v[4];
-        d["precision"] = precision_name(prec);
-        return d;
+        return shape_of(head);
       })
       .def(
           "set_product",
@@ -171,6 +152,7 @@ PYBIND11_MODULE(_cuda, m) {
       .def_property_readonly("p", [](LockedCudaMoments& self) { return locked(self, [](CudaMoments& c) { return c.p(); }); })
       .def_property_readonly("device", [](LockedCudaMoments& self) { return self.device(); });
 
+  m.attr("PRECISIONS") = precision_names();
   m.def("device_info", &richness::cuda::device_info, py::arg("device") = 0);
   m.def("info", &richness::cuda::backend_info, "What was built and which GPU is usable; never raises.");
 }

@@ -1,6 +1,7 @@
-// pybind11 surface of the CPU core. Batches arrive as (pointer, rows, cols,
-// row stride, dtype code) tuples; the Python adapter keeps the memory alive
-// for the duration of the call.
+// pybind11 surface of the CPU core (module richness._core). The same methods
+// as the CUDA backend's (bindings/cuda.cpp), which adds a stream argument.
+// Batches arrive as named (pointer, rows, cols, row stride, dtype name)
+// tuples (common.hpp); the Python adapter keeps the memory alive for the call.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -8,15 +9,15 @@
 #include <optional>
 #include <tuple>
 
-#include "moments.hpp"
-#include "state_dict.hpp"
+#include "../cpu/cpu_moments.hpp"
+#include "common.hpp"
 
 namespace py = pybind11;
 using namespace richness;
 using namespace richness::pystate;
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "richness CPU core: streamed float64 co-moments (SPEC.md), BLAS products";
+  m.doc() = "richness CPU core: streamed float64 co-moments (docs/MATH.md), BLAS products";
   py::register_exception<type_error>(m, "DTypeError", PyExc_TypeError);
 
   py::register_exception_translator([](std::exception_ptr e) {
@@ -38,19 +39,13 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "update",
           [](CpuMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
-             std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, int precision) {
-            Batch b;
-            b.features = to_matrix(features);
-            Matrix mo, ml, mt;
-            if (outputs) { mo = to_matrix(*outputs); b.outputs = &mo; }
-            if (labels) { ml = to_matrix(*labels); b.labels = &ml; }
-            if (targets) { mt = to_matrix(*targets); b.targets = &mt; }
-            const Precision prec = to_precision(precision);
+             std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, const std::string& precision) {
+            const BatchArgs args(features, outputs, labels, targets);
+            const Precision prec = precision_of(precision);
             py::gil_scoped_release release;
-            self.update(b, prec);
+            self.update(args.batch(), prec);
           },
-          py::arg("features"), py::arg("outputs") = py::none(), py::arg("labels") = py::none(),
-          py::arg("targets") = py::none(), py::arg("precision") = 1)
+          RICHNESS_BATCH_ARGS, py::arg("precision") = "fp32")
       .def("merge", &CpuMoments::merge, py::arg("other"), release())
       .def("reset", &CpuMoments::reset, release())
       .def("get_state",
@@ -95,30 +90,25 @@ PYBIND11_MODULE(_core, m) {
          std::optional<MatrixArg> labels, std::optional<MatrixArg> targets) {
         Widths w{0, widths["p"].cast<int64_t>(), widths["c"].cast<int64_t>(), widths["t"].cast<int64_t>(),
                  widths["k"].cast<int64_t>(), widths["num_classes"].cast<int64_t>()};
-        Batch b;
-        b.features = to_matrix(features);
-        Matrix mo, ml, mt;
-        if (outputs) { mo = to_matrix(*outputs); b.outputs = &mo; }
-        if (labels) { ml = to_matrix(*labels); b.labels = &ml; }
-        if (targets) { mt = to_matrix(*targets); b.targets = &mt; }
-        validate_batch(w, b);
+        const BatchArgs args(features, outputs, labels, targets);
+        validate_batch(w, args.batch());
       },
-      py::arg("widths"), py::arg("features"), py::arg("outputs") = py::none(), py::arg("labels") = py::none(),
-      py::arg("targets") = py::none(),
+      py::arg("widths"), RICHNESS_BATCH_ARGS,
       "Raise unless the batch fits a state of these widths (shapes and streams; reads no data).");
   m.def(
       "centered_grams",
-      [](const MatrixArg& x, int64_t per, int precision, uintptr_t out, uintptr_t norms) {
+      [](const MatrixArg& x, int64_t per, const std::string& precision, uintptr_t out, uintptr_t norms) {
         const Matrix mx = to_matrix(x);
-        const Precision prec = to_precision(precision);
+        const Precision prec = precision_of(precision);
         py::gil_scoped_release release;
         centered_grams(mx, per, prec, reinterpret_cast<void*>(out), reinterpret_cast<double*>(norms));
       },
       py::arg("x"), py::arg("per"), py::arg("precision"), py::arg("out"), py::arg("norms"),
       "Centered Gram matrices of blocks of `per` rows into the caller's contiguous buffer at `out` "
-      "((rows / per) x per x per, float64 for precision fp64 (0), float32 otherwise) and their "
+      "((rows / per) x per x per, float64 for precision fp64, float32 otherwise) and their "
       "Frobenius norms into the float64 buffer at `norms` (rows / per). Internal: the Monitor's "
       "one-batch windows.");
+  m.attr("PRECISIONS") = precision_names();  // finest to coarsest; python/richness/_state.py agrees
   m.def("blas_info", &blas_info);
   m.def("blas_get_num_threads", &blas_get_num_threads);
   m.def("blas_set_num_threads", &blas_set_num_threads, py::arg("n"));

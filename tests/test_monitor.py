@@ -1,4 +1,6 @@
-"""evaluate, Monitor and saved state, on the CPU with tiny models.
+"""richness.Monitor on the CPU with tiny models in small training loops: windows,
+probes and one-batch records against the n x n oracles, its logs, its settings,
+and the precision of its products under a loop that allows reduced precision.
 
 Every number is checked against an independent computation: tests/reference.py's
 n x n oracles on activations computed here by plain forward calls, or a
@@ -6,12 +8,9 @@ Moments fed those activations directly.
 """
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -20,315 +19,9 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 import richness  # noqa: E402
-from richness import _core  # noqa: E402
 from reference import dlr_naive, nc1_naive  # noqa: E402
+from tiny_models import acts, hook_count, lm_feats, lm_setup, make  # noqa: E402
 
-
-class MLP(nn.Module):
-    def __init__(self, d=8, h=16, c=4):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(d, h), nn.Tanh(), nn.Linear(h, h), nn.ReLU())
-        self.drop = nn.Dropout(0.5)
-        self.fc = nn.Linear(h, c)
-
-    def forward(self, x):
-        return self.fc(self.drop(self.body(x)))
-
-
-def make(n=240, d=8, c=4, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    X = torch.randn(n, d, generator=g, dtype=dtype) * 2 + 1
-    y = torch.randint(0, c, (n,), generator=g)
-    torch.manual_seed(seed)
-    model = MLP(d, 16, c).to(dtype)
-    return model, X, y
-
-
-def loader(X, y=None, bs=32):
-    ds = torch.utils.data.TensorDataset(X, y) if y is not None else torch.utils.data.TensorDataset(X)
-    return torch.utils.data.DataLoader(ds, batch_size=bs)
-
-
-def acts(model, X):
-    model.eval()
-    with torch.no_grad():
-        H = model.body(X)
-        return H.double().numpy(), model.fc(H).double().numpy()
-
-
-def hook_count(model):
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-
-
-# -- evaluate -----------------------------------------------------------------
-
-def test_evaluate_matches_oracle_and_direct_moments():
-    model, X, y = make()
-    model.train()  # evaluate must switch to eval (dropout off) and back
-    rep = richness.evaluate(model, loader(X, y), progress=False)
-    assert model.training and model.drop.training
-    H, F = acts(model, X)
-    want, r = dlr_naive(H, F)
-    assert rep.n == 240 and rep.rank == r == 4
-    assert abs(rep.dlr - want) < 1e-12
-    assert abs(rep.nc1 - nc1_naive(H, y.numpy())) < 1e-9 * nc1_naive(H, y.numpy())
-    m = richness.Moments()
-    m.update(H, F, labels=y.numpy())
-    direct = m.compute()
-    np.testing.assert_allclose(rep.eigenvalues, direct.eigenvalues, rtol=1e-10, atol=1e-14)
-    np.testing.assert_allclose(rep.utilization, direct.utilization, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(rep.quality, direct.quality, rtol=1e-9, atol=1e-12)
-    assert hook_count(model) == 0
-
-
-def test_evaluate_held_out_and_head_by_name_and_module():
-    model, X, y = make(n=300)
-    Xt, yt = X[200:], y[200:]
-    X, y = X[:200], y[:200]
-    a = richness.evaluate(model, loader(X, y), test_loader=loader(Xt, yt), head="fc", progress=False)
-    b = richness.evaluate(model, loader(X, y), test_loader=loader(Xt, yt), head=model.fc, progress=False)
-    H, F = acts(model, X)
-    Ht, Ft = acts(model, Xt)
-    m, t = richness.Moments(), richness.Moments()
-    m.update(H, F, labels=y.numpy())
-    t.update(Ht, Ft, labels=yt.numpy())
-    ref = m.compute(test=t)
-    for rep in (a, b):
-        assert abs(rep.dlr - ref.dlr) < 1e-12
-        np.testing.assert_allclose(rep.test_utilization, ref.test_utilization, rtol=1e-9)
-        np.testing.assert_allclose(rep.test_quality, ref.test_quality, rtol=1e-9)
-        np.testing.assert_allclose(rep.test_eigenfunction_norms, ref.test_eigenfunction_norms, rtol=1e-9)
-
-
-class ScaledHead(nn.Module):
-    """A non-linear read-out: outputs are streamed, not derived from weights."""
-
-    def __init__(self, h, c):
-        super().__init__()
-        self.lin = nn.Linear(h, c)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
-def test_evaluate_non_linear_head_streams_outputs():
-    model, X, y = make()
-    model.fc = ScaledHead(16, 4).double()
-    rep = richness.evaluate(model, loader(X), head="fc", progress=False, precision="fp64")
-    model.eval()
-    with torch.no_grad():
-        H = model.body(X).numpy()
-        F = model(X).numpy()
-    want, _ = dlr_naive(H, F)
-    assert abs(rep.dlr - want) < 1e-12
-    assert rep.nc1 is None
-
-
-def test_float_labels_are_targets():
-    model, X, _ = make()
-    t = torch.randn(240, 2, dtype=torch.float64)
-    rep = richness.evaluate(model, loader(X, t), progress=False)
-    H, F = acts(model, X)
-    m = richness.Moments()
-    m.update(H, F, targets=t.numpy())
-    np.testing.assert_allclose(rep.quality, m.compute().quality, rtol=1e-9)
-
-
-def test_head_not_found_lists_candidates():
-    class PostProcessed(MLP):
-        def forward(self, x):
-            return torch.log_softmax(super().forward(x), dim=1)
-
-    model = PostProcessed().double()
-    X = torch.randn(40, 8, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"'fc' \(Linear 16 -> 4\)"):
-        richness.evaluate(model, loader(X), progress=False)
-    assert hook_count(model) == 0
-    with pytest.raises(ValueError, match="no submodule named 'nope'.*'fc'"):
-        richness.evaluate(model, loader(X), head="nope", progress=False)
-    with pytest.raises(TypeError, match="submodule or its dotted name"):
-        richness.evaluate(model, loader(X), head=np.zeros((4, 16)), progress=False)
-    # with the head named, the post-processed model works
-    rep = richness.evaluate(model, loader(X), head="fc", progress=False)
-    H, _ = acts(model, X)
-    with torch.no_grad():
-        F = model.fc(torch.tensor(H)).numpy()
-    assert abs(rep.dlr - dlr_naive(H, F)[0]) < 1e-12
-
-
-def test_hooks_removed_and_modes_restored_after_exception():
-    model, X, y = make()
-    model.train()
-    model.body.eval()  # a mixed mode must come back exactly
-
-    def bad_loader():
-        yield X[:32], y[:32]
-        yield X[32:64], y[32:64]
-        raise RuntimeError("disk on fire")
-
-    for head in (None, "fc"):
-        with pytest.raises(RuntimeError, match="disk on fire"):
-            richness.evaluate(model, bad_loader(), head=head, progress=False)
-        assert hook_count(model) == 0
-        assert model.training and model.fc.training and not model.body.training
-    # a failing forward also cleans up
-    with pytest.raises(RuntimeError):
-        richness.evaluate(model, loader(torch.randn(10, 3, dtype=torch.float64)), progress=False)
-    assert hook_count(model) == 0
-
-
-def spy_update_threads(monkeypatch) -> list:
-    """(rows, the core's thread count) of every Moments.update from now on."""
-    seen = []
-    orig = richness.Moments.update
-
-    def spy(self, features, *args, **kwargs):
-        seen.append((int(features.shape[0]), _core.blas_get_num_threads()))
-        return orig(self, features, *args, **kwargs)
-
-    monkeypatch.setattr(richness.Moments, "update", spy)
-    return seen
-
-
-def test_blas_threads_never_exceed_torch_and_are_restored(monkeypatch):
-    seen = spy_update_threads(monkeypatch)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 3))
-    X = torch.randn(700, 8)
-    before = _core.blas_get_num_threads()
-    old = torch.get_num_threads()
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            seen.clear()
-            richness.evaluate(model, loader(X, bs=600), progress=False)
-            # 600 x 512^2 multiply-adds is above the small-product cut: torch's count;
-            # the last 100 rows are below it: one thread
-            assert seen == [(600, t), (100, 1)]
-    finally:
-        torch.set_num_threads(old)
-    assert _core.blas_get_num_threads() == before
-
-
-def test_monitor_window_update_threads(monkeypatch):
-    # the Monitor's window is added as one batch; one core worker below 2^30
-    # multiply-adds (torch's threads are still spinning from the step), torch's
-    # count above
-    seen = spy_update_threads(monkeypatch)
-    torch.manual_seed(0)
-    head = nn.Linear(1024, 3)
-    before, old = _core.blas_get_num_threads(), torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        with richness.Monitor(head, every=2, window=2) as mon:
-            for rows in (300, 300, 512, 512):  # windows of 600 and 1,024 rows (p = 1,024)
-                head(torch.randn(rows, 1024))
-                mon.step()
-        assert seen == [(600, 1), (1024, 2)]
-        assert [r["n"] for r in mon.history] == [600, 1024]
-    finally:
-        torch.set_num_threads(old)
-    assert _core.blas_get_num_threads() == before
-
-
-def test_progress_bar_reports_samples(capsys):
-    pytest.importorskip("tqdm")
-    model, X, y = make()
-    richness.evaluate(model, loader(X, y), progress=True)
-    err = capsys.readouterr().err
-    assert "sample/s" in err
-
-
-def test_dict_batches_and_batch_fn():
-    model, X, y = make()
-
-    class KW(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x)
-
-    kw = KW(model)
-    batches = [{"x": X[i:i + 50], "labels": y[i:i + 50]} for i in range(0, 240, 50)]
-    a = richness.evaluate(kw, batches, progress=False)
-    b = richness.evaluate(model, [(X[i:i + 50], y[i:i + 50]) for i in range(0, 240, 50)], progress=False,
-                          batch_fn=lambda bt: (bt[0], bt[1]))
-    H, F = acts(model, X)
-    want = dlr_naive(H, F)[0]
-    assert abs(a.dlr - want) < 1e-12 and abs(b.dlr - want) < 1e-12
-    assert abs(a.nc1 - nc1_naive(H, y.numpy())) < 1e-9 * a.nc1
-
-
-# -- sequence models ------------------------------------------------------------
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=11, d=6):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.mix = nn.Linear(d, d)
-        self.lm_head = nn.Linear(d, vocab)
-
-    def forward(self, input_ids, attention_mask=None):
-        h = torch.tanh(self.mix(self.emb(input_ids)))
-        h = h + h.cumsum(dim=1) * 0.1
-        return {"logits": self.lm_head(h)}
-
-
-def lm_setup():
-    torch.manual_seed(1)
-    model = TinyLM().double()
-    ids = torch.randint(0, 11, (40, 7))
-    lengths = torch.randint(3, 8, (40,))
-    mask = torch.arange(7)[None, :] < lengths[:, None]
-    return model, ids, mask, lengths
-
-
-def lm_feats(model, ids):
-    with torch.no_grad():
-        h = torch.tanh(model.mix(model.emb(ids)))
-        h = h + h.cumsum(dim=1) * 0.1
-        return h, model.lm_head(h)
-
-
-@pytest.mark.parametrize("mode", ["all", "last", "mask"])
-def test_sequence_token_selection(mode):
-    model, ids, mask, lengths = lm_setup()
-    batches = [{"input_ids": ids[i:i + 8], "attention_mask": mask[i:i + 8]} for i in range(0, 40, 8)]
-    H, F = lm_feats(model, ids)
-    if mode == "all":  # padding excluded through attention_mask
-        rep = richness.evaluate(model, batches, progress=False, tokens="all")
-        Hs, Fs = H[mask], F[mask]
-    elif mode == "last":  # last non-padding position of each sequence
-        rep = richness.evaluate(model, batches, progress=False, tokens="last")
-        rows = torch.arange(40)
-        Hs, Fs = H[rows, lengths - 1], F[rows, lengths - 1]
-    else:  # a fixed boolean mask over positions, applied on top of nothing else
-        keep = torch.tensor([False, True, True, False, True, False, True])
-        rep = richness.evaluate(model, [{"input_ids": b["input_ids"]} for b in batches], progress=False, tokens=keep)
-        Hs, Fs = H[:, keep].reshape(-1, 6), F[:, keep].reshape(-1, 11)
-    want, r = dlr_naive(Hs.numpy(), Fs.numpy())
-    assert rep.n == Hs.shape[0]
-    assert rep.rank == r
-    assert abs(rep.dlr - want) < 1e-10
-
-
-def test_sequence_per_token_labels_follow_mask():
-    model, ids, mask, _ = lm_setup()
-    labels = torch.randint(0, 5, (40, 7))
-    batches = [{"input_ids": ids[i:i + 8], "attention_mask": mask[i:i + 8], "labels": labels[i:i + 8]}
-               for i in range(0, 40, 8)]
-    rep = richness.evaluate(model, batches, progress=False)
-    H, _ = lm_feats(model, ids)
-    assert abs(rep.nc1 - nc1_naive(H[mask].numpy(), labels[mask].numpy())) < 1e-8 * rep.nc1
-    with pytest.raises(ValueError, match="tokens mask"):
-        richness.evaluate(model, batches, progress=False, tokens=torch.ones(5, dtype=torch.bool))
-    with pytest.raises(ValueError, match="tokens must be"):
-        richness.evaluate(model, batches, progress=False, tokens="first")
-
-
-# -- Monitor --------------------------------------------------------------------
 
 def train_with_monitor(mon_kwargs, steps=12, bs=48, seed=0, record_window=None):
     model, X, y = make(n=steps * bs, seed=seed, dtype=torch.float32)
@@ -454,58 +147,6 @@ def test_monitor_default_window_is_idle_most_steps():
     mon.close()
     assert sum(active) == 10 and active[-10:] == [True] * 10
     assert mon.history[0]["step"] == 100 and mon.history[0]["n"] == 80
-
-
-# -- saved state ----------------------------------------------------------------
-
-def test_saved_state_survives_kill_between_saves(tmp_path):
-    path = tmp_path / "state.npz"
-    script = textwrap.dedent(f"""
-        import numpy as np, richness, sys
-        rng = np.random.default_rng(0)
-        m = richness.Moments()
-        m.update(rng.normal(size=(50, 8)), rng.normal(size=(50, 3)))
-        m.save({str(path)!r})
-        print("first", m.n, flush=True)
-        big = richness.Moments()
-        big.update(rng.normal(size=(2000, 700)))
-        while True:  # second save, killed somewhere inside it
-            big.save({str(path)!r})
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().split() == ["first", "50"]
-    time.sleep(0.4)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    m = richness.Moments.load(path)  # still valid: the old state or a complete new one
-    assert m.n in (50, 2000)
-    if m.n == 50:
-        rng = np.random.default_rng(0)
-        X, F = rng.normal(size=(50, 8)), rng.normal(size=(50, 3))
-        assert abs(m.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
-    leftovers = [f for f in os.listdir(tmp_path) if f != "state.npz"]
-    assert all(f.startswith(".state.npz.richness-") for f in leftovers)  # only a temp file can remain
-
-
-def test_head_found_when_another_linear_runs_after_it():
-    class AuxAfter(MLP):
-        def __init__(self):
-            super().__init__()
-            self.aux = nn.Linear(16, 3)
-
-        def forward(self, x):
-            h = self.body(x)
-            out = self.fc(h)
-            self.aux(h)  # runs after the head; the head's output is still the model's output
-            return out
-
-    torch.manual_seed(2)
-    model = AuxAfter().double()
-    X = torch.randn(90, 8, dtype=torch.float64)
-    rep = richness.evaluate(model, loader(X), progress=False)
-    H, F = acts(model, X)
-    assert rep.n == 90 and abs(rep.dlr - dlr_naive(H, F)[0]) < 1e-12
-    assert hook_count(model) == 0
 
 
 def test_monitor_sequence_model_with_vocabulary_larger_than_features():
@@ -704,9 +345,10 @@ def test_monitor_lag_one_equals_grouped():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 5e-3)])
 def test_monitor_one_batch_centering_survives_a_large_mean(dtype, tol, gram_route):
-    # SPEC.md: float32 features with a mean of 1e4 and a spread of 1e-2 give DLR to
-    # 1e-6 (one-pass float32 centering gives 6e-2); bfloat16 features (spacing 64
-    # near 1e4 cannot hold that case) with a mean of 10 and a spread of 1.
+    # docs/MATH.md, streaming estimator: float32 features with a mean of 1e4 and a
+    # spread of 1e-2 give DLR to 1e-6 (one-pass float32 centering gives 6e-2);
+    # bfloat16 features (spacing 64 near 1e4 cannot hold that case) with a mean
+    # of 10 and a spread of 1.
     torch.manual_seed(0)
     head = nn.Linear(64, 5)
     mean, spread = (1e4, 1e-2) if dtype == torch.float32 else (10.0, 1.0)

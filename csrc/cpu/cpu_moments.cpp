@@ -1,7 +1,7 @@
 // Where a batch enters (CpuMoments::update), is validated (validate_batch),
 // multiplied (update_typed) and merged into the float64 state (merge_block).
-#include "moments.hpp"
-#include "msg.hpp"
+#include "cpu_moments.hpp"
+#include "../common/msg.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -143,7 +143,7 @@ inline int64_t label_at(const Matrix& y, int64_t i) {
 }
 
 
-// Column means in float64 (SPEC: the batch mean is never formed in a narrower
+// Column means in float64 (docs/MATH.md, "Streaming estimator": the batch mean is never formed in a narrower
 // type). Also the finiteness check: a finite sum of finite values is finite,
 // so only a non-finite sum needs the element-wise count.
 void add_column_sums(const Matrix& m, int64_t r0, int64_t r1, double* s) {
@@ -249,7 +249,7 @@ inline void gemm_tn(int64_t m, int64_t n, int64_t k, const double* a, const doub
 }
 
 // Centered copy in the product type: the subtraction happens in float64,
-// before the narrowing (SPEC: mean 1e4, spread 1e-2 survives in float32).
+// before the narrowing (docs/MATH.md, "Streaming estimator": mean 1e4, spread 1e-2 survives in float32).
 template <typename T>
 void center_rows(const Matrix& m, const std::vector<double>& mu, T* out, int64_t r0, int64_t r1) {
   const double* u = mu.data();

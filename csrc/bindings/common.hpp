@@ -1,0 +1,171 @@
+// What the CPU (_core) and CUDA (_cuda) bindings share: batches as named
+// (pointer, rows, cols, row stride, dtype name) tuples, precisions by name,
+// and the state as a dict of numpy arrays (the keys and shapes of
+// RICHNESS_STATE_ARRAYS; python/richness/_state.py validates the same).
+// Names rather than integer codes cross the boundary: the state dict and the
+// saved file store names too, so no order is serialised.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../common/state.hpp"
+#include "../common/types.hpp"
+
+namespace richness {
+namespace pystate {
+
+namespace py = pybind11;
+
+// (pointer, rows, cols, row stride in elements, dtype name as numpy spells it)
+using MatrixArg = std::tuple<uintptr_t, int64_t, int64_t, int64_t, std::string>;
+
+inline DType dtype_of(const std::string& name) {
+#define RICHNESS_MATCH(code, dname) \
+  if (name == #dname) return DType::code;
+  RICHNESS_DTYPES(RICHNESS_MATCH)
+#undef RICHNESS_MATCH
+  throw type_error("unknown dtype " + name);
+}
+
+inline Precision precision_of(const std::string& name) {
+#define RICHNESS_MATCH(pname) \
+  if (name == #pname) return Precision::pname;
+  RICHNESS_PRECISIONS(RICHNESS_MATCH)
+#undef RICHNESS_MATCH
+  throw std::invalid_argument("unknown precision " + name);
+}
+
+inline std::vector<std::string> precision_names() {
+  return {
+#define RICHNESS_LIST(pname) #pname,
+      RICHNESS_PRECISIONS(RICHNESS_LIST)
+#undef RICHNESS_LIST
+  };
+}
+
+inline Matrix to_matrix(const MatrixArg& a) {
+  Matrix m;
+  m.ptr = reinterpret_cast<const void*>(std::get<0>(a));
+  m.rows = std::get<1>(a);
+  m.cols = std::get<2>(a);
+  m.ld = std::get<3>(a);
+  m.dtype = dtype_of(std::get<4>(a));
+  return m;
+}
+
+// A batch's matrices and the Batch that points at them (keep this object
+// alive while the Batch is used).
+struct BatchArgs {
+  Matrix features, outputs, labels, targets;
+  bool has_outputs = false, has_labels = false, has_targets = false;
+
+  BatchArgs(const MatrixArg& x, const std::optional<MatrixArg>& o, const std::optional<MatrixArg>& y,
+            const std::optional<MatrixArg>& t)
+      : features(to_matrix(x)) {
+    if (o) { outputs = to_matrix(*o); has_outputs = true; }
+    if (y) { labels = to_matrix(*y); has_labels = true; }
+    if (t) { targets = to_matrix(*t); has_targets = true; }
+  }
+  BatchArgs(const BatchArgs&) = delete;
+
+  Batch batch() const {
+    Batch b;
+    b.features = features;
+    b.outputs = has_outputs ? &outputs : nullptr;
+    b.labels = has_labels ? &labels : nullptr;
+    b.targets = has_targets ? &targets : nullptr;
+    return b;
+  }
+};
+
+// The named batch arguments every update-like binding takes.
+#define RICHNESS_BATCH_ARGS                                                                     \
+  py::arg("features"), py::arg("outputs") = py::none(), py::arg("labels") = py::none(),        \
+      py::arg("targets") = py::none()
+
+// Copies a row-major lower triangle into a full symmetric array.
+inline py::array_t<double> symmetric(const std::vector<double>& lower, int64_t n) {
+  py::array_t<double> out({n, n});
+  double* o = out.mutable_data();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j <= i; ++j) o[i * n + j] = o[j * n + i] = lower[i * n + j];
+  return out;
+}
+
+template <typename T>
+py::array_t<T> array_of(const std::vector<T>& v, int64_t rows, int64_t cols, bool vector) {
+  py::array_t<T> out = vector ? py::array_t<T>(std::vector<int64_t>{cols})
+                              : py::array_t<T>(std::vector<int64_t>{rows, cols});
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+// One state array as numpy: symmetric matrices (kept as their lower triangle)
+// filled, vectors 1-D.
+inline py::object export_array(const std::vector<double>& v, int64_t rows, int64_t cols, bool sym, bool vec) {
+  if (sym) return symmetric(v, rows);
+  return array_of(v, rows, cols, vec);
+}
+inline py::object export_array(const std::vector<int64_t>& v, int64_t rows, int64_t cols, bool, bool vec) {
+  return array_of(v, rows, cols, vec);
+}
+
+// Host-known facts of a state: widths, class count, precision.
+inline py::dict shape_of(const State& s) {
+  py::dict d;
+  d["p"] = s.p;
+  d["c"] = s.c;
+  d["t"] = s.t;
+  d["k"] = s.k;
+  d["num_classes"] = s.num_classes;
+  d["precision"] = precision_name(s.precision);
+  return d;
+}
+
+inline py::dict export_state(const State& s) {
+  py::dict d = shape_of(s);
+  d["n"] = s.n;
+#define RICHNESS_EXPORT(name, type, rows, cols, sym) \
+  d[#name] = export_array(s.name, s.size(rows), s.size(cols), sym, rows == Dim::one);
+  RICHNESS_STATE_ARRAYS(RICHNESS_EXPORT)
+#undef RICHNESS_EXPORT
+  return d;
+}
+
+template <typename T>
+std::vector<T> take(const py::dict& d, const char* key, int64_t size) {
+  auto a = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(d[key]);
+  if (!a) throw std::invalid_argument(std::string("state key '") + key + "' is not a numeric array");
+  if (a.size() != size)
+    throw std::invalid_argument(std::string("state key '") + key + "' has " + std::to_string(a.size()) +
+                                " values, expected " + std::to_string(size));
+  return std::vector<T>(a.data(), a.data() + a.size());
+}
+
+inline State import_state(const py::dict& d) {
+  State s;
+  s.n = d["n"].cast<int64_t>();
+  s.p = d["p"].cast<int64_t>();
+  s.c = d["c"].cast<int64_t>();
+  s.t = d["t"].cast<int64_t>();
+  s.k = d["k"].cast<int64_t>();
+  s.num_classes = d["num_classes"].cast<int64_t>();
+  s.precision = precision_of(d["precision"].cast<std::string>());
+  // Symmetric matrices arrive full; the lower half is what is read.
+#define RICHNESS_IMPORT(name, type, rows, cols, sym) s.name = take<type>(d, #name, s.size(rows) * s.size(cols));
+  RICHNESS_STATE_ARRAYS(RICHNESS_IMPORT)
+#undef RICHNESS_IMPORT
+  s.check_consistent();
+  return s;
+}
+
+}  // namespace pystate
+}  // namespace richness

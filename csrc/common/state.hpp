@@ -1,0 +1,120 @@
+// The streamed float64 co-moment state (docs/MATH.md, "Streaming estimator")
+// and the rules for merging two of them. Its arrays are declared once, in
+// RICHNESS_STATE_ARRAYS; python/richness/_state.py holds the same list.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "msg.hpp"
+#include "types.hpp"
+
+namespace richness {
+
+// Throws unless a state of widths `a` may absorb one of widths `b` (b is not
+// empty). An empty `a` takes b's widths, within its own num_classes.
+inline void check_mergeable(const Widths& a, const Widths& b) {
+  auto differ = [](const char* what, int64_t x, int64_t y) {
+    Msg os;
+    os << "cannot merge: " << what << " differ (" << x << " here, " << y << " in the other)";
+    throw std::invalid_argument(os.str());
+  };
+  if (a.p >= 0 && a.n > 0) {
+    if (b.p != a.p) differ("feature widths", a.p, b.p);
+    if ((b.c < 0) != (a.c < 0)) throw std::invalid_argument("cannot merge: only one side streamed outputs");
+    if ((b.t < 0) != (a.t < 0)) throw std::invalid_argument("cannot merge: only one side streamed targets");
+    if ((b.k < 0) != (a.k < 0)) throw std::invalid_argument("cannot merge: only one side streamed labels");
+    if (a.c >= 0 && b.c != a.c) differ("output widths", a.c, b.c);
+    if (a.t >= 0 && b.t != a.t) differ("target widths", a.t, b.t);
+    if (a.k >= 0 && a.num_classes >= 0 && b.k > a.num_classes) differ("class counts", a.num_classes, b.k);
+  } else if (a.num_classes >= 0 && b.k > a.num_classes) {
+    Msg os;
+    os << "cannot merge: the other state has " << b.k << " classes, more than num_classes=" << a.num_classes;
+    throw std::invalid_argument(os.str());
+  }
+}
+
+// The widths an array of the state is measured in.
+enum class Dim { one, p, c, t, k };
+
+// The state's arrays, the one list the C++ side reads (bindings export and
+// import them, check_consistent and shape() size them): name, element type,
+// rows, columns, symmetric. Symmetric matrices are kept in their lower
+// triangle (row-major, i >= j) and exported full. python/richness/_state.py
+// (FIELDS) lists the same arrays in the same order; a test compares the two.
+// Adding an array: one line here, one there, and its arithmetic in the
+// backends' update and merge.
+#define RICHNESS_STATE_ARRAYS(X)                    \
+  X(mean, double, Dim::one, Dim::p, false)          \
+  X(M, double, Dim::p, Dim::p, true)                \
+  X(out_mean, double, Dim::one, Dim::c, false)      \
+  X(B, double, Dim::p, Dim::c, false)               \
+  X(A, double, Dim::c, Dim::c, true)                \
+  X(tgt_mean, double, Dim::one, Dim::t, false)      \
+  X(Bt, double, Dim::p, Dim::t, false)              \
+  X(At, double, Dim::t, Dim::t, true)               \
+  X(class_counts, int64_t, Dim::one, Dim::k, false) \
+  X(class_sums, double, Dim::k, Dim::p, false)  // raw sums: float64 range (docs/MATH.md, "NC1")
+
+// The float64 state at rest.
+struct State {
+  int64_t n = 0;
+  int64_t p = -1;            // feature width, fixed by the first update
+  int64_t c = -1;            // output width, -1 = outputs not streamed
+  int64_t t = -1;            // float-target width, -1 = not streamed
+  int64_t k = -1;            // classes, -1 = labels not streamed
+  int64_t num_classes = -1;  // fixed class count, -1 = grows with the labels
+  Precision precision = Precision::fp64;  // coarsest product precision so far
+
+#define RICHNESS_DECLARE(name, type, rows, cols, sym) std::vector<type> name;
+  RICHNESS_STATE_ARRAYS(RICHNESS_DECLARE)
+#undef RICHNESS_DECLARE
+
+  // The size of a dimension (a stream not present counts 0).
+  int64_t size(Dim d) const {
+    switch (d) {
+      case Dim::one: return 1;
+      case Dim::p: return p < 0 ? 0 : p;
+      case Dim::c: return c < 0 ? 0 : c;
+      case Dim::t: return t < 0 ? 0 : t;
+      case Dim::k: return k < 0 ? 0 : k;
+    }
+    return 0;
+  }
+
+  bool empty() const { return n == 0; }
+  void reset();                        // forget samples; keep num_classes
+  void check_consistent() const;       // sizes agree with p, c, t, k
+  // Chan et al. pairwise merge of another state into this one (exact up to
+  // rounding; merge order changes results only at rounding level).
+  void merge(const State& other);
+};
+
+// Header-inline so that the device backend (which does not link the CPU
+// core) validates imported states with the same rules.
+inline void State::check_consistent() const {
+  auto need = [](bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string("inconsistent state: ") + what);
+  };
+  need(n >= 0, "n is negative");
+  if (n == 0 && p < 0) return;
+  need(p >= 1, "feature width must be positive");
+  need(c == -1 || c >= 1, "output width");
+  need(t == -1 || t >= 1, "target width");
+  need(k == -1 || k >= 0, "class count");
+#define RICHNESS_CHECK_SIZE(name, type, rows, cols, sym) \
+  need((int64_t)name.size() == size(rows) * size(cols), #name " does not match the widths");
+  RICHNESS_STATE_ARRAYS(RICHNESS_CHECK_SIZE)
+#undef RICHNESS_CHECK_SIZE
+  need(num_classes < 0 || k <= num_classes, "more classes than num_classes");
+  int64_t total = 0;
+  for (int64_t v : class_counts) {
+    need(v >= 0, "negative class count");
+    total += v;
+  }
+  need(k < 0 || total == n, "class counts do not add up to n");
+}
+
+}  // namespace richness

@@ -1,0 +1,85 @@
+// The CPU backend: centers each batch on its float64 mean, multiplies with
+// BLAS, merges into the float64 state (common/state.hpp).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../common/state.hpp"
+#include "../common/types.hpp"
+
+namespace richness {
+
+// Float64 column means of a batch's float inputs (the CPU computes them
+// while checking finiteness).
+struct BatchMeans {
+  std::vector<double> features, outputs, targets;
+  // Largest column range (max - min) and largest magnitude of each input,
+  // exact in float64: they tell overflow and underflow from the data.
+  double range[3] = {0, 0, 0}, magnitude[3] = {0, 0, 0};
+};
+
+// Raised when a state or a batch's scratch cannot fit in this machine's
+// memory (checked before allocating); bindings map it to MemoryError.
+struct memory_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// CPU backend: centers each batch on its float64 mean, multiplies with BLAS
+// (ssyrk/dsyrk for M and A, gemm for B), merges with State::merge semantics.
+//
+// Thread-safe: every public method holds the object's mutex for its whole
+// call, so several threads may update, merge into and read one CpuMoments;
+// each call sees (and leaves) a state between whole batches. Bindings release
+// the GIL before calling (a waiting thread never holds it).
+class CpuMoments {
+ public:
+  explicit CpuMoments(int64_t num_classes = -1) { state_.num_classes = num_classes; }
+
+  // precision: fp64 multiplies in double; fp32 in float (float16/bfloat16
+  // inputs are widened to float after centering). tf32/bf16 are GPU modes.
+  // On any error (bad input, overflow, out of memory) the state is unchanged.
+  void update(const Batch& b, Precision precision);
+  void merge(const CpuMoments& other);
+  void reset();
+
+  State snapshot() const;      // a consistent copy of the state
+  State widths() const;        // its scalar fields only (n, widths, precision), no arrays
+  void set_state(State s);     // replaces the state (s already validated)
+  int64_t n() const;
+  int64_t p() const;
+
+ private:
+  mutable std::mutex mu_;  // guards state_ and the scratch
+  State state_;
+  // Scratch reused across batches: centered blocks and their products.
+  template <typename T>
+  struct Scratch {
+    std::vector<T> x, f, t;                       // centered blocks, rows split among workers
+    std::vector<std::vector<T>> M, B, A, Bt, At;  // one partial product per worker
+  };
+  Scratch<float> scratch_f_;
+  Scratch<double> scratch_d_;
+  void update_locked(const Batch& b, Precision precision);
+  template <typename T>
+  void update_typed(const Batch& b, const BatchMeans& means, Precision precision, Scratch<T>& sc);
+};
+
+// Gram matrices of consecutive blocks of `per` rows of x, each block centered
+// on its own float64 column means before narrowing (as in an update): out holds
+// rows / per full symmetric per x per matrices, row-major, in double for fp64
+// and float otherwise; norms their Frobenius norms (float64). Non-finite
+// inputs propagate (no check). Runs on the worker threads, one block per BLAS
+// call.
+void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out, double* norms);
+
+// BLAS facts for `richness info`, and the number of worker threads an update
+// uses (each calls BLAS single-threaded; see CpuMoments::update_typed).
+std::string blas_info();
+int blas_get_num_threads();
+void blas_set_num_threads(int n);
+
+}  // namespace richness

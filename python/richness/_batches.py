@@ -1,0 +1,237 @@
+"""Rows from a loader's batches: splitting a batch into inputs, labels and
+padding mask, calling the model, selecting token positions of sequence
+models (``tokens``), shifting causal-LM labels (``shift_labels``), labels as
+``Moments.update`` keyword arguments, and layer activations as one row per
+sample. Shared by ``richness.evaluate`` and ``richness.Monitor``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple, Union
+
+
+def split_batch(batch: Any, batch_fn: Optional[Callable] = None) -> Tuple[Any, Any, Any]:
+    """``(inputs, labels_or_targets, attention_mask)`` of one loader batch.
+
+    Default: a tensor is the input; ``(x, y)`` / ``[x, y]`` gives input and
+    labels (``(x,)`` no labels); a dict is passed as keyword arguments with
+    ``labels``/``label`` taken out as labels and ``attention_mask`` used as
+    the padding mask. ``batch_fn(batch)`` may return ``inputs`` or
+    ``(inputs, labels)``.
+    """
+    mask = None
+    if batch_fn is not None:
+        res = batch_fn(batch)
+        if isinstance(res, tuple) and len(res) == 2:
+            inputs, labels = res
+        else:
+            inputs, labels = res, None
+    elif isinstance(batch, dict):
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "label")}
+        labels = batch.get("labels", batch.get("label"))
+    elif isinstance(batch, (tuple, list)):
+        if len(batch) == 0:
+            raise ValueError("the loader yielded an empty batch")
+        inputs = batch[0]
+        labels = batch[1] if len(batch) >= 2 else None
+    else:
+        inputs, labels = batch, None
+    if isinstance(inputs, dict):
+        mask = inputs.get("attention_mask")
+    return inputs, labels, mask
+
+
+def to_device(x: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(v, device) for v in x)
+    return x
+
+
+def call_model(model: Any, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def batch_size_of(inputs: Any) -> int:
+    import torch
+
+    if isinstance(inputs, torch.Tensor):
+        return int(inputs.shape[0]) if inputs.ndim else 1
+    if isinstance(inputs, dict):
+        for v in inputs.values():
+            if isinstance(v, torch.Tensor) and v.ndim:
+                return int(v.shape[0])
+    if isinstance(inputs, (tuple, list)):
+        for v in inputs:
+            if isinstance(v, torch.Tensor) and v.ndim:
+                return int(v.shape[0])
+    return 0
+
+
+TokensSpec = Union[str, Any, Callable]
+
+
+def check_tokens(tokens: Any) -> None:
+    import torch
+
+    if isinstance(tokens, str):
+        if tokens not in ("all", "last"):
+            raise ValueError(f"tokens must be 'all', 'last', a boolean mask or a callable, got {tokens!r}")
+    elif not (callable(tokens) or isinstance(tokens, torch.Tensor)):
+        raise TypeError(f"tokens must be 'all', 'last', a boolean mask tensor or a callable, got {type(tokens).__name__}")
+    elif isinstance(tokens, torch.Tensor) and tokens.dtype != torch.bool:
+        raise TypeError(f"a tokens mask must be a boolean tensor, got dtype {tokens.dtype}")
+
+
+def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch: Any = None,
+                attention_mask: Any = None) -> Tuple[Any, Any, Any]:
+    """Flatten head activations to rows: 2-D passes through; 3-D ``(b, T, p)``
+    keeps the positions ``tokens`` selects (padding, by ``attention_mask``,
+    excluded). Labels of shape ``(b, T)`` follow the same selection; labels
+    that do not line up with the rows raise."""
+    import torch
+
+    if feats is None or not isinstance(feats, torch.Tensor):
+        raise ValueError(f"the head's input is not a tensor (got {type(feats).__name__})")
+    if isinstance(outs, torch.Tensor) is False:
+        outs = None
+    if feats.ndim == 2:
+        if labels is not None and labels.shape[0] != feats.shape[0]:
+            raise ValueError(f"labels have {labels.shape[0]} rows but the head saw {feats.shape[0]} samples")
+        return feats, outs, labels
+    if feats.ndim == 1:
+        return feats.reshape(1, -1), (outs.reshape(1, -1) if outs is not None else None), labels
+    if feats.ndim != 3:
+        raise ValueError(f"head input of shape {tuple(feats.shape)}: expected (batch, features) or "
+                         "(batch, tokens, features)")
+    b, T, p = feats.shape
+    mask = None
+    if callable(tokens) and not isinstance(tokens, torch.Tensor):
+        mask = tokens(batch)
+    elif isinstance(tokens, torch.Tensor):
+        mask = tokens
+    if mask is not None:
+        mask = mask.to(feats.device)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"a tokens mask must be boolean, got dtype {mask.dtype}")
+        if mask.ndim == 1 and mask.shape[0] == T:
+            mask = mask.expand(b, T)
+        if tuple(mask.shape) != (b, T):
+            raise ValueError(f"tokens mask has shape {tuple(mask.shape)}, the head input has (batch, tokens) = {(b, T)}")
+    if attention_mask is not None and tuple(attention_mask.shape) == (b, T):
+        # padding is never counted, whatever else selects the positions
+        pad = attention_mask.to(feats.device).bool()
+        mask = pad if mask is None else mask & pad
+    if isinstance(tokens, str) and tokens == "last":
+        if mask is None:
+            idx = torch.full((b,), T - 1, dtype=torch.long, device=feats.device)
+        else:  # last position the padding mask keeps (left or right padding)
+            pos = torch.arange(T, device=feats.device).expand(b, T)
+            idx = torch.where(mask, pos, torch.full_like(pos, -1)).amax(dim=1).clamp_min(0)
+        rows = torch.arange(b, device=feats.device)
+        f2 = feats[rows, idx]
+        o2 = outs[rows, idx] if outs is not None and outs.ndim == 3 else outs
+        if labels is not None:
+            if labels.ndim == 2 and tuple(labels.shape) == (b, T):
+                labels = labels.to(feats.device)[rows, idx]
+            elif labels.shape[0] != b:
+                raise ValueError(f"labels of shape {tuple(labels.shape)} do not match {b} sequences")
+        return f2, o2, labels
+    if mask is None:
+        f2 = feats.reshape(b * T, p)
+        o2 = outs.reshape(b * T, -1) if outs is not None and outs.ndim == 3 else outs
+        if labels is not None:
+            if tuple(labels.shape[:2]) != (b, T):
+                raise ValueError(f"labels of shape {tuple(labels.shape)} do not line up with the {b} x {T} "
+                                 "token positions; give per-token labels or tokens='last'")
+            labels = labels.reshape(b * T, *labels.shape[2:])
+        return f2, o2, labels
+    f2 = feats[mask]  # boolean indexing: a device sync on CUDA (documented)
+    o2 = outs[mask] if outs is not None and outs.ndim == 3 else outs
+    if labels is not None:
+        if tuple(labels.shape[:2]) != (b, T):
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not line up with the {b} x {T} "
+                             "token positions; give per-token labels or tokens='last'")
+        labels = labels.to(mask.device)[mask]
+    return f2, o2, labels
+
+
+def shift_for_next_token(feats: Any, outs: Any, labels: Any, attention_mask: Any, tokens: TokensSpec
+                         ) -> Tuple[Any, Any, Any, Any, TokensSpec]:
+    """Causal-LM labels (HF style, ``labels=input_ids``): the class of position
+    i is the token at i + 1. Positions 0..T-2 are kept with labels[:, 1:]; the
+    last position has no label. A position is dropped when its label is
+    negative (HF's ignore index -100) or when it or the next one is padding.
+    A tokens mask (or callable) of shape (b, T) is cut to the kept positions."""
+    import torch
+
+    if labels is None:
+        raise ValueError("shift_labels=True needs labels (labels=input_ids for a causal LM)")
+    if feats is None or not isinstance(feats, torch.Tensor) or feats.ndim != 3:
+        shape = tuple(feats.shape) if isinstance(feats, torch.Tensor) else type(feats).__name__
+        raise ValueError(f"shift_labels=True needs a (batch, tokens, features) head input, got {shape}")
+    b, T, _ = feats.shape
+    if not isinstance(labels, torch.Tensor):
+        labels = torch.as_tensor(labels)
+    if tuple(labels.shape) != (b, T):
+        raise ValueError(f"shift_labels=True needs labels of shape (batch, tokens) = {(b, T)}, got "
+                         f"{tuple(labels.shape)}")
+    if labels.is_floating_point():
+        raise ValueError("shift_labels=True needs integer token labels, got floating point")
+    nxt = labels[:, 1:].to(feats.device)
+    keep = nxt >= 0
+    if attention_mask is not None and tuple(attention_mask.shape) == (b, T):
+        pad = attention_mask.to(feats.device).bool()
+        keep = keep & pad[:, :-1] & pad[:, 1:]
+    o = outs[:, :-1] if isinstance(outs, torch.Tensor) and outs.ndim == 3 else outs
+    if isinstance(tokens, torch.Tensor) and tokens.ndim >= 1 and tokens.shape[-1] == T:
+        tokens = tokens[..., :-1]
+    elif callable(tokens) and not isinstance(tokens, (str, torch.Tensor)):
+        user_tokens = tokens
+
+        def tokens(batch, _f=user_tokens):
+            mask = _f(batch)
+            return mask[..., :-1] if mask.shape[-1] == T else mask
+    return feats[:, :-1], o, nxt, keep, tokens
+
+
+def label_kwargs(labels: Any, n: int, device: Any) -> dict:
+    """``{"labels": y}`` for integers, ``{"targets": t}`` for floats, ``{}`` for None."""
+    import torch
+
+    if labels is None:
+        return {}
+    if not isinstance(labels, torch.Tensor):
+        labels = torch.as_tensor(labels)
+    if labels.shape[0] != n:
+        raise ValueError(f"labels have {labels.shape[0]} rows but the head saw {n} samples")
+    labels = labels.to(device, non_blocking=True)
+    if labels.is_floating_point():
+        return {"targets": labels}
+    if labels.ndim != 1:
+        raise ValueError(f"integer labels must be 1-D (one class per sample), got shape {tuple(labels.shape)}")
+    return {"labels": labels}
+
+
+def layer_rows(act: Any, n: int, name: str) -> Any:
+    """A layer's output as one row per sample: (batch, C, ...) feature maps are
+    averaged over their spatial positions (channels stay), other shapes are
+    flattened. Layers are profiled per sample, so their batch size must match
+    the head's rows (2-D head inputs)."""
+    if isinstance(act, (tuple, list)):
+        act = act[0]
+    if act.shape[0] != n:
+        raise ValueError(f"layer {name!r} gave {act.shape[0]} rows but the head saw {n} samples "
+                         "(layer profiles need one head row per sample: 2-D head inputs)")
+    if act.ndim > 2:
+        act = act.flatten(2).mean(dim=2)
+    return act.reshape(n, -1)

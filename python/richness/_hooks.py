@@ -1,0 +1,172 @@
+"""Finding and hooking the head and the profiled layers of a torch model.
+
+The head is the module whose input are the features ``phi(x)`` and whose
+output are the logits ``f(x)``: named by the caller (``resolve_head``) or
+found in one forward pass (``HeadFinder``); ``Capture`` keeps the latest
+input and output of one module; ``resolve_layers`` names the layers
+profiled by depth. Shared by ``richness.evaluate`` and ``richness.Monitor``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from ._optional import require_torch
+
+
+def _module_line(name: str, mod: Any) -> str:
+    import torch.nn as nn
+
+    if isinstance(mod, nn.Linear):
+        return f"{name!r} (Linear {mod.in_features} -> {mod.out_features})"
+    return f"{name!r} ({type(mod).__name__})"
+
+
+def candidate_list(model: Any, limit: int = 12) -> str:
+    """A one-line list of modules that could be the head (Linear first)."""
+    import torch.nn as nn
+
+    named = [(n, m) for n, m in model.named_modules() if n]
+    linears = [(n, m) for n, m in named if isinstance(m, nn.Linear)]
+    pool = linears[::-1] if linears else [(n, m) for n, m in named if not list(m.children())][::-1]
+    if not pool:
+        return "none (the model has no submodules)"
+    words = [_module_line(n, m) for n, m in pool[:limit]]
+    more = f", ... ({len(pool) - limit} more)" if len(pool) > limit else ""
+    return ", ".join(words) + more
+
+
+def resolve_head(model: Any, head: Any) -> Optional[Tuple[str, Any]]:
+    """``head`` (None, a dotted name or a submodule) as ``(name, module)``; None = auto-detect."""
+    torch = require_torch("richness")
+    if head is None:
+        return None
+    if isinstance(head, str):
+        mods = dict(model.named_modules())
+        if head not in mods or head == "":
+            raise ValueError(f"the model has no submodule named {head!r}; candidates: {candidate_list(model)}")
+        return head, mods[head]
+    if isinstance(head, torch.nn.Module):
+        for name, mod in model.named_modules():
+            if mod is head:
+                return name, mod
+        raise ValueError(f"head {type(head).__name__} is not a submodule of the model; "
+                         f"candidates: {candidate_list(model)}")
+    raise TypeError(f"head must be a submodule or its dotted name (str), got {type(head).__name__}; "
+                    "(weights go to Moments.compute(head=...), not here)")
+
+
+def output_tensors(out: Any) -> List[Any]:
+    """The tensors a model returned: a tensor, a tuple/list, a dict, or an object with ``.logits``."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        vals = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        vals = list(out)
+    elif hasattr(out, "logits"):
+        vals = [out.logits]
+    else:
+        return []
+    res = []
+    for v in vals:
+        res.extend(output_tensors(v) if not isinstance(v, torch.Tensor) else [v])
+    return res
+
+
+class HeadFinder:
+    """Hooks on every ``nn.Linear`` for one forward pass; afterwards names the
+    last one whose output object is (one of) the model's output(s).
+
+    Only the latest call's input and output are referenced, so finding the
+    head costs no more memory than one head activation.
+    """
+
+    def __init__(self, model: Any) -> None:
+        import torch.nn as nn
+
+        self.model = model
+        self.calls: List[Tuple[str, Any]] = []
+        self.last: Optional[Tuple[str, Any, Any, Any]] = None
+        self.handles = []
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear):
+                self.handles.append(mod.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def hook(mod, args, out):
+            # a weak reference: a freed output cannot be mistaken for a later
+            # tensor that happens to get its address (id)
+            try:
+                self.calls.append((name, weakref.ref(out)))
+            except TypeError:
+                return
+            self.last = (name, mod, args[0] if args else None, out)
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def result(self, model_out: Any) -> Tuple[str, Any, Any, Any]:
+        """``(name, module, input, output)``; input/output are None when the head
+        was not the last Linear called (the caller must run the batch again)."""
+        outs = output_tensors(model_out)
+        found = [name for name, ref in self.calls if any(ref() is t for t in outs)]
+        last, self.last, self.calls = self.last, None, []
+        if not found:
+            if last is None:
+                raise ValueError("could not find the head: the model has no nn.Linear; pass head= the module whose "
+                                 f"input are the features, one of: {candidate_list(self.model)}")
+            raise ValueError("could not find the head: no nn.Linear's output is the model's output (is it "
+                             "post-processed?); pass head= one of: " + candidate_list(self.model))
+        name = found[-1]
+        mod = dict(self.model.named_modules())[name]
+        if last is not None and last[0] == name and any(last[3] is t for t in outs):
+            return name, mod, last[2], last[3]
+        return name, mod, None, None
+
+
+class Capture:
+    """A forward hook that keeps the latest input and output of one module."""
+
+    def __init__(self, module: Any, active: Callable[[], bool] = lambda: True) -> None:
+        self.inp = self.out = None
+        self.active = active
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, mod, args, out):
+        if self.active():
+            self.inp = args[0] if args else None
+            self.out = out
+
+    def take(self) -> Tuple[Any, Any]:
+        x, y = self.inp, self.out
+        self.inp = self.out = None
+        return x, y
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def resolve_layers(model: Any, layers: Optional[Sequence]) -> List[Tuple[str, Any]]:
+    """``(name, module)`` for each entry of ``layers`` (dotted names or submodules)."""
+    if not layers:
+        return []
+    names = {m: n for n, m in model.named_modules()}
+    out = []
+    for entry in layers:
+        if isinstance(entry, str):
+            try:
+                out.append((entry, model.get_submodule(entry)))
+            except AttributeError:
+                raise ValueError(f"layers: the model has no submodule {entry!r}") from None
+        elif entry in names:
+            out.append((names[entry] or type(entry).__name__, entry))
+        else:
+            raise ValueError(f"layers: {type(entry).__name__} is not a submodule of the model")
+    return out
