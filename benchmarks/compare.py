@@ -554,7 +554,7 @@ def section_precision(args) -> dict:
 
 def section_finish(args) -> dict:
     import richness
-    from richness import _finish
+    from richness import finish as _finish
 
     ps = [128, 256, 512, 1024, 2048, 4096] if not args.quick else [128, 512]
     cs = [10, 100, 1000] if not args.quick else [10, 100]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import richness
-from richness import _finish
+from richness import finish as _finish
 
 P, N = 512, 4096
 

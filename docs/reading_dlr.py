@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 import richness
-from richness._finish import isotropic_dlr
+from richness.finish import isotropic_dlr
 
 
 def isotropic(n, p, C, rng):

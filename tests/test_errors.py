@@ -208,10 +208,10 @@ def test_constant_at_the_rounding_level_of_the_mean():
     st["mean"] = np.full(P, 1.0)
     st["M"] = np.full((P, P), n * 1e-30) + np.eye(P) * n * 1e-31
     with pytest.raises(ValueError, match=r"features are constant \(zero covariance, or one at the rounding level"):
-        richness._finish.finish(st)
+        richness.finish.finish(st)
     # the same spread about a mean of 0 is a tiny but real covariance
     st["mean"] = np.zeros(P)
-    assert richness._finish.finish(st).dlr is not None
+    assert richness.finish.finish(st).dlr is not None
 
 
 def test_tiny_and_huge_scales_give_the_unscaled_dlr():
@@ -250,7 +250,7 @@ def test_finishing_failures_are_value_errors():
     st["M"] = np.full((P, P), 1e300) + np.diag(np.arange(1.0, P + 1) * 1e300)
     st["B"] = np.full((P, C), 1e300)
     with pytest.raises(ValueError, match=r"compute\(\) failed in float64 .*\|M\| up to .*rescale"):
-        richness._finish.finish(st)
+        richness.finish.finish(st)
     assert states_equal(m.state_dict(), before)
 
 

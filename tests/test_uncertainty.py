@@ -168,7 +168,7 @@ def test_isotropic_reference_matches_monte_carlo(p, C, n):
 def test_spec_finite_sample_values():
     # SPEC.md, "Finite samples": p = 512, C = 10, isotropic: 0.686 at n = 128,
     # 0.844 at n = 2048, 0.860 in the limit.
-    from richness._finish import isotropic_dlr
+    from richness.finish import isotropic_dlr
 
     assert abs(isotropic_dlr(128, 512, 10) - 0.686) < 0.01
     assert abs(isotropic_dlr(2048, 512, 10) - 0.844) < 0.002

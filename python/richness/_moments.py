@@ -8,7 +8,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _adapt, _finish, _io, _state, _uncertainty
+from . import _adapt, _io, _state
+from . import finish as _finish
 from ._backend import STACK_CPU, Batch, CoreBackend, GroupedBackend
 from ._report import Report
 
@@ -231,7 +232,7 @@ class Moments:
         if uncertainty:
             if report.dlr is None:
                 raise ValueError("uncertainty needs outputs or a head: DLR is undefined without them")
-            _uncertainty.add_jackknife(report, self._backend.leave_one_out_states(), W)
+            _finish.add_jackknife(report, self._backend.leave_one_out_states(), W)
         return report
 
     # -- persistence ----------------------------------------------------------

@@ -36,13 +36,14 @@ class Precision:
     coarseness: int     # merging two states keeps the coarser mode
     rtol: float         # default eigenvalue cut: about the products' relative noise
     cuda_only: bool
+    resolves_nc1: bool  # fine enough for Sigma_W by subtraction (docs/MATH.md, "NC1")
 
 
 PRECISION_MODES: Tuple[Precision, ...] = (
-    Precision("fp64", 0, 1e-10, False),
-    Precision("fp32", 1, 1e-5, False),
-    Precision("tf32", 2, 1e-3, True),
-    Precision("bf16", 3, 1e-2, True),
+    Precision("fp64", 0, 1e-10, False, True),
+    Precision("fp32", 1, 1e-5, False, True),
+    Precision("tf32", 2, 1e-3, True, False),
+    Precision("bf16", 3, 1e-2, True, False),
 )
 PRECISIONS: Tuple[str, ...] = tuple(m.name for m in PRECISION_MODES)
 _MODE = {m.name: m for m in PRECISION_MODES}

@@ -36,7 +36,8 @@ except ImportError as _e:  # pragma: no cover - exercised only without the extra
     raise ImportError('richness.torchmetrics needs torch and torchmetrics: pip install "richness[torch]" torchmetrics '
                       f"({_e})") from None
 
-from . import _adapt, _finish, _state
+from . import _adapt, _state
+from . import finish as _finish
 from ._moments import Moments
 from ._report import Report
 
@@ -206,7 +207,7 @@ class DLR(Metric):
     def _state_at(self, rank: Optional[int], host: bool) -> dict:
         """One state dict from the state tensors: rank ``rank`` of a synced
         (stacked) state, or the local one (None). numpy on the host, else
-        torch tensors where they are (``_finish`` runs on either)."""
+        torch tensors where they are (``richness.finish`` runs on either)."""
         w = self.widths if rank is None else self.widths[rank]
         vals = w.tolist()
         st: Dict[str, Any] = dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]))

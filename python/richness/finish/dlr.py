@@ -7,11 +7,12 @@ from typing import Optional
 
 import numpy as np
 
+from .._state import PRECISION_MODES
 from ._xp import eigh_desc, f64, kept, norm, ns
 
 # Eigenvalue cut by product precision (docs/MATH.md, rank cut: eigenvalue noise
 # of a Gram matrix is about eps * a_max for the precision that formed it).
-DEFAULT_RTOL = {"fp64": 1e-10, "fp32": 1e-5, "tf32": 1e-3, "bf16": 1e-2}
+DEFAULT_RTOL = {m.name: m.rtol for m in PRECISION_MODES}  # by product precision (docs/MATH.md, "Rank cut")
 
 # Rounding level of a feature's spread relative to its mean: centering on a
 # float64 mean computed from n values leaves about sqrt(n) eps |mean| behind

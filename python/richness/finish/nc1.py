@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .._state import PRECISION_MODES
 from ._xp import eigh_desc, f64, kept, ns
 
 # NC1 subtracts nearly equal p x p matrices near collapse; tf32 and bf16
 # products were measured useless there, errors of 100% and more (docs/MATH.md, NC1).
-NC1_RELIABLE = ("fp64", "fp32")
+NC1_RELIABLE = tuple(m.name for m in PRECISION_MODES if m.resolves_nc1)
 
 
 def nc1_from_grams(DDt, DMD, counts, n, rtol: float) -> tuple:
