@@ -491,3 +491,19 @@ def test_monitor_one_batch_labels_outside_head_range_give_no_nc1():
         H, F = model[1](model[0](X)).numpy(), model(X).numpy()
     assert mon.history[0]["nc1"] is None
     assert abs(mon.history[0]["dlr"] - dlr_naive(H, F)[0]) < 1e-10
+
+
+@pytest.mark.parametrize("first_step", [0, 1, 1000])
+def test_one_batch_lateness_does_not_depend_on_first_step(first_step):
+    """every=1 records arrive at most `lag` steps late whatever step number the
+    records start from (a resumed run, Lightning's 0-based steps)."""
+    torch.manual_seed(0)
+    head = nn.Linear(64, 5).double()
+    seen = []
+    with richness.Monitor(head, every=1, lag=4, first_step=first_step) as mon:
+        for s in range(10):
+            head(torch.randn(16, 64, dtype=torch.float64) + 3.0)
+            mon.step(labels=torch.randint(0, 5, (16,)))
+            seen.append(len(mon.history))
+    assert seen == [0, 0, 0, 4, 4, 4, 4, 8, 8, 8]
+    assert [r["step"] for r in mon.history] == list(range(first_step, first_step + 10))

@@ -222,7 +222,7 @@ class Monitor:
             self._warn_head_idle()
         if self.steps % self.every == 0:
             rec = self._emit()
-        if self._one_batch.due(self.steps):
+        if self._one_batch.due(self._step_label()):
             self._one_batch.reduce(self._threads, _core_route)
         self._active = self.probe is None and self._is_window_step(self.steps + 1)
         return rec
