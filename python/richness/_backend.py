@@ -142,7 +142,23 @@ class CoreBackend:
         return self
 
 
-class GroupedBackend:
+class Lockable:
+    """An object with a ``threading.Lock`` in ``_lock`` that still pickles and
+    copies (the lock is not copied; the copy gets a new one)."""
+
+    _lock: threading.Lock
+
+    def __getstate__(self) -> dict:
+        st = dict(self.__dict__)
+        st.pop("_lock", None)
+        return st
+
+    def __setstate__(self, st: dict) -> None:
+        self.__dict__.update(st)
+        self._lock = threading.Lock()
+
+
+class GroupedBackend(Lockable):
     """The samples kept in k sub-states (each update or merge goes whole to one
     group: in turn, or at random with a seed), so that the jackknife can leave
     one group out without a second pass."""
@@ -156,15 +172,6 @@ class GroupedBackend:
         self._pending: Optional[int] = None
         # One update or merge at a time: the group rotation moves only after
         # a batch is accepted, so choosing a group and adding to it is one step.
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict:
-        st = dict(self.__dict__)
-        del st["_lock"]
-        return st
-
-    def __setstate__(self, st: dict) -> None:
-        self.__dict__.update(st)
         self._lock = threading.Lock()
 
     def _pick(self) -> int:

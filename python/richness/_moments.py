@@ -10,11 +10,11 @@ import numpy as np
 
 from . import _adapt, _io, _state
 from . import finish as _finish
-from ._backend import STACK_CPU, Batch, CoreBackend, GroupedBackend
+from ._backend import STACK_CPU, Batch, CoreBackend, GroupedBackend, Lockable
 from ._report import Report
 
 
-class Moments:
+class Moments(Lockable):
     """Streamed float64 co-moments of features (and outputs, labels, targets).
 
     Args:
@@ -279,15 +279,6 @@ class Moments:
         except (TypeError, ValueError) as e:
             raise ValueError(f"{os.fspath(path)}: not a valid richness state ({e})") from None
         return m
-
-    def __getstate__(self) -> dict:
-        st = dict(self.__dict__)
-        del st["_lock"]
-        return st
-
-    def __setstate__(self, st: dict) -> None:
-        self.__dict__.update(st)
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         if self._backend is None or self.n == 0:
