@@ -247,6 +247,22 @@ void host(int n, cudaStream_t s) {
     assert '::emu::Launch("k2", false, 1, 32).run([](const auto&... a) { k2(a...); }, nullptr)' in out
 
 
+def test_every_cuda_source_is_translated_built_and_keyed():
+    """The emulator build and the CMake target compile the same .cu files, translate.py accepts each
+    one (its launches are of its own kernels), and the build cache key covers every source."""
+    cuda_dir = emu_build.CUDA_DIR
+    units = sorted(p.name for p in cuda_dir.glob("*.cu"))
+    assert len(units) >= 4  # host class, kernels, products, staging
+    assert [p.name for p in emu_build.CUDA_SOURCES] == units
+    cmake = (cuda_dir / "CMakeLists.txt").read_text()
+    listed = cmake.split("pybind11_add_module(_cuda", 1)[1].split(")", 1)[0].split()
+    assert sorted(u for u in listed if u.endswith(".cu")) == units
+    for name in units:
+        _, launches, _ = translate((cuda_dir / name).read_text(), name)
+    for p in [*cuda_dir.glob("*.cu"), *cuda_dir.glob("*.cuh"), *cuda_dir.glob("*.hpp")]:
+        assert p in emu_build.SOURCES, p
+
+
 def test_bfloat16_and_half_conversions_bit_exact(emu):
     rng = np.random.default_rng(1)
     # doubles near bf16 rounding ties (where rounding through float32 first would err), and at
