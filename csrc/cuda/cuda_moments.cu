@@ -47,9 +47,11 @@ CudaMoments::~CudaMoments() {
 }
 
 void CudaMoments::free_state() {
-  for (void* p : {(void*)s_.hdr, (void*)s_.mean, (void*)s_.M, (void*)s_.out_mean, (void*)s_.B, (void*)s_.A,
-                  (void*)s_.tgt_mean, (void*)s_.Bt, (void*)s_.At, (void*)s_.class_counts, (void*)s_.class_sums})
-    if (p) cudaFree(p);
+  if (s_.hdr) cudaFree(s_.hdr);
+#define RICHNESS_FREE(name, type, rows, cols, sym) \
+  if (s_.name) cudaFree(s_.name);
+  RICHNESS_STATE_ARRAYS(RICHNESS_FREE)
+#undef RICHNESS_FREE
   s_ = DeviceState();
   cap_ = 0;
 }
@@ -91,18 +93,11 @@ void CudaMoments::shape(int64_t p, int64_t c, int64_t t, int64_t k) {
     if (ptr) CUDA_CHECK(cudaMemset(ptr, 0, count * es));
     return ptr;
   };
-  const size_t P = p, C = c > 0 ? c : 0, T = t > 0 ? t : 0, K = k > 0 ? k : 0;
   s_.hdr = static_cast<Header*>(zeros(1, sizeof(Header)));
-  s_.mean = static_cast<double*>(zeros(P, 8));
-  s_.M = static_cast<double*>(zeros(P * P, 8));
-  s_.out_mean = static_cast<double*>(zeros(C, 8));
-  s_.B = static_cast<double*>(zeros(P * C, 8));
-  s_.A = static_cast<double*>(zeros(C * C, 8));
-  s_.tgt_mean = static_cast<double*>(zeros(T, 8));
-  s_.Bt = static_cast<double*>(zeros(P * T, 8));
-  s_.At = static_cast<double*>(zeros(T * T, 8));
-  s_.class_counts = static_cast<long long*>(zeros(K, 8));
-  s_.class_sums = static_cast<double*>(zeros(K * P, 8));
+#define RICHNESS_ALLOCATE(name, type, rows, cols, sym) \
+  s_.name = static_cast<decltype(s_.name)>(zeros((size_t)(extent(rows) * extent(cols)), sizeof(type)));
+  RICHNESS_STATE_ARRAYS(RICHNESS_ALLOCATE)
+#undef RICHNESS_ALLOCATE
   CUDA_CHECK(cudaDeviceSynchronize());  // memsets are done before any stream uses the buffers
   publish_classes();
 }
@@ -422,30 +417,40 @@ void CudaMoments::reset() {
 
 namespace {
 
-std::vector<double> fetch(const double* d, size_t count) {
-  std::vector<double> v(count);
-  if (count) CUDA_CHECK(cudaMemcpy(v.data(), d, count * 8, cudaMemcpyDeviceToHost));
+// One array of the state, device -> host; a symmetric one (column-major lower
+// triangle on the device) comes back full.
+template <typename T, bool Sym>
+std::vector<T> download_array(const void* d, int64_t rows, int64_t cols) {
+  std::vector<T> v((size_t)(rows * cols));
+  if (!v.empty()) CUDA_CHECK(cudaMemcpy(v.data(), d, v.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  if constexpr (Sym)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < i; ++j) v[j * rows + i] = v[i * rows + j] = v[j * rows + i];
   return v;
 }
 
-// Column-major lower triangle (device layout) -> full symmetric.
-std::vector<double> fetch_symmetric(const double* d, int64_t n) {
-  std::vector<double> raw = fetch(d, (size_t)(n * n));
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < i; ++j) raw[j * n + i] = raw[i * n + j] = raw[j * n + i];
-  return raw;
+// One array of the state, host -> device; a symmetric one is read from its
+// row-major lower triangle (host State) into the device's column-major lower.
+template <typename T, bool Sym>
+void upload_array(void* d, const std::vector<T>& v, int64_t rows) {
+  if (v.empty()) return;
+  if constexpr (Sym) {
+    std::vector<T> t(v.size(), T(0));
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j <= i; ++j) t[j * rows + i] = v[i * rows + j];
+    CUDA_CHECK(cudaMemcpy(d, t.data(), t.size() * sizeof(T), cudaMemcpyHostToDevice));
+  } else {
+    CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
 }
 
-void put(double* d, const std::vector<double>& v) {
-  if (!v.empty()) CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * 8, cudaMemcpyHostToDevice));
-}
-
-// Row-major lower triangle (host State) -> column-major lower (device).
-void put_symmetric(double* d, const std::vector<double>& rowmajor_lower, int64_t n) {
-  std::vector<double> t((size_t)(n * n), 0.0);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j <= i; ++j) t[j * n + i] = rowmajor_lower[i * n + j];
-  put(d, t);
+// One array of the state into a caller's device buffer (null: skipped);
+// symmetric ones are written full.
+template <bool Sym, typename T>
+void export_array(T* dst, const T* src, int64_t rows, int64_t cols) {
+  if (!dst || rows * cols == 0) return;
+  if constexpr (Sym) launch_symmetrize(src, rows, dst, 0);
+  else CUDA_CHECK(cudaMemcpy(dst, src, (size_t)(rows * cols) * sizeof(T), cudaMemcpyDeviceToDevice));
 }
 
 }  // namespace
@@ -464,18 +469,10 @@ State CudaMoments::download() {
   s.c = c_;
   s.t = t_;
   s.k = k_;
-  const int64_t C = std::max<int64_t>(c_, 0), T = std::max<int64_t>(t_, 0), K = std::max<int64_t>(k_, 0);
-  s.mean = fetch(s_.mean, p_);
-  s.M = fetch_symmetric(s_.M, p_);
-  s.out_mean = fetch(s_.out_mean, C);
-  s.B = fetch(s_.B, p_ * C);
-  s.A = fetch_symmetric(s_.A, C);
-  s.tgt_mean = fetch(s_.tgt_mean, T);
-  s.Bt = fetch(s_.Bt, p_ * T);
-  s.At = fetch_symmetric(s_.At, T);
-  s.class_counts.resize(K);
-  if (K) CUDA_CHECK(cudaMemcpy(s.class_counts.data(), s_.class_counts, K * 8, cudaMemcpyDeviceToHost));
-  s.class_sums = fetch(s_.class_sums, K * p_);
+#define RICHNESS_DOWNLOAD(name, type, rows, cols, sym) \
+  s.name = download_array<type, sym>(s_.name, extent(rows), extent(cols));
+  RICHNESS_STATE_ARRAYS(RICHNESS_DOWNLOAD)
+#undef RICHNESS_DOWNLOAD
   if (hh.n == 0) {  // shaped by a batch that was skipped: report an empty state, as the CPU does
     State e;
     e.num_classes = num_classes_;
@@ -497,18 +494,9 @@ void CudaMoments::upload(const State& s) {
   k_floor_ = k_;
   const long long n = s.n;
   CUDA_CHECK(cudaMemcpy(&s_.hdr->n, &n, sizeof(long long), cudaMemcpyHostToDevice));
-  put(s_.mean, s.mean);
-  put_symmetric(s_.M, s.M, s.p);
-  put(s_.out_mean, s.out_mean);
-  put(s_.B, s.B);
-  if (s.c > 0) put_symmetric(s_.A, s.A, s.c);
-  put(s_.tgt_mean, s.tgt_mean);
-  put(s_.Bt, s.Bt);
-  if (s.t > 0) put_symmetric(s_.At, s.At, s.t);
-  if (s.k > 0) {
-    CUDA_CHECK(cudaMemcpy(s_.class_counts, s.class_counts.data(), s.k * 8, cudaMemcpyHostToDevice));
-    put(s_.class_sums, s.class_sums);
-  }
+#define RICHNESS_UPLOAD(name, type, rows, cols, sym) upload_array<type, sym>(s_.name, s.name, extent(rows));
+  RICHNESS_STATE_ARRAYS(RICHNESS_UPLOAD)
+#undef RICHNESS_UPLOAD
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -516,21 +504,10 @@ void CudaMoments::export_to(const Targets& o) {
   sync_and_check();
   if (p_ < 0) return;
   DeviceGuard g(device_);
-  auto copy = [](double* dst, const double* src, size_t count) {
-    if (count && dst) CUDA_CHECK(cudaMemcpy(dst, src, count * 8, cudaMemcpyDeviceToDevice));
-  };
-  auto sym = [](double* dst, const double* src, int64_t n) { launch_symmetrize(src, n, dst, 0); };
-  const int64_t C = std::max<int64_t>(c_, 0), T = std::max<int64_t>(t_, 0), K = std::max<int64_t>(k_, 0);
-  copy(o.mean, s_.mean, p_);
-  sym(o.M, s_.M, p_);
-  copy(o.out_mean, s_.out_mean, C);
-  copy(o.B, s_.B, p_ * C);
-  sym(o.A, s_.A, C);
-  copy(o.tgt_mean, s_.tgt_mean, T);
-  copy(o.Bt, s_.Bt, p_ * T);
-  sym(o.At, s_.At, T);
-  if (K && o.class_counts) CUDA_CHECK(cudaMemcpy(o.class_counts, s_.class_counts, K * 8, cudaMemcpyDeviceToDevice));
-  copy(o.class_sums, s_.class_sums, K * p_);
+#define RICHNESS_EXPORT(name, type, rows, cols, sym) \
+  export_array<sym>(o.name, static_cast<const device_t<type>*>(s_.name), extent(rows), extent(cols));
+  RICHNESS_STATE_ARRAYS(RICHNESS_EXPORT)
+#undef RICHNESS_EXPORT
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 

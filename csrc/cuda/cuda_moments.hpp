@@ -77,18 +77,28 @@ struct Header {
   long long defer_cap;
 };
 
+// The element type an array of the state has on the device: the kernels'
+// atomics take long long, which int64_t (long) is not on every platform.
+template <typename T>
+struct DeviceType {
+  using type = T;
+};
+template <>
+struct DeviceType<int64_t> {
+  using type = long long;
+};
+template <typename T>
+using device_t = typename DeviceType<T>::type;
+static_assert(sizeof(long long) == sizeof(int64_t), "class counts are 64-bit on the device and the host");
+
+// The state's arrays on the device, one per RICHNESS_STATE_ARRAYS entry (sizes
+// as in State; symmetric blocks hold their lower triangle column-major, i >= j;
+// class_sums rows are allocated for the class capacity, not just k).
 struct DeviceState {
   Header* hdr = nullptr;
-  double* mean = nullptr;      // p
-  double* M = nullptr;         // p x p, lower triangle (column-major i >= j) valid
-  double* out_mean = nullptr;  // c
-  double* B = nullptr;         // p x c, row-major (= column-major c x p)
-  double* A = nullptr;         // c x c, lower valid
-  double* tgt_mean = nullptr;  // t
-  double* Bt = nullptr;        // p x t
-  double* At = nullptr;        // t x t, lower valid
-  long long* class_counts = nullptr;  // k
-  double* class_sums = nullptr;       // k x p, row-major raw sums
+#define RICHNESS_DEVICE_ARRAY(name, type, rows, cols, sym) device_t<type>* name = nullptr;
+  RICHNESS_STATE_ARRAYS(RICHNESS_DEVICE_ARRAY)
+#undef RICHNESS_DEVICE_ARRAY
 };
 
 class CudaMoments {
@@ -110,10 +120,11 @@ class CudaMoments {
   void upload(const State& s);      // replaces the state
   // Copies the state into caller-allocated device buffers (symmetric matrices
   // filled); keys as in State. Returns after the copies have completed.
+  // A null target is skipped.
   struct Targets {
-    double *mean = nullptr, *M = nullptr, *out_mean = nullptr, *B = nullptr, *A = nullptr,
-           *tgt_mean = nullptr, *Bt = nullptr, *At = nullptr, *class_sums = nullptr;
-    long long* class_counts = nullptr;
+#define RICHNESS_TARGET_ARRAY(name, type, rows, cols, sym) device_t<type>* name = nullptr;
+    RICHNESS_STATE_ARRAYS(RICHNESS_TARGET_ARRAY)
+#undef RICHNESS_TARGET_ARRAY
   };
   void export_to(const Targets& t);
 
@@ -213,6 +224,12 @@ class CudaMoments {
   void free_all();
   void free_state();
   void shape(int64_t p, int64_t c, int64_t t, int64_t k);
+  // Elements along a dimension of the state (a stream not present counts 0).
+  int64_t extent(Dim d) const {
+    State w;
+    w.p = p_, w.c = c_, w.t = t_, w.k = k_;
+    return w.size(d);
+  }
   void grow_classes(int64_t cap);  // capacity of the class arrays (synchronises)
   // Without num_classes: the first labelled batch's capacity (this call
   // synchronises, as the first batch's allocation does), and the deferral buffer.
