@@ -77,6 +77,7 @@ def emulator_clean(emu):
     """Every test starts with a fixed random schedule and ends without emulator-detected errors
     (out-of-bounds cuBLAS operands or copies, invalid launches, writes past allocations)."""
     emu.lib.emu_set_schedule(SCHEDULE, SEED)
+    emu.mod.clear_measured_products()  # each test measures its own shapes
     emu.lib.emu_clear_errors()
     emu.lib.emu_reset_counts()
     yield
@@ -475,14 +476,104 @@ def test_automatic_product_choice(emu):
         assert emu.count(fn) > 0, precision
 
 
+# cuBLAS calls one product of X^T X makes (p = 32, block 16: two block rows, three lower tiles).
+PRODUCT_CALLS = {"syrk": {"cublasSsyrk": 1}, "gemm": {"cublasGemmEx": 1}, "block_rows": {"cublasGemmEx": 2},
+                 "tiles": {"cublasGemmBatchedEx": 1}}
+PRODUCT_FNS = ("cublasSsyrk", "cublasGemmEx", "cublasGemmBatchedEx")
+
+
+def product_counts(emu) -> dict:
+    return {fn: emu.count(fn) for fn in PRODUCT_FNS if emu.count(fn)}
+
+
+def test_product_measured_once_per_shape_without_host_syncs(emu):
+    X, _, _, _ = problem(n=170, p=32, seed=21)
+    X = X.astype(np.float32)
+    tw = Twin(emu, product=("auto", 16))
+    tw.update(X[:50], precision="fp32")  # shape (fp32, 32, 50): allocates (synchronises), measures
+    assert emu.mod.measured_products() == []
+    emu.lib.emu_reset_counts()
+    before = emu.lib.emu_host_syncs()
+    tw.update(X[50:90], precision="fp32")  # a new shape (40 rows): measured again, scratch already there
+    assert emu.lib.emu_host_syncs() == before, "update waited for the device while timing"
+    # every applicable algorithm, twice, the default (syrk) last: 2 x (syrk + gemm + 2 block rows + tiles)
+    assert product_counts(emu) == {"cublasSsyrk": 2, "cublasGemmEx": 6, "cublasGemmBatchedEx": 2}
+    emu.lib.emu_reset_counts()
+    tw.update(X[90:130], precision="fp32")  # same shape, times not read yet: the default, no new timing
+    assert emu.lib.emu_host_syncs() == 0
+    assert emu.count("cudaEventQuery") >= 1  # asked, without waiting
+    assert product_counts(emu) == {"cublasSsyrk": 1}
+    assert emu.mod.measured_products() == []  # nothing read before a synchronisation
+    assert tw.gpu.n == 130
+    chosen = {(m["precision"], m["n"], m["rows"], m["block"]): m for m in emu.mod.measured_products()}
+    assert set(chosen) == {("fp32", 32, 50, 16), ("fp32", 32, 40, 16)}
+    for m in chosen.values():
+        assert set(m["ms"]) == {"syrk", "gemm", "block_rows", "tiles"} and m["device"] == 0
+        assert m["product"] == min(m["ms"], key=lambda a: (m["ms"][a], a != "syrk"))
+    # the choice is kept: this object and a new one multiply (fp32, 32, 40) by it alone
+    pick = chosen[("fp32", 32, 40, 16)]["product"]
+    other = Twin(emu, product=("auto", 16))
+    for t in (tw, other):
+        emu.lib.emu_reset_counts()
+        t.update(X[130:170], precision="fp32")
+        assert product_counts(emu) == PRODUCT_CALLS[pick], t
+    assert len(emu.mod.measured_products()) == 2
+    # whatever ran, the same state (candidates run in turn over the same rows, the default last)
+    assert_close(tw.gpu.get_state(), oracle(X), 2e-5)
+    assert_close(tw.gpu.get_state(), tw.cpu.get_state(), 2e-5)
+
+
+@pytest.mark.parametrize("stack", [None, (100, True)])
+def test_every_candidate_gives_the_same_state(emu, stack):
+    X, F, T, y = problem(n=200, p=32, c=5, seed=22)
+    X, F = X.astype(np.float32), F.astype(np.float32)
+    states = {}
+    for algo in ("auto", "syrk", "gemm", "block_rows", "tiles"):
+        emu.mod.clear_measured_products()
+        tw = Twin(emu, 5, cpu=False, product=(algo, 16), stack=stack)
+        for s in slices((40, 1, 59, 40, 60)):  # the last two shapes measured (auto), then chosen
+            tw.update(X[s], F[s], y[s], T[s], precision="fp32")
+        states[algo] = tw.gpu.get_state()
+    want = oracle(X, F, T, y, 5)
+    for algo, g in states.items():
+        assert_close(g, want, 2e-5, what=algo)
+
+
+def test_product_override_by_call_and_environment(emu, monkeypatch):
+    X, _, _, _ = problem(n=60, p=32, seed=23)
+    X = X.astype(np.float32)
+    for explicit, calls in (("gemm", {"cublasGemmEx": 1}), ("tiles", {"cublasGemmBatchedEx": 1})):
+        emu.lib.emu_reset_counts()
+        tw = Twin(emu, cpu=False, product=(explicit, 16))
+        tw.update(X, precision="fp32")
+        assert tw.gpu.n == 60 and tw.gpu.product == explicit
+        assert product_counts(emu) == calls  # no measurement
+    assert emu.mod.measured_products() == []
+    monkeypatch.setenv("RICHNESS_CUDA_PRODUCT", "block_rows:16")
+    emu.lib.emu_reset_counts()
+    tw = Twin(emu, cpu=False)
+    assert tw.gpu.product == "block_rows"
+    tw.update(X, precision="fp32")
+    assert tw.gpu.n == 60 and product_counts(emu) == {"cublasGemmEx": 2}
+    emu.lib.emu_reset_counts()
+    tw = Twin(emu, cpu=False, product=("syrk", 16))  # an explicit call wins over the environment
+    tw.update(X, precision="fp32")
+    assert tw.gpu.n == 60 and product_counts(emu) == {"cublasSsyrk": 1}
+    assert emu.mod.measured_products() == []
+    for bad in ("fastest", "tiles:x", "tiles:8"):
+        monkeypatch.setenv("RICHNESS_CUDA_PRODUCT", bad)
+        with pytest.raises(ValueError, match="RICHNESS_CUDA_PRODUCT"):
+            emu.mod.CudaMoments(-1, 0)
+
+
 @pytest.mark.parametrize("stack", [None, (500, False)])
 def test_fp32_outputs_gram_by_gemm(emu, stack):
     # F^T F in fp32 by one GEMM (cuBLAS's SSYRK was twice as slow on an H200 at C = 1000); M stays a
-    # SYRK under the automatic choice. Same state as the CPU core.
+    # SYRK when chosen. Same state as the CPU core.
     X, F, _, _ = problem(n=300, p=40, c=7)
     X, F = X.astype(np.float32), F.astype(np.float32)
     emu.lib.emu_reset_counts()
-    tw = Twin(emu, stack=stack)
+    tw = Twin(emu, stack=stack, product=("syrk", 512))
     tw.update(X, F, precision="fp32")
     g = tw.gpu.get_state()
     assert emu.count("cublasSsyrk") == 1 and emu.count("cublasGemmEx") == 2

@@ -6,6 +6,7 @@
 // kernels.cu, the products in products.cu, staging in staging.cu.
 #include "kernels.cuh"
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -15,6 +16,23 @@ namespace cuda {
 // ---- lifecycle ----------------------------------------------------------------
 
 CudaMoments::CudaMoments(int64_t num_classes, int device) : device_(device), num_classes_(num_classes) {
+  // RICHNESS_CUDA_PRODUCT=name[:block] (benchmarks): the product every
+  // object starts with; set_product still overrides it.
+  if (const char* env = std::getenv("RICHNESS_CUDA_PRODUCT"); env && *env) {
+    const std::string v(env);
+    const size_t colon = v.find(':');
+    try {
+      int block = block_;
+      if (colon != std::string::npos) {
+        size_t used = 0;
+        block = std::stoi(v.substr(colon + 1), &used);
+        if (used != v.size() - colon - 1) throw std::invalid_argument("block is not an integer");
+      }
+      set_product(product_from_name(v.substr(0, colon)), block);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument("RICHNESS_CUDA_PRODUCT=" + v + " (name or name:block): " + e.what());
+    }
+  }
   int count = 0;
   CUDA_CHECK(cudaGetDeviceCount(&count));
   if (device < 0 || device >= count) {
@@ -38,6 +56,11 @@ CudaMoments::~CudaMoments() {
   cudaGetDevice(&prev);
   cudaSetDevice(device_);
   cudaDeviceSynchronize();  // pending work may still write the buffers
+  try {
+    collect_timings(false);  // the device is idle: finished measurements are kept
+    collect_timings(true);
+  } catch (...) {
+  }
   free_all();
   if (workspace_) cudaFree(workspace_);
   if (order_event_) cudaEventDestroy(order_event_);
@@ -248,7 +271,7 @@ void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, i
     ensure(Btb_, (size_t)p * t * oes);
     ensure(Atb_, (size_t)t * t * oes);
   }
-  if (resolve(prec, p) == Product::tiles) {
+  if (tiles_apply(prec, p)) {  // a candidate when measuring, whatever is chosen now
     const long long nbt = p / block_;
     ensure(tiles_.ptrs, (size_t)(nbt * (nbt + 1) / 2) * 3 * sizeof(void*));
   }
@@ -288,6 +311,11 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   if (x.rows == 0) return;
 
   DeviceGuard g(device_);
+  if (!timings_.empty()) {  // measurements whose events have completed (never waits; not while capturing)
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone) collect_timings(false);
+  }
   const int64_t nb = x.rows, p = x.cols;
   if (!started)
     shape(p, outputs ? outputs->cols : -1, targets ? targets->cols : -1,
@@ -359,6 +387,7 @@ void CudaMoments::sync_and_check() {
   DeviceGuard g(device_);
   flush_pending();  // staged rows join the state before anything reads it
   CUDA_CHECK(cudaDeviceSynchronize());
+  collect_timings(false);  // every event has completed: measured shapes get their choice
   if (!s_.hdr) return;
   settle_classes();  // rows of batches that were added, whatever else failed
   Header hh;
@@ -407,6 +436,7 @@ int64_t CudaMoments::n() {
 void CudaMoments::reset() {
   DeviceGuard g(device_);
   CUDA_CHECK(cudaDeviceSynchronize());
+  collect_timings(false);
   free_state();  // scratch is kept: it grows to fit whatever comes next
   st_rows_ = 0;  // staged rows are forgotten with the rest
   st_batches_ = 0;
@@ -484,6 +514,7 @@ State CudaMoments::download() {
 void CudaMoments::upload(const State& s) {
   DeviceGuard g(device_);
   CUDA_CHECK(cudaDeviceSynchronize());
+  collect_timings(false);
   free_all();
   p_ = c_ = t_ = k_ = k_floor_ = -1;
   have_last_stream_ = false;

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/state.hpp"  // State (data only)
@@ -41,12 +42,31 @@ namespace cuda {
 
 // How the p x p product X^T X is formed. Only its lower triangle is read.
 enum class Product : int {
-  automatic = 0,  // syrk for fp64/fp32, full gemm for tf32/bf16 (measured on H200, see RESULTS_GPU.md)
+  automatic = 0,  // measured per shape (see Timing); until measured, default_product()
   syrk = 1,       // cublas{S,D}syrk (tf32: Ssyrk under TF32 math mode)
   gemm = 2,       // one cublasGemmEx over the full square
   block_rows = 3, // one cublasGemmEx per block-row of the lower triangle
   tiles = 4,      // cublasGemmBatchedEx over the lower bs x bs tiles (p % bs == 0)
 };
+
+// "auto", "syrk", "gemm", "block_rows", "tiles" (invalid_argument otherwise).
+Product product_from_name(const std::string& name);
+const char* product_name(Product p);
+// The algorithm used before a shape has been measured (benchmarks/gpu_check.py, H200).
+Product default_product(Precision prec);
+
+// Products chosen by measurement so far in this process (all objects share
+// them), for `richness info`-style reports and benchmarks.
+struct MeasuredProduct {
+  int device;
+  Precision precision;
+  int64_t n, rows;  // product width, rows per product
+  int block;
+  Product product;
+  std::vector<std::pair<Product, double>> ms;  // each candidate's best time of two runs
+};
+std::vector<MeasuredProduct> measured_products();
+void clear_measured_products();  // the next product of each shape is measured again
 
 // Most batches held in the stage at once (the float64 means and counts are
 // sized for this many; a stage that reaches it is flushed).
@@ -240,7 +260,34 @@ class CudaMoments {
   void publish_classes();  // the header's copy of the class arrays' and deferral buffer's addresses
   void sync_and_check();  // flushes the stage, waits for the device; raises and clears pending errors
   void order_after_last(cudaStream_t stream);
-  Product resolve(Precision prec, int64_t n) const;  // the algorithm product_lower will use
+  // The algorithm a product of width n over k rows uses now: the explicit
+  // choice, else the measured one, else default_product (adjusted to what
+  // applies at n: tiles need p % block == 0 and two tiles, bf16 has no syrk).
+  Product resolve(Precision prec, int64_t n, int64_t k) const;
+  Product applicable(Product algo, Precision prec, int64_t n) const;
+  bool tiles_apply(Precision prec, int64_t n) const { return applicable(Product::tiles, prec, n) == Product::tiles; }
+  // One product by the given algorithm (no split, no measurement).
+  void run_product(Product algo, Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst,
+                   int64_t ldc, TileCache& tc, bool capturing, cudaStream_t stream);
+  // Measurement (Product::automatic): the first product of a new (device,
+  // precision, width, rows, block) runs every applicable algorithm twice on
+  // the caller's stream between timing events, the default last (so its
+  // result is the one kept); the events are read without waiting (a later
+  // update asks cudaEventQuery) or after the next synchronisation, and the
+  // fastest is kept for that shape in a table all objects share. Never under
+  // a graph capture; until a shape's times are read its default is used.
+  struct Timing {
+    int64_t n = 0, k = 0;
+    Precision prec = Precision::fp32;
+    int block = 0;
+    std::vector<Product> candidates;  // run in this order, twice
+    std::vector<cudaEvent_t> events;  // 2 * candidates + 1: before, then after each run
+  };
+  std::vector<Timing> timings_;
+  void measure(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst, int64_t ldc,
+               TileCache& tc, cudaStream_t stream);
+  // Reads the finished measurements (never waits); `drop`: abandons the rest.
+  void collect_timings(bool drop);
   void means_and_checks(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
                         double* mu, double* nu, double* tau, cudaStream_t stream);
   void prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, int64_t t);

@@ -1,7 +1,11 @@
 // The products: X^T X (lower triangle) and the cross blocks by cuBLAS, the
-// algorithm for each (resolve), the fp32 row-block split with its float64 sum,
+// algorithm for each (resolve, and its measurement: measure, collect_timings), the fp32 row-block split with its float64 sum,
 // and the pointer tables of the batched lower-tile product.
 #include "device_common.cuh"
+
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace richness {
 namespace cuda {
@@ -89,19 +93,153 @@ void syrk_lower(cublasHandle_t hd, Precision prec, int64_t n, int64_t k, const v
 
 }  // namespace
 
-Product CudaMoments::resolve(Precision prec, int64_t n) const {
-  Product algo = algo_;
-  // Defaults from benchmarks/gpu_check.py on an H200 (2026-11-30, p = 2048, batch 4096, head mode):
+Product default_product(Precision prec) {
+  // From benchmarks/gpu_check.py on an H200 (2026-11-30, p = 2048, batch 4096, head mode):
   // fp32 syrk 0.153 s vs gemm 0.234 s; tf32 gemm 0.065 s (tiles, block rows within 3%);
   // bf16 batched lower tiles of 512 0.031 s vs gemm 0.035 s.
-  if (algo == Product::automatic)
-    algo = (prec == Precision::fp64 || prec == Precision::fp32) ? Product::syrk
-           : prec == Precision::bf16                            ? Product::tiles
-                                                                : Product::gemm;
+  return (prec == Precision::fp64 || prec == Precision::fp32) ? Product::syrk
+         : prec == Precision::bf16                            ? Product::tiles
+                                                              : Product::gemm;
+}
+
+namespace {
+
+constexpr std::pair<Product, const char*> kProductNames[] = {
+    {Product::automatic, "auto"}, {Product::syrk, "syrk"}, {Product::gemm, "gemm"},
+    {Product::block_rows, "block_rows"}, {Product::tiles, "tiles"}};
+
+// The process-wide table of measured choices. An entry without `done` is a
+// measurement in flight (claimed by one object; others use the default).
+struct ShapeKey {
+  int device;
+  int prec;
+  int64_t n, k;
+  int block;
+  bool operator<(const ShapeKey& o) const {
+    return std::tie(device, prec, n, k, block) < std::tie(o.device, o.prec, o.n, o.k, o.block);
+  }
+};
+struct Measured {
+  bool done = false;
+  Product product = Product::automatic;
+  std::vector<std::pair<Product, double>> ms;
+};
+std::mutex g_table_mu;
+std::map<ShapeKey, Measured> g_table;
+
+}  // namespace
+
+Product product_from_name(const std::string& name) {
+  for (const auto& [p, n] : kProductNames)
+    if (name == n) return p;
+  throw std::invalid_argument("product must be auto, syrk, gemm, block_rows or tiles, got " + name);
+}
+
+const char* product_name(Product p) {
+  for (const auto& [q, n] : kProductNames)
+    if (p == q) return n;
+  return "?";
+}
+
+std::vector<MeasuredProduct> measured_products() {
+  std::lock_guard<std::mutex> lock(g_table_mu);
+  std::vector<MeasuredProduct> out;
+  for (const auto& [key, m] : g_table)
+    if (m.done) out.push_back({key.device, (Precision)key.prec, key.n, key.k, key.block, m.product, m.ms});
+  return out;
+}
+
+void clear_measured_products() {
+  std::lock_guard<std::mutex> lock(g_table_mu);
+  g_table.clear();
+}
+
+Product CudaMoments::applicable(Product algo, Precision prec, int64_t n) const {
   const int64_t bs = block_;
   if (algo == Product::tiles && (prec == Precision::fp64 || n % bs != 0 || n / bs < 2)) algo = Product::block_rows;
   if (algo == Product::syrk && prec == Precision::bf16) algo = Product::gemm;
   return algo;
+}
+
+Product CudaMoments::resolve(Precision prec, int64_t n, int64_t k) const {
+  Product algo = algo_;
+  if (algo == Product::automatic) {
+    algo = default_product(prec);
+    std::lock_guard<std::mutex> lock(g_table_mu);
+    const auto it = g_table.find({device_, (int)prec, n, k, block_});
+    if (it != g_table.end() && it->second.done) algo = it->second.product;
+  }
+  return applicable(algo, prec, n);
+}
+
+void CudaMoments::measure(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst,
+                          int64_t ldc, TileCache& tc, cudaStream_t stream) {
+  Timing t;
+  t.n = n, t.k = k, t.prec = prec, t.block = block_;
+  const Product last = applicable(default_product(prec), prec, n);
+  for (Product c : {Product::syrk, Product::gemm, Product::block_rows, Product::tiles}) {
+    const Product a = applicable(c, prec, n);
+    if (a != last && std::find(t.candidates.begin(), t.candidates.end(), a) == t.candidates.end())
+      t.candidates.push_back(a);
+  }
+  t.candidates.push_back(last);
+  try {
+    t.events.resize(2 * t.candidates.size() + 1, nullptr);
+    for (cudaEvent_t& e : t.events) CUDA_CHECK(cudaEventCreate(&e));
+    size_t e = 0;
+    CUDA_CHECK(cudaEventRecord(t.events[e++], stream));
+    for (int round = 0; round < 2; ++round)
+      for (Product c : t.candidates) {
+        run_product(c, prec, n, k, src, lda, dst, ldc, tc, false, stream);
+        CUDA_CHECK(cudaEventRecord(t.events[e++], stream));
+      }
+  } catch (...) {
+    for (cudaEvent_t e : t.events)
+      if (e) cudaEventDestroy(e);
+    std::lock_guard<std::mutex> lock(g_table_mu);
+    g_table.erase({device_, (int)prec, n, k, t.block});
+    throw;
+  }
+  timings_.push_back(std::move(t));
+}
+
+void CudaMoments::collect_timings(bool drop) {
+  for (size_t i = 0; i < timings_.size();) {
+    Timing& t = timings_[i];
+    const ShapeKey key{device_, (int)t.prec, t.n, t.k, t.block};
+    const cudaError_t ready = cudaEventQuery(t.events.back());  // the last event: every run before it is done
+    if (ready == cudaErrorNotReady && !drop) {
+      ++i;
+      continue;
+    }
+    Measured m;
+    if (ready == cudaSuccess) {
+      const size_t nc = t.candidates.size();
+      m.done = true;
+      double best = 0.0;
+      // The default (last) wins ties: go backwards, replace only when faster.
+      for (size_t c = nc; c-- > 0;) {
+        double ms = 0.0;
+        for (size_t r = 0; r < 2; ++r) {
+          float v = 0.0f;
+          if (cudaEventElapsedTime(&v, t.events[r * nc + c], t.events[r * nc + c + 1]) != cudaSuccess) m.done = false;
+          ms = r == 0 ? v : std::min(ms, (double)v);
+        }
+        m.ms.insert(m.ms.begin(), {t.candidates[c], ms});
+        if (c == nc - 1 || ms < best) {
+          best = ms;
+          m.product = t.candidates[c];
+        }
+      }
+    }
+    for (cudaEvent_t e : t.events) cudaEventDestroy(e);
+    {
+      std::lock_guard<std::mutex> lock(g_table_mu);
+      if (m.done) g_table[key] = m;
+      else g_table.erase(key);  // abandoned or failed: a later product measures again
+    }
+    timings_.erase(timings_.begin() + i);
+  }
 }
 
 int64_t CudaMoments::rows_per_product(Precision prec, int64_t k) const {
@@ -130,10 +268,28 @@ void CudaMoments::product_lower(Precision prec, int64_t n, int64_t k, const void
 
 void CudaMoments::product_lower_once(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst,
                                      int64_t ldc, TileCache& tc, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  if (algo_ == Product::automatic && !capturing) {
+    bool claimed = false;
+    {
+      std::lock_guard<std::mutex> lock(g_table_mu);
+      claimed = g_table.emplace(ShapeKey{device_, (int)prec, n, k, block_}, Measured()).second;
+    }
+    if (claimed) {
+      measure(prec, n, k, src, lda, dst, ldc, tc, stream);
+      return;
+    }
+  }
+  run_product(resolve(prec, n, k), prec, n, k, src, lda, dst, ldc, tc, capturing, stream);
+}
+
+void CudaMoments::run_product(Product algo, Precision prec, int64_t n, int64_t k, const void* src, int64_t lda,
+                              void* dst, int64_t ldc, TileCache& tc, bool capturing, cudaStream_t stream) {
   const size_t ies = in_size(prec), oes = out_size(prec);
   const char* xs = static_cast<const char*>(src);
   char* Mb = static_cast<char*>(dst);
-  const Product algo = resolve(prec, n);
   const int64_t bs = block_;
 
   switch (algo) {
@@ -160,14 +316,12 @@ void CudaMoments::product_lower_once(Precision prec, int64_t n, int64_t k, const
       // pointers when the graph runs, so the host cache is not marked valid
       // (an eager call before the first replay recomputes them). With
       // staging, the first per-batch product may well be a captured one.
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
       const bool valid = tc.table == tc.ptrs.ptr && tc.src == src && tc.dst == dst && tc.n == n && tc.lda == lda &&
                          tc.ldc == ldc && tc.bs == bs && tc.es == ies;
       if (!valid) {
         tile_pointers<<<1, 256, 0, stream>>>(xs, Mb, ldc, bs, (long long)ies, (long long)oes, nbt, A, B, C);
         LAUNCH_CHECK("tile_pointers");
-        if (capture == cudaStreamCaptureStatusNone) {
+        if (!capturing) {
           tc.table = tc.ptrs.ptr;
           tc.src = src;
           tc.dst = dst;

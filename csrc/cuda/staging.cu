@@ -144,11 +144,10 @@ void CudaMoments::stage_batch(const Matrix& x, const Matrix* outputs, const Matr
   ensure(st_counts_, (size_t)kMaxStackBatches * 8);
   ensure(st_prod_, (size_t)width * width * oes);
   const int64_t joint_n = p + c + t;
-  if (stack_joint_ && resolve(prec, joint_n) == Product::tiles) {
-    const long long nbt = joint_n / block_;
-    ensure(st_tiles_.ptrs, (size_t)(nbt * (nbt + 1) / 2) * 3 * sizeof(void*));
-  } else if (resolve(prec, p) == Product::tiles) {
-    const long long nbt = p / block_;
+  // The flush's tile table, for the width it multiplies (a candidate when measuring, whatever is chosen now).
+  const int64_t flush_n = stack_joint_ ? joint_n : p;
+  if (tiles_apply(prec, flush_n)) {
+    const long long nbt = flush_n / block_;
     ensure(st_tiles_.ptrs, (size_t)(nbt * (nbt + 1) / 2) * 3 * sizeof(void*));
   }
 
