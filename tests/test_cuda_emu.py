@@ -696,6 +696,12 @@ BAD_MSG = {
     "nan": r"1 batch was not added \(checked on the device\): features contain 3 non-finite values",
     "inf": r"1 batch was not added \(checked on the device\): outputs contain 1 non-finite value \(NaN or Inf\)",
     "label": r"1 batch was not added \(checked on the device\): labels out of range: 2 labels outside 0..4",
+    # finite values whose co-moments would overflow float64, or whose squares underflow it (the CPU's rules)
+    "overflow": r"1 batch was not added \(checked on the device\): features are too large: their co-moments overflow "
+                r"float64 \(largest magnitude in the batch \S+e\+16\d\); rescale them",
+    "outputs overflow": r"1 batch was not added \(checked on the device\): outputs are too large: .*overflow float64",
+    "underflow": r"1 batch was not added \(checked on the device\): targets vary by at most \S+e-170, too little for "
+                 r"fp64 products: their squares underflow float64; rescale them",
 }
 
 
@@ -705,6 +711,12 @@ def spoil(kind, x, f, y):
         x[3, 1] = x[7, 0] = x[0, 39] = np.nan
     elif kind == "inf":
         f[2, 2] = -np.inf
+    elif kind == "overflow":
+        x = x * 1e160
+    elif kind == "outputs overflow":
+        f = f * 1e160
+    elif kind == "underflow":
+        pass  # the targets, in the test
     else:
         y[5] = 5
         y[9] = -1
@@ -712,7 +724,7 @@ def spoil(kind, x, f, y):
 
 
 @pytest.mark.parametrize("stack", [None, (1000, True), (1000, False), (120, True)])
-@pytest.mark.parametrize("kind", ["nan", "inf", "label"])
+@pytest.mark.parametrize("kind", ["nan", "inf", "label", "overflow", "outputs overflow", "underflow"])
 @pytest.mark.parametrize("where", ["first", "middle"])
 def test_bad_batch_adds_nothing_and_raises_at_next_sync(emu, kind, stack, where):
     X, F, T, y = problem(n=300, k=5, seed=9)
@@ -724,7 +736,8 @@ def test_bad_batch_adds_nothing_and_raises_at_next_sync(emu, kind, stack, where)
         x, f, yy = X[s], F[s], y[s]
         if i == bad_at:
             bx, bf, by = spoil(kind, x, f, yy)
-            with_bad.update(bx, bf, by, T[s])  # no error here: update never waits for the device
+            bt = T[s] * 1e-170 if kind == "underflow" else T[s]
+            with_bad.update(bx, bf, by, bt)  # no error here: update never waits for the device
         else:
             with_bad.update(x, f, yy, T[s])
             without.update(x, f, yy, T[s])
@@ -742,6 +755,44 @@ def test_bad_batch_adds_nothing_and_raises_at_next_sync(emu, kind, stack, where)
         assert_equal_states(with_bad.gpu.get_state(), want)
     good = np.r_[100:300] if bad_at == 0 else np.r_[0:100, 160:300]
     assert_close(want, oracle(X[good], F[good], T[good], y[good], 5), 1e-12)
+
+
+def test_scale_checks_as_on_the_cpu(emu):
+    # The same batches the CPU refuses at update (csrc/cpu: overflow_of, the underflow check) are refused
+    # at the next synchronisation, with the same largest magnitude; the state stays as it was.
+    X, F, T, y = problem(n=300, k=5, seed=31)
+    cases = {
+        # fp32 products: squares of 2e19 overflow float32 (not float64)
+        "fp32 products": (lambda x, f, t: ((x * 1e19).astype(np.float32), f, t), "fp32",
+                          r"features are too large: their co-moments overflow the float32 products.*"
+                          r"\(largest magnitude in the batch (\S+)\).*precision='fp64'"),
+        # constant within the batch, 1e160 from the state's mean: the mean-shift term overflows
+        "mean shift": (lambda x, f, t: (x + 1e160, f, t), "fp64",
+                       r"features are too large: .*overflow float64 \(largest magnitude in the batch (\S+)\)"),
+        "fp32 underflow": (lambda x, f, t: ((x * 1e-30).astype(np.float32), f, t), "fp32",
+                           r"features vary by at most \S+e-30, too little for fp32 products: their squares underflow "
+                           r"float32.*precision='fp64'"),
+    }
+    for name, (make, precision, pattern) in cases.items():
+        tw = Twin(emu, 5)
+        tw.update(X[:100], F[:100], y[:100], T[:100], precision=precision)
+        before = tw.gpu.get_state()
+        bx, bf, bt = make(X[100:200], F[100:200], T[100:200])
+        tw.keep.append((bx, bf, bt))
+        tw.gpu.update(marg(bx), marg(bf), marg(y[100:200]), marg(bt), precision=precision)
+        with pytest.raises(ValueError, match=pattern) as cpu_err:
+            tw.cpu.update(marg(bx), marg(bf), marg(y[100:200]), marg(bt), precision=precision)
+        with pytest.raises(ValueError, match=pattern) as gpu_err:
+            tw.gpu.n
+        if "magnitude" in pattern:
+            import re
+
+            assert re.search(pattern, str(gpu_err.value)).group(1) == re.search(pattern, str(cpu_err.value)).group(1)
+        assert_equal_states(tw.gpu.get_state(), before, name)
+        tw.update(X[200:], F[200:], y[200:], T[200:], precision=precision)  # still usable
+        rows = np.r_[0:100, 200:300]
+        assert_close(tw.gpu.get_state(), oracle(X[rows], F[rows], T[rows], y[rows], 5),
+                     1e-12 if precision == "fp64" else 2e-5, what=name)
 
 
 def test_bad_batches_counted_together(emu):

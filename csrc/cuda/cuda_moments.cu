@@ -6,6 +6,9 @@
 // kernels.cu, the products in products.cu, staging in staging.cu.
 #include "kernels.cuh"
 
+#include <cfloat>
+#include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -255,7 +258,7 @@ void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, i
   const int64_t widest = std::max<int64_t>(p, std::max<int64_t>(c, t));
   if (splits(prec, nb)) ensure(part_, (size_t)widest * widest * 4);
   const long long chunks = (nb + kChunkRows - 1) / kChunkRows;
-  ensure(partial_, (size_t)chunks * widest * 8);
+  ensure(partial_, (size_t)kPartials * chunks * widest * 8);
   ensure(mu_, (size_t)p * 8);
   ensure(xs_, (size_t)nb * p * ies);
   ensure(Mb_, (size_t)p * p * oes);
@@ -281,18 +284,28 @@ void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, i
 // checks (non-finite values, labels out of range), counted in the header's
 // batch_bad for the kernels after them to read.
 void CudaMoments::means_and_checks(const Matrix& x, const Matrix* outputs, const Matrix* labels,
-                                   const Matrix* targets, double* mu, double* nu, double* tau, cudaStream_t stream) {
+                                   const Matrix* targets, Precision prec, double* mu, double* nu, double* tau,
+                                   cudaStream_t stream) {
   Header* h = s_.hdr;
-  unsigned long long* bad = reinterpret_cast<unsigned long long*>(h->batch_bad);
   double* partial = static_cast<double*>(partial_.ptr);
-  CUDA_CHECK(cudaMemsetAsync(h->batch_bad, 0, sizeof(h->batch_bad), stream));
+  // batch_bad, batch_magnitude and batch_range, contiguous
+  static_assert(offsetof(Header, total_bad) - offsetof(Header, batch_bad) ==
+                    sizeof(Header::batch_bad) + sizeof(Header::batch_magnitude) + sizeof(Header::batch_range),
+                "the per-batch verdict is one block of the header");
+  CUDA_CHECK(cudaMemsetAsync(h->batch_bad, 0, offsetof(Header, total_bad) - offsetof(Header, batch_bad), stream));
   if (labels) {
     CUDA_CHECK(cudaMemsetAsync(&h->batch_max, 0xff, sizeof(long long), stream));
     CUDA_CHECK(cudaMemsetAsync(&h->batch_over, 0, sizeof(long long), stream));
   }
-  launch_means(x, partial, mu, bad + 0, stream);
-  if (outputs) launch_means(*outputs, partial, nu, bad + 1, stream);
-  if (targets) launch_means(*targets, partial, tau, bad + 2, stream);
+  // The products' type bounds them (a quarter of its largest value, as on the
+  // CPU), and its smallest normal bounds the spread's squares from below.
+  const bool fp64 = prec == Precision::fp64;
+  const double part_max = fp64 ? DBL_MAX / 4 : (double)FLT_MAX / 4;
+  const double tiny = 64.0 * std::sqrt(fp64 ? DBL_MIN : (double)FLT_MIN);
+  launch_means(x, partial, mu, h, 0, s_.mean, s_.M, part_max, stream);
+  if (outputs) launch_means(*outputs, partial, nu, h, 1, s_.out_mean, s_.A, part_max, stream);
+  if (targets) launch_means(*targets, partial, tau, h, 2, s_.tgt_mean, s_.At, part_max, stream);
+  launch_scale_verdict(h, tiny, stream);
   if (labels) {
     const long long limit = num_classes_ >= 0 ? num_classes_ : class_growth_cap(p_);
     launch_label_checks(*labels, limit, h, stream);
@@ -345,7 +358,7 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   double* mu = static_cast<double*>(mu_.ptr);
   double* nu = static_cast<double*>(nu_.ptr);
   double* tau = static_cast<double*>(tau_.ptr);
-  means_and_checks(x, outputs, labels, targets, mu, nu, tau, stream);
+  means_and_checks(x, outputs, labels, targets, prec, mu, nu, tau, stream);
 
   launch_center(x, mu, prec, xs_.ptr, p, nullptr, stream);
   if (outputs) launch_center(*outputs, nu, prec, fs_.ptr, c, nullptr, stream);
@@ -395,7 +408,8 @@ void CudaMoments::sync_and_check() {
   if (hh.skipped == 0) return;
   // Clear the pending error first: the state itself is intact (bad batches
   // were skipped), so the object stays usable after the exception.
-  CUDA_CHECK(cudaMemset(&s_.hdr->total_bad, 0, sizeof(hh.total_bad) + sizeof(hh.skipped)));
+  CUDA_CHECK(cudaMemset(&s_.hdr->total_bad, 0, offsetof(Header, total_range) + sizeof(hh.total_range) -
+                                                   offsetof(Header, total_bad)));
   CUDA_CHECK(cudaDeviceSynchronize());
   Msg os;
   os << hh.skipped << (hh.skipped == 1 ? " batch was" : " batches were") << " not added (checked on the device): ";
@@ -405,6 +419,24 @@ void CudaMoments::sync_and_check() {
     if (hh.total_bad[q]) {
       os << (first ? "" : "; ") << names[q] << " contain " << hh.total_bad[q] << " non-finite value"
          << (hh.total_bad[q] == 1 ? "" : "s") << " (NaN or Inf)";
+      first = false;
+    }
+  for (int q = 0; q < 3; ++q)
+    if (hh.total_bad[kBadOverflow + q]) {
+      // as the CPU backend words it (csrc/cpu/cpu_moments.cpp)
+      const bool fp64 = precision_ == Precision::fp64;
+      os << (first ? "" : "; ") << names[q] << " are too large: their co-moments overflow "
+         << (fp64 ? "float64" : "the float32 products or float64") << " (largest magnitude in the batch "
+         << Sci{hh.total_magnitude[q]} << "); rescale them (DLR does not depend on the scale)"
+         << (fp64 ? "" : " or use precision='fp64'");
+      first = false;
+    }
+  for (int q = 0; q < 3; ++q)
+    if (hh.total_bad[kBadUnderflow + q]) {
+      const bool fp64 = precision_ == Precision::fp64;
+      os << (first ? "" : "; ") << names[q] << " vary by at most " << Sci{hh.total_range[q]} << ", too little for "
+         << precision_name(precision_) << " products: their squares underflow " << (fp64 ? "float64" : "float32")
+         << "; rescale them (DLR does not depend on the scale)" << (fp64 ? "" : " or use precision='fp64'");
       first = false;
     }
   if (hh.total_bad[3]) {

@@ -1,12 +1,14 @@
-// CUDA backend of the streamed float64 co-moment state (SPEC.md).
+// CUDA backend of the streamed float64 co-moment state (docs/MATH.md, streaming estimator).
 //
-// The same state and Chan merge as the CPU backend (../moments.hpp), held in
+// The same state and Chan merge as the CPU backend (../cpu/cpu_moments.hpp), held in
 // device memory. A batch is validated on the host (shapes, dtypes: no data is
 // read there); everything that reads data runs on the caller's stream:
 //   column means in float64 -> centering and narrowing to the product type ->
 //   cuBLAS products into scratch -> float64 merge kernels -> mean/n update.
-// Non-finite values and out-of-range labels are counted on the device; the
-// merge kernels read that count and skip the batch, and the error is raised at
+// Non-finite values, out-of-range labels and values whose co-moments would
+// overflow float64 (or whose spread's squares underflow the products; the
+// CPU backend's rules) are counted on the device; the merge kernels read that
+// count and skip the batch, and the error is raised at
 // the next synchronising call (n, get_state, merge, reset). So update() never
 // waits for the device, labels included: without num_classes the class arrays
 // have a host-known capacity (set from the first labelled batch, which
@@ -73,14 +75,22 @@ void clear_measured_products();  // the next product of each shape is measured a
 constexpr int kMaxStackBatches = 256;
 
 // Device-side bookkeeping, read by the kernels (never by the host in update).
-// Error kinds: non-finite features/outputs/targets, labels out of range,
-// labels past the class capacity in more rows than the deferral buffer holds.
-constexpr int kBadKinds = 5;
+// Error kinds (kBad* below): non-finite features/outputs/targets, labels out
+// of range, labels past the class capacity in more rows than the deferral
+// buffer holds, co-moments that would overflow (features/outputs/targets) and
+// spreads whose squares would underflow the products (same three), as the
+// CPU backend refuses them (docs/MATH.md, precision).
+constexpr int kBadNonFinite = 0, kBadLabels = 3, kBadDeferral = 4, kBadOverflow = 5, kBadUnderflow = 8;
+constexpr int kBadKinds = 11;
 struct Header {
   long long n;                     // samples merged
   long long batch_bad[kBadKinds];  // this batch
+  double batch_magnitude[3];       // this batch: largest |value| of features, outputs, targets
+  double batch_range[3];           // this batch: largest column max - min of each
   long long total_bad[kBadKinds];  // since the last synchronising call
   long long skipped;               // batches skipped since the last synchronising call
+  double total_magnitude[3];       // the largest batch_magnitude of the batches skipped for overflow
+  double total_range[3];           // the largest batch_range of the batches skipped for underflow
   long long k_seen;                // one past the largest label of the batches added
   long long batch_max;             // this batch: largest label (-1: none)
   long long batch_over;            // this batch: rows whose label is past the class capacity
@@ -289,7 +299,7 @@ class CudaMoments {
   // Reads the finished measurements (never waits); `drop`: abandons the rest.
   void collect_timings(bool drop);
   void means_and_checks(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
-                        double* mu, double* nu, double* tau, cudaStream_t stream);
+                        Precision prec, double* mu, double* nu, double* tau, cudaStream_t stream);
   void prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, int64_t t);
   // Lower triangle of C = S^T S, S a k x n row-major block (row stride lda)
   // = column-major n x k; C column-major n x n with leading dimension ldc.

@@ -81,6 +81,17 @@ __device__ __forceinline__ bool batch_is_bad(const Header* h) {
   return any != 0;
 }
 
+// A bad batch's error counts (and its magnitude and range, for the message)
+// join the totals reported at the next synchronising call. One thread.
+__device__ __forceinline__ void count_skipped(Header* h) {
+  for (int q = 0; q < kBadKinds; ++q) h->total_bad[q] += h->batch_bad[q];
+  for (int q = 0; q < 3; ++q) {
+    if (h->batch_bad[kBadOverflow + q]) h->total_magnitude[q] = fmax(h->total_magnitude[q], h->batch_magnitude[q]);
+    if (h->batch_bad[kBadUnderflow + q]) h->total_range[q] = fmax(h->total_range[q], h->batch_range[q]);
+  }
+  h->skipped += 1;
+}
+
 // ---- launch helpers -----------------------------------------------------------
 
 // Blocks along y (the hardware allows 65535): kernels launched with grid_y

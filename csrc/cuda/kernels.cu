@@ -5,55 +5,132 @@
 // products.cu, the stage's in staging.cu.
 #include "kernels.cuh"
 
+#include <cfloat>
+
 namespace richness {
 namespace cuda {
 
 namespace {
 
-// Float64 column sums of one row chunk, and the count of non-finite values
-// (the device's version of the CPU's finiteness check). Two passes with fixed
-// order (partials, then column_means) keep the mean deterministic.
+// Per row chunk and column, float64: the sum (the mean's), the sum and sum of
+// squares of the values less the chunk's first one (a shift inside the data,
+// so the chunk's co-moment diagonal comes out without cancellation), the
+// minimum and the maximum; and the count of non-finite values (the device's
+// version of the CPU's finiteness check). Fixed order (partials, then
+// column_means) keeps the mean deterministic. `partial` holds kPartials
+// arrays of chunks x cols, in the order of the Partial enum.
 template <typename Tin>
 __global__ void column_partials(const Tin* __restrict__ x, long long rows, long long cols, long long ld,
                                 double* __restrict__ partial, unsigned long long* bad) {
   const int tx = threadIdx.x, ty = threadIdx.y;
   const long long col = (long long)blockIdx.x * kColTile + tx;
   const long long chunks = (rows + kChunkRows - 1) / kChunkRows;
-  __shared__ double sh[kRowLanes][kColTile + 1];
+  const long long plane = chunks * cols;
+  __shared__ double sh[3][kRowLanes][kColTile + 1];
   unsigned long long nbad = 0;
   // grid.y is capped at 65535: a block takes every gridDim.y-th chunk (one
   // chunk per block below 16.7M rows). The loop bounds are block-uniform.
   for (long long chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y) {
     const long long r0 = chunk * kChunkRows;
     const long long r1 = min(rows, r0 + kChunkRows);
-    double s = 0.0;
+    double s = 0.0, ds = 0.0, dq = 0.0, lo = INFINITY, hi = -INFINITY;
     if (col < cols) {
+      const double shift = to_double(x[r0 * ld + col]);
       for (long long r = r0 + ty; r < r1; r += kRowLanes) {
         const double v = to_double(x[r * ld + col]);
         s += v;
+        ds += v - shift;
+        dq += (v - shift) * (v - shift);
+        lo = fmin(lo, v);
+        hi = fmax(hi, v);
         nbad += !isfinite(v);
       }
     }
-    sh[ty][tx] = s;
+    sh[0][ty][tx] = s;
+    sh[1][ty][tx] = ds;
+    sh[2][ty][tx] = dq;
     __syncthreads();
     if (ty == 0 && col < cols) {
-      double acc = 0.0;
+      double acc[3] = {0.0, 0.0, 0.0};
 #pragma unroll
-      for (int k = 0; k < kRowLanes; ++k) acc += sh[k][tx];
-      partial[chunk * cols + col] = acc;
+      for (int k = 0; k < kRowLanes; ++k)
+        for (int a = 0; a < 3; ++a) acc[a] += sh[a][k][tx];
+      partial[kSum * plane + chunk * cols + col] = acc[0];
+      partial[kShiftedSum * plane + chunk * cols + col] = acc[1];
+      partial[kShiftedSquares * plane + chunk * cols + col] = acc[2];
+      partial[kShift * plane + chunk * cols + col] = to_double(x[r0 * ld + col]);
     }
-    __syncthreads();  // sh is rewritten by the next chunk
+    __syncthreads();  // sh is rewritten below and by the next chunk
+    sh[0][ty][tx] = lo;
+    sh[1][ty][tx] = hi;
+    __syncthreads();
+    if (ty == 0 && col < cols) {
+      double mn = INFINITY, mx = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kRowLanes; ++k) {
+        mn = fmin(mn, sh[0][k][tx]);
+        mx = fmax(mx, sh[1][k][tx]);
+      }
+      partial[kMin * plane + chunk * cols + col] = mn;
+      partial[kMax * plane + chunk * cols + col] = mx;
+    }
+    __syncthreads();
   }
   if (nbad) atomicAdd(bad, nbad);
 }
 
-__global__ void column_means(const double* __restrict__ partial, long long chunks, long long cols, double inv_rows,
-                             double* __restrict__ mean) {
+// The batch's float64 column means, and its scale checks (the CPU's rules,
+// csrc/cpu: overflow_of and the underflow check): the batch's co-moment
+// diagonal d_j = sum_r (x_rj - mean_j)^2, from the chunks' shifted sums
+// without cancellation, must fit the product type (part_max: a quarter of its
+// largest value), and the merged diagonal state_j + d_j + f (mean_j -
+// state_mean_j)^2 a quarter of float64's. By Cauchy-Schwarz the diagonals
+// bound every entry, cross blocks included. A column that breaks a rule makes
+// the batch bad (kind kBadOverflow + q); the largest |value| and column range
+// go to the header for the message and the underflow verdict. Skipped for a
+// stream with non-finite values (already bad, as on the CPU).
+__global__ void column_means(const double* __restrict__ partial, long long chunks, long long cols, long long rows,
+                             double* __restrict__ mean, Header* h, int q, const unsigned long long* bad,
+                             const double* __restrict__ state_mean, const double* __restrict__ state_S,
+                             double part_max) {
   const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= cols) return;
+  const long long plane = chunks * cols;
   double acc = 0.0;
-  for (long long c = 0; c < chunks; ++c) acc += partial[c * cols + col];
-  mean[col] = acc * inv_rows;
+  for (long long c = 0; c < chunks; ++c) acc += partial[kSum * plane + c * cols + col];
+  const double m = acc * (1.0 / (double)rows);
+  mean[col] = m;
+  if (*bad) return;
+  double diag = 0.0, lo = INFINITY, hi = -INFINITY;
+  for (long long c = 0; c < chunks; ++c) {
+    const double nc = (double)min((long long)kChunkRows, rows - c * kChunkRows);
+    const double ds = partial[kShiftedSum * plane + c * cols + col];
+    const double mc = partial[kShift * plane + c * cols + col] + ds / nc;  // the chunk's mean
+    // the chunk's own co-moment, then its mean's offset from the batch's (parallel axes)
+    diag += (partial[kShiftedSquares * plane + c * cols + col] - ds * ds / nc) + nc * (mc - m) * (mc - m);
+    lo = fmin(lo, partial[kMin * plane + c * cols + col]);
+    hi = fmax(hi, partial[kMax * plane + c * cols + col]);
+  }
+  const double na = (double)h->n, nb = (double)rows;
+  const double f = na > 0 ? na * nb / (na + nb) : 0.0;
+  const double d = na > 0 ? m - state_mean[col] : 0.0;
+  const double merged = (na > 0 ? state_S[col * cols + col] : 0.0) + diag + f * d * d;
+  if (!(diag <= part_max) || !(merged <= DBL_MAX / 4))
+    atomicAdd(reinterpret_cast<unsigned long long*>(&h->batch_bad[kBadOverflow + q]), 1ull);
+  // non-negative doubles order as their bit patterns
+  atomicMax(reinterpret_cast<long long*>(&h->batch_magnitude[q]), __double_as_longlong(fmax(fabs(lo), fabs(hi))));
+  atomicMax(reinterpret_cast<long long*>(&h->batch_range[q]), __double_as_longlong(hi - lo));
+}
+
+// After every stream's means: a spread whose squares fall below the product
+// type's normal range (0 < largest column range < tiny) would be lost in the
+// products; the batch is refused, as on the CPU.
+__global__ void scale_verdict(Header* h, double tiny) {
+  for (int q = 0; q < 3; ++q) {
+    if (h->batch_bad[kBadNonFinite + q] || h->batch_bad[kBadOverflow + q]) continue;
+    const double r = h->batch_range[q];
+    if (r > 0.0 && r < tiny) h->batch_bad[kBadUnderflow + q] = 1;
+  }
 }
 
 // Centered copy in the product type (row stride ldo). The subtraction is in
@@ -120,10 +197,7 @@ __global__ void merge_cross(double* __restrict__ B, const Tb* __restrict__ Bb, l
 __global__ void finalize(Header* h, long long nb, double* mean, const double* mb, long long p, double* om,
                          const double* ob, long long c, double* tm, const double* tb, long long t, bool check) {
   if (check && batch_is_bad(h)) {
-    if (threadIdx.x == 0) {
-      for (int q = 0; q < kBadKinds; ++q) h->total_bad[q] += h->batch_bad[q];
-      h->skipped += 1;
-    }
+    if (threadIdx.x == 0) count_skipped(h);
     return;
   }
   const double na = (double)h->n, w = (double)nb / (na + (double)nb);
@@ -258,8 +332,10 @@ __global__ void symmetrize(const double* __restrict__ lower, long long n, double
 
 // ---- launchers ----------------------------------------------------------------
 
-void launch_means(const Matrix& m, double* partial, double* mean, unsigned long long* bad, cudaStream_t s) {
+void launch_means(const Matrix& m, double* partial, double* mean, Header* h, int q, const double* state_mean,
+                  const double* state_S, double part_max, cudaStream_t s) {
   const long long chunks = (m.rows + kChunkRows - 1) / kChunkRows;
+  unsigned long long* bad = reinterpret_cast<unsigned long long*>(&h->batch_bad[kBadNonFinite + q]);
   dispatch_float(m.dtype, [&](auto tag) {
     using T = decltype(tag);
     dim3 grid((unsigned)((m.cols + kColTile - 1) / kColTile), grid_y(chunks));
@@ -267,8 +343,14 @@ void launch_means(const Matrix& m, double* partial, double* mean, unsigned long 
                                                                   m.ld, partial, bad);
   });
   LAUNCH_CHECK("column_partials");
-  column_means<<<(unsigned)((m.cols + 255) / 256), 256, 0, s>>>(partial, chunks, m.cols, 1.0 / (double)m.rows, mean);
+  column_means<<<(unsigned)((m.cols + 255) / 256), 256, 0, s>>>(partial, chunks, m.cols, m.rows, mean, h, q, bad,
+                                                                state_mean, state_S, part_max);
   LAUNCH_CHECK("column_means");
+}
+
+void launch_scale_verdict(Header* h, double tiny, cudaStream_t s) {
+  scale_verdict<<<1, 1, 0, s>>>(h, tiny);
+  LAUNCH_CHECK("scale_verdict");
 }
 
 // Float64 class sums and counts of a batch's features into the header's

@@ -12,9 +12,20 @@ constexpr int kColTile = 32;    // columns per block (one warp across)
 constexpr int kRowLanes = 8;    // warps per block, striding the rows
 constexpr int kChunkRows = 256; // rows per block; partial sums per chunk
 
-// Float64 column means of m into mean (partial: scratch of chunks * cols
-// doubles, chunks = ceil(rows / kChunkRows)); non-finite values counted in *bad.
-void launch_means(const Matrix& m, double* partial, double* mean, unsigned long long* bad, cudaStream_t s);
+// The column partials (column_partials in kernels.cu): kPartials planes of
+// chunks x cols doubles, chunks = ceil(rows / kChunkRows).
+enum Partial { kSum = 0, kShiftedSum, kShiftedSquares, kShift, kMin, kMax, kPartials };
+
+// Float64 column means of stream q (0 features, 1 outputs, 2 targets) of a
+// batch m into mean, with its device checks: non-finite values (kind
+// kBadNonFinite + q) and co-moments that would overflow the product type
+// (part_max) or the merged float64 state (state_mean, state_S: the stream's
+// state mean and symmetric block), kind kBadOverflow + q; its largest
+// magnitude and column range into the header. partial: kPartials * chunks * cols doubles.
+void launch_means(const Matrix& m, double* partial, double* mean, Header* h, int q, const double* state_mean,
+                  const double* state_S, double part_max, cudaStream_t s);
+// After the means of every stream: spreads too small for the products (kind kBadUnderflow + q).
+void launch_scale_verdict(Header* h, double tiny, cudaStream_t s);
 // Centered rows of m in the product type into out (row stride ldo); a batch
 // `zero_if_bad` marks bad is written as zeros (staging).
 void launch_center(const Matrix& m, const double* mean, Precision prec, void* out, long long ldo,

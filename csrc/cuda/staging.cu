@@ -27,8 +27,7 @@ namespace {
 // and the error counts moved to the pending totals (as finalize does).
 __global__ void stage_record(Header* h, long long* count, long long nb) {
   if (batch_is_bad(h)) {
-    for (int q = 0; q < kBadKinds; ++q) h->total_bad[q] += h->batch_bad[q];
-    h->skipped += 1;
+    count_skipped(h);
     *count = 0;
   } else {
     *count = nb;
@@ -158,7 +157,7 @@ void CudaMoments::stage_batch(const Matrix& x, const Matrix* outputs, const Matr
   double* means = static_cast<double*>(st_means_.ptr) + (int64_t)(1 + slot) * width;  // [mu | nu | tau]
   char* rows = static_cast<char*>(st_x_.ptr) + (size_t)row0 * width * ies;
 
-  means_and_checks(x, outputs, labels, targets, means, means + p, means + p + c, stream);
+  means_and_checks(x, outputs, labels, targets, prec, means, means + p, means + p + c, stream);
   // Every check above has run (stream order) before the centering reads the
   // verdict: a bad batch's rows are staged as zeros.
   launch_center(x, means, prec, rows, width, h, stream);

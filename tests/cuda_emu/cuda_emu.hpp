@@ -82,6 +82,11 @@ inline int atomicAdd(int* p, int v) {
   *p = old + v;
   return old;
 }
+inline long long __double_as_longlong(double v) {
+  long long r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+}
 inline long long atomicMax(long long* p, long long v) {
   const long long old = *p;
   if (v > old) *p = v;
