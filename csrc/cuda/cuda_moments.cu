@@ -84,7 +84,7 @@ void CudaMoments::free_state() {
 
 void CudaMoments::free_all() {
   free_state();
-  for (Buf* b : {&xs_, &fs_, &ts_, &Mb_, &Bb_, &Ab_, &Btb_, &Atb_, &mu_, &nu_, &tau_, &partial_, &defer_, &tiles_.ptrs,
+  for (Buf* b : {&xs_, &fs_, &ts_, &Mb_, &Bb_, &Ab_, &Btb_, &Atb_, &mu_, &nu_, &tau_, &partial_, &dev_, &defer_, &tiles_.ptrs,
                  &st_tiles_.ptrs, &st_x_, &st_means_, &st_counts_, &st_prod_}) {
     if (b->ptr) cudaFree(b->ptr);
     *b = Buf();
@@ -259,6 +259,7 @@ void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, i
   if (splits(prec, nb)) ensure(part_, (size_t)widest * widest * 4);
   const long long chunks = (nb + kChunkRows - 1) / kChunkRows;
   ensure(partial_, (size_t)kPartials * chunks * widest * 8);
+  ensure(dev_, (size_t)(chunks + 1) * (p + c + t) * 8);
   ensure(mu_, (size_t)p * 8);
   ensure(xs_, (size_t)nb * p * ies);
   ensure(Mb_, (size_t)p * p * oes);
@@ -285,7 +286,7 @@ void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, i
 // batch_bad for the kernels after them to read.
 void CudaMoments::means_and_checks(const Matrix& x, const Matrix* outputs, const Matrix* labels,
                                    const Matrix* targets, Precision prec, double* mu, double* nu, double* tau,
-                                   cudaStream_t stream) {
+                                   bool fuse, cudaStream_t stream) {
   Header* h = s_.hdr;
   double* partial = static_cast<double*>(partial_.ptr);
   // batch_bad, batch_magnitude and batch_range, contiguous
@@ -302,9 +303,13 @@ void CudaMoments::means_and_checks(const Matrix& x, const Matrix* outputs, const
   const bool fp64 = prec == Precision::fp64;
   const double part_max = fp64 ? DBL_MAX / 4 : (double)FLT_MAX / 4;
   const double tiny = 64.0 * std::sqrt(fp64 ? DBL_MIN : (double)FLT_MIN);
-  launch_means(x, partial, mu, h, 0, s_.mean, s_.M, part_max, stream);
-  if (outputs) launch_means(*outputs, partial, nu, h, 1, s_.out_mean, s_.A, part_max, stream);
-  if (targets) launch_means(*targets, partial, tau, h, 2, s_.tgt_mean, s_.At, part_max, stream);
+  // fused: centered rows into xs_/fs_/ts_, the chunks' deviations into dev_ ([features | outputs | targets])
+  const long long c = outputs ? outputs->cols : 0, t = targets ? targets->cols : 0, W = p_ + c + t;
+  double* D = static_cast<double*>(dev_.ptr);
+  const ChunkCentering cx{prec, xs_.ptr, p_, D, W}, cf{prec, fs_.ptr, c, D + p_, W}, ct{prec, ts_.ptr, t, D + p_ + c, W};
+  launch_means(x, partial, mu, h, 0, s_.mean, s_.M, part_max, fuse ? &cx : nullptr, stream);
+  if (outputs) launch_means(*outputs, partial, nu, h, 1, s_.out_mean, s_.A, part_max, fuse ? &cf : nullptr, stream);
+  if (targets) launch_means(*targets, partial, tau, h, 2, s_.tgt_mean, s_.At, part_max, fuse ? &ct : nullptr, stream);
   launch_scale_verdict(h, tiny, stream);
   if (labels) {
     const long long limit = num_classes_ >= 0 ? num_classes_ : class_growth_cap(p_);
@@ -358,11 +363,8 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   double* mu = static_cast<double*>(mu_.ptr);
   double* nu = static_cast<double*>(nu_.ptr);
   double* tau = static_cast<double*>(tau_.ptr);
-  means_and_checks(x, outputs, labels, targets, prec, mu, nu, tau, stream);
-
-  launch_center(x, mu, prec, xs_.ptr, p, nullptr, stream);
-  if (outputs) launch_center(*outputs, nu, prec, fs_.ptr, c, nullptr, stream);
-  if (targets) launch_center(*targets, tau, prec, ts_.ptr, t, nullptr, stream);
+  // One pass over the batch: means, checks and the rows centered on their chunks' means.
+  means_and_checks(x, outputs, labels, targets, prec, mu, nu, tau, true, stream);
 
   CUBLAS_CHECK(cublasSetStream(handle_, stream));
   CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, workspace_bytes_));
@@ -372,21 +374,20 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
 
   // float64 merge (of float64 products: fp64, or split); every kernel reads the device's error counts and leaves
   // the state untouched for a bad batch.
+  // float64 merge (of float64 products: fp64, or split), with the chunks' offsets and Chan's term
+  // (the deviations D); every merge reads the device's verdict and leaves the state untouched for a bad batch.
   const bool wide = product_size(prec, nb) == 8;
-  auto sym = [&](double* S, const void* Sb, long long n, const double* ma, const double* mb) {
-    launch_merge_sym(S, Sb, wide, n, ma, mb, h, nb, true, stream);
-  };
-  auto cross = [&](double* Bs, const void* Bg, long long w, const double* ga, const double* gb) {
-    launch_merge_cross(Bs, Bg, wide, p, w, s_.mean, mu, ga, gb, h, nb, true, stream);
-  };
-  sym(s_.M, Mb_.ptr, p, s_.mean, mu);
+  const long long W = p + c + t;
+  const int groups = (int)((nb + kChunkRows - 1) / kChunkRows) + 1;
+  const double* D = static_cast<const double*>(dev_.ptr);
+  launch_merge_groups(s_.M, p, Mb_.ptr, wide, p, p, p, D, D, W, groups, true, h, stream);
   if (outputs) {
-    cross(s_.B, Bb_.ptr, c, s_.out_mean, nu);
-    sym(s_.A, Ab_.ptr, c, s_.out_mean, nu);
+    launch_merge_groups(s_.B, c, Bb_.ptr, wide, c, c, p, D + p, D, W, groups, false, h, stream);
+    launch_merge_groups(s_.A, c, Ab_.ptr, wide, c, c, c, D + p, D + p, W, groups, true, h, stream);
   }
   if (targets) {
-    cross(s_.Bt, Btb_.ptr, t, s_.tgt_mean, tau);
-    sym(s_.At, Atb_.ptr, t, s_.tgt_mean, tau);
+    launch_merge_groups(s_.Bt, t, Btb_.ptr, wide, t, t, p, D + p + c, D, W, groups, false, h, stream);
+    launch_merge_groups(s_.At, t, Atb_.ptr, wide, t, t, t, D + p + c, D + p + c, W, groups, true, h, stream);
   }
   if (labels) class_part(x, *labels, stream);
   launch_finalize(h, nb, s_.mean, mu, p, s_.out_mean, nu, outputs ? c : 0, s_.tgt_mean, tau, targets ? t : 0, true,

@@ -3,8 +3,10 @@
 // The same state and Chan merge as the CPU backend (../cpu/cpu_moments.hpp), held in
 // device memory. A batch is validated on the host (shapes, dtypes: no data is
 // read there); everything that reads data runs on the caller's stream:
-//   column means in float64 -> centering and narrowing to the product type ->
-//   cuBLAS products into scratch -> float64 merge kernels -> mean/n update.
+//   one pass over the batch (center_partials): float64 column means and
+//   checks, rows centered on their 256-row chunk's mean and narrowed to the
+//   product type -> cuBLAS products into scratch -> float64 merge adding the
+//   chunks' offsets and Chan's term (merge_groups) -> mean/n update.
 // Non-finite values, out-of-range labels and values whose co-moments would
 // overflow float64 (or whose spread's squares underflow the products; the
 // CPU backend's rules) are counted on the device; the merge kernels read that
@@ -224,6 +226,7 @@ class CudaMoments {
     size_t bytes = 0;
   };
   Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_, defer_, part_;
+  Buf dev_;  // the per-batch path's chunk deviations: (chunks + 1) rows of p + c + t doubles
   // Pointer arrays of the batched lower-tile product, valid for `key`
   // (source, destination, sizes): recomputed on the device when it changes.
   struct TileCache {
@@ -299,7 +302,7 @@ class CudaMoments {
   // Reads the finished measurements (never waits); `drop`: abandons the rest.
   void collect_timings(bool drop);
   void means_and_checks(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
-                        Precision prec, double* mu, double* nu, double* tau, cudaStream_t stream);
+                        Precision prec, double* mu, double* nu, double* tau, bool fuse, cudaStream_t stream);
   void prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, int64_t t);
   // Lower triangle of C = S^T S, S a k x n row-major block (row stride lda)
   // = column-major n x k; C column-major n x n with leading dimension ldc.

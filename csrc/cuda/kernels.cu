@@ -79,6 +79,89 @@ __global__ void column_partials(const Tin* __restrict__ x, long long rows, long 
   if (nbad) atomicAdd(bad, nbad);
 }
 
+// column_partials fused with the centering (the per-batch path: one read of
+// the batch). Each thread keeps its rows of the chunk in registers, so the
+// chunk's mean is known before anything is written: rows are centered on
+// their chunk's mean (in float64, then narrowed to Tout, row stride ldo) and
+// the chunks' offsets from the batch mean are added back in float64 at the
+// merge (column_means writes them, merge_groups adds them). Same partials,
+// same order of additions as column_partials.
+template <typename Tin, typename Tout>
+__global__ void center_partials(const Tin* __restrict__ x, long long rows, long long cols, long long ld,
+                                double* __restrict__ partial, unsigned long long* bad, Tout* __restrict__ out,
+                                long long ldo) {
+  constexpr int kPer = kChunkRows / kRowLanes;  // rows per thread and chunk
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const long long col = (long long)blockIdx.x * kColTile + tx;
+  const long long chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const long long plane = chunks * cols;
+  __shared__ double sh[3][kRowLanes][kColTile + 1];
+  __shared__ double chunk_mean[kColTile];
+  unsigned long long nbad = 0;
+  for (long long chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y) {
+    const long long r0 = chunk * kChunkRows;
+    const long long r1 = min(rows, r0 + kChunkRows);
+    double v[kPer];
+    double s = 0.0, ds = 0.0, dq = 0.0, lo = INFINITY, hi = -INFINITY;
+    if (col < cols) {
+      const double shift = to_double(x[r0 * ld + col]);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const long long r = r0 + ty + (long long)i * kRowLanes;
+        v[i] = 0.0;
+        if (r < r1) {
+          v[i] = to_double(x[r * ld + col]);
+          s += v[i];
+          ds += v[i] - shift;
+          dq += (v[i] - shift) * (v[i] - shift);
+          lo = fmin(lo, v[i]);
+          hi = fmax(hi, v[i]);
+          nbad += !isfinite(v[i]);
+        }
+      }
+    }
+    sh[0][ty][tx] = s;
+    sh[1][ty][tx] = ds;
+    sh[2][ty][tx] = dq;
+    __syncthreads();
+    if (ty == 0 && col < cols) {
+      double acc[3] = {0.0, 0.0, 0.0};
+#pragma unroll
+      for (int k = 0; k < kRowLanes; ++k)
+        for (int a = 0; a < 3; ++a) acc[a] += sh[a][k][tx];
+      partial[kSum * plane + chunk * cols + col] = acc[0];
+      partial[kShiftedSum * plane + chunk * cols + col] = acc[1];
+      partial[kShiftedSquares * plane + chunk * cols + col] = acc[2];
+      partial[kShift * plane + chunk * cols + col] = to_double(x[r0 * ld + col]);
+      chunk_mean[tx] = acc[0] / (double)(r1 - r0);  // as column_means derives it
+    }
+    __syncthreads();
+    sh[0][ty][tx] = lo;
+    sh[1][ty][tx] = hi;
+    __syncthreads();
+    if (ty == 0 && col < cols) {
+      double mn = INFINITY, mx = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kRowLanes; ++k) {
+        mn = fmin(mn, sh[0][k][tx]);
+        mx = fmax(mx, sh[1][k][tx]);
+      }
+      partial[kMin * plane + chunk * cols + col] = mn;
+      partial[kMax * plane + chunk * cols + col] = mx;
+    }
+    if (col < cols) {
+      const double m = chunk_mean[tx];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const long long r = r0 + ty + (long long)i * kRowLanes;
+        if (r < r1) out[r * ldo + col] = from_double<Tout>(v[i] - m);
+      }
+    }
+    __syncthreads();  // sh and chunk_mean are rewritten by the next chunk
+  }
+  if (nbad) atomicAdd(bad, nbad);
+}
+
 // The batch's float64 column means, and its scale checks (the CPU's rules,
 // csrc/cpu: overflow_of and the underflow check): the batch's co-moment
 // diagonal d_j = sum_r (x_rj - mean_j)^2, from the chunks' shifted sums
@@ -92,7 +175,7 @@ __global__ void column_partials(const Tin* __restrict__ x, long long rows, long 
 __global__ void column_means(const double* __restrict__ partial, long long chunks, long long cols, long long rows,
                              double* __restrict__ mean, Header* h, int q, const unsigned long long* bad,
                              const double* __restrict__ state_mean, const double* __restrict__ state_S,
-                             double part_max) {
+                             double part_max, double* __restrict__ D, long long ldd) {
   const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= cols) return;
   const long long plane = chunks * cols;
@@ -100,6 +183,17 @@ __global__ void column_means(const double* __restrict__ partial, long long chunk
   for (long long c = 0; c < chunks; ++c) acc += partial[kSum * plane + c * cols + col];
   const double m = acc * (1.0 / (double)rows);
   mean[col] = m;
+  if (D) {
+    // Rows centered on their chunks' means (center_partials): the merge adds
+    // sum_g D_g D_g^T with D_0 = sqrt(f) (mean - state mean) (Chan's term)
+    // and D_c = sqrt(n_c) (chunk mean - mean) (parallel axes).
+    const double na = (double)h->n, nb = (double)rows;
+    D[col] = na > 0 ? sqrt(na * nb / (na + nb)) * (m - state_mean[col]) : 0.0;
+    for (long long c = 0; c < chunks; ++c) {
+      const long long nc = min((long long)kChunkRows, rows - c * kChunkRows);
+      D[(1 + c) * ldd + col] = sqrt((double)nc) * (partial[kSum * plane + c * cols + col] / (double)nc - m);
+    }
+  }
   if (*bad) return;
   double diag = 0.0, lo = INFINITY, hi = -INFINITY;
   for (long long c = 0; c < chunks; ++c) {
@@ -328,23 +422,74 @@ __global__ void symmetrize(const double* __restrict__ lower, long long n, double
     if (i2 < n && j2 < n) out[j2 * n + i2] = (i2 >= j2) ? t[ty][tx] : t[tx][ty];
   }
 }
+// S += Sb + sum_g Df_g Ds_g^T over 32 x 32 tiles, g = 0..groups-1 (float64).
+// S[s * lds + f] is the entry (f, s) (f the fast, coalesced index); Sb the
+// product at the same entry with stride ldb; Df/Ds rows of stride ldd.
+// `lower`: only f >= s (symmetric blocks, column-major lower triangle).
+// `skip_if_bad` (nullable): the header whose verdict on the batch is read.
+template <typename Tb>
+__global__ void merge_groups(double* __restrict__ S, long long lds, const Tb* __restrict__ Sb, long long ldb,
+                             long long nfast, long long nslow, const double* __restrict__ Df,
+                             const double* __restrict__ Ds, long long ldd, int groups, bool lower,
+                             const Header* skip_if_bad) {
+  if (skip_if_bad && batch_is_bad(skip_if_bad)) return;
+  const long long f0 = (long long)blockIdx.x * 32, s0 = (long long)blockIdx.y * 32;
+  if (lower && f0 + 31 < s0) return;  // tile entirely above the diagonal
+  __shared__ double df[32][33], ds[32][33];  // [group][index]
+  const int tx = threadIdx.x, ty = threadIdx.y;  // 32 x 8
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int g0 = 0; g0 < groups; g0 += 32) {
+    for (int q = ty; q < 32; q += 8) {
+      const int g = g0 + q;
+      df[q][tx] = (g < groups && f0 + tx < nfast) ? Df[(long long)g * ldd + f0 + tx] : 0.0;
+      ds[q][tx] = (g < groups && s0 + tx < nslow) ? Ds[(long long)g * ldd + s0 + tx] : 0.0;
+    }
+    __syncthreads();
+    const int gn = min(32, groups - g0);
+    for (int q = 0; q < gn; ++q) {
+      const double a = df[q][tx];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[r] += a * ds[q][ty + 8 * r];
+    }
+    __syncthreads();
+  }
+  const long long f = f0 + tx;
+  if (f >= nfast) return;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const long long sidx = s0 + ty + 8 * r;
+    if (sidx < nslow && (!lower || f >= sidx)) S[sidx * lds + f] += (double)Sb[sidx * ldb + f] + acc[r];
+  }
+}
+
 }  // namespace
 
 // ---- launchers ----------------------------------------------------------------
 
 void launch_means(const Matrix& m, double* partial, double* mean, Header* h, int q, const double* state_mean,
-                  const double* state_S, double part_max, cudaStream_t s) {
+                  const double* state_S, double part_max, const ChunkCentering* fuse, cudaStream_t s) {
   const long long chunks = (m.rows + kChunkRows - 1) / kChunkRows;
   unsigned long long* bad = reinterpret_cast<unsigned long long*>(&h->batch_bad[kBadNonFinite + q]);
+  dim3 grid((unsigned)((m.cols + kColTile - 1) / kColTile), grid_y(chunks)), block(kColTile, kRowLanes);
   dispatch_float(m.dtype, [&](auto tag) {
     using T = decltype(tag);
-    dim3 grid((unsigned)((m.cols + kColTile - 1) / kColTile), grid_y(chunks));
-    column_partials<T><<<grid, dim3(kColTile, kRowLanes), 0, s>>>(static_cast<const T*>(m.ptr), m.rows, m.cols,
-                                                                  m.ld, partial, bad);
+    const T* x = static_cast<const T*>(m.ptr);
+    if (!fuse)
+      column_partials<T><<<grid, block, 0, s>>>(x, m.rows, m.cols, m.ld, partial, bad);
+    else if (fuse->prec == Precision::fp64)
+      center_partials<T, double><<<grid, block, 0, s>>>(x, m.rows, m.cols, m.ld, partial, bad,
+                                                         static_cast<double*>(fuse->out), fuse->ldo);
+    else if (fuse->prec == Precision::bf16)
+      center_partials<T, __nv_bfloat16><<<grid, block, 0, s>>>(x, m.rows, m.cols, m.ld, partial, bad,
+                                                                static_cast<__nv_bfloat16*>(fuse->out), fuse->ldo);
+    else
+      center_partials<T, float><<<grid, block, 0, s>>>(x, m.rows, m.cols, m.ld, partial, bad,
+                                                        static_cast<float*>(fuse->out), fuse->ldo);
   });
-  LAUNCH_CHECK("column_partials");
+  LAUNCH_CHECK(fuse ? "center_partials" : "column_partials");
   column_means<<<(unsigned)((m.cols + 255) / 256), 256, 0, s>>>(partial, chunks, m.cols, m.rows, mean, h, q, bad,
-                                                                state_mean, state_S, part_max);
+                                                                state_mean, state_S, part_max,
+                                                                fuse ? fuse->D : nullptr, fuse ? fuse->ldd : 0);
   LAUNCH_CHECK("column_means");
 }
 
@@ -468,6 +613,19 @@ void launch_symmetrize(const double* lower, long long n, double* out, cudaStream
   const unsigned tiles = (unsigned)((n + 31) / 32);
   symmetrize<<<dim3(tiles, tiles), dim3(32, 8), 0, s>>>(lower, n, out);
   LAUNCH_CHECK("symmetrize");
+}
+
+void launch_merge_groups(double* S, long long lds, const void* Sb, bool wide, long long ldb, long long nfast,
+                         long long nslow, const double* Df, const double* Ds, long long ldd, int groups, bool lower,
+                         const Header* skip_if_bad, cudaStream_t s) {
+  dim3 grid((unsigned)((nfast + 31) / 32), (unsigned)((nslow + 31) / 32));
+  if (wide)
+    merge_groups<double><<<grid, dim3(32, 8), 0, s>>>(S, lds, static_cast<const double*>(Sb), ldb, nfast, nslow, Df,
+                                                      Ds, ldd, groups, lower, skip_if_bad);
+  else
+    merge_groups<float><<<grid, dim3(32, 8), 0, s>>>(S, lds, static_cast<const float*>(Sb), ldb, nfast, nslow, Df, Ds,
+                                                     ldd, groups, lower, skip_if_bad);
+  LAUNCH_CHECK("merge_groups");
 }
 
 }  // namespace cuda

@@ -22,8 +22,18 @@ enum Partial { kSum = 0, kShiftedSum, kShiftedSquares, kShift, kMin, kMax, kPart
 // (part_max) or the merged float64 state (state_mean, state_S: the stream's
 // state mean and symmetric block), kind kBadOverflow + q; its largest
 // magnitude and column range into the header. partial: kPartials * chunks * cols doubles.
+// With `fuse` (the per-batch path), the same pass also writes the rows centered
+// on their chunk's mean, narrowed to fuse->prec, and column_means the chunks'
+// deviations D for merge_groups (rows: 0 the state's, 1 + c chunk c's).
+struct ChunkCentering {
+  Precision prec;
+  void* out;    // centered rows, row stride ldo
+  long long ldo;
+  double* D;    // (chunks + 1) rows of stride ldd
+  long long ldd;
+};
 void launch_means(const Matrix& m, double* partial, double* mean, Header* h, int q, const double* state_mean,
-                  const double* state_S, double part_max, cudaStream_t s);
+                  const double* state_S, double part_max, const ChunkCentering* fuse, cudaStream_t s);
 // After the means of every stream: spreads too small for the products (kind kBadUnderflow + q).
 void launch_scale_verdict(Header* h, double tiny, cudaStream_t s);
 // Centered rows of m in the product type into out (row stride ldo); a batch
@@ -46,6 +56,13 @@ void launch_merge_sym(double* S, const void* Sb, bool wide, long long n, const d
 void launch_merge_cross(double* B, const void* Bb, bool wide, long long p, long long w, const double* mu_a,
                         const double* mu_b, const double* nu_a, const double* nu_b, const Header* h, long long nb,
                         bool check, cudaStream_t s);
+// S += Sb + sum_g Df_g Ds_g^T (float64), g < groups: entry (f, s) at
+// S[s * lds + f] (f the fast index), Sb the product at Sb[s * ldb + f]
+// (float64 if `wide`, else float32), Df/Ds rows of stride ldd; `lower`: only
+// f >= s. Skipped for a batch `skip_if_bad` (nullable) marks bad.
+void launch_merge_groups(double* S, long long lds, const void* Sb, bool wide, long long ldb, long long nfast,
+                         long long nslow, const double* Df, const double* Ds, long long ldd, int groups, bool lower,
+                         const Header* skip_if_bad, cudaStream_t s);
 // Means and n after the merges (a bad batch only adds its error counts).
 void launch_finalize(Header* h, long long nb, double* mean, const double* mb, long long p, double* om,
                      const double* ob, long long c, double* tm, const double* tb, long long t, bool check,

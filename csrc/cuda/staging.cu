@@ -65,43 +65,6 @@ __global__ void stack_deviations(double* __restrict__ means, long long ldm, int 
   *sm = mu;
 }
 
-// S += Sb + sum_g Df_g Ds_g^T over 32 x 32 tiles, g = 0..groups-1 (float64).
-// S[s * lds + f] is the entry (f, s) (f the fast, coalesced index); Sb the
-// product at the same entry with stride ldb; Df/Ds rows of stride ldd.
-// `lower`: only f >= s (symmetric blocks, column-major lower triangle).
-template <typename Tb>
-__global__ void merge_groups(double* __restrict__ S, long long lds, const Tb* __restrict__ Sb, long long ldb,
-                             long long nfast, long long nslow, const double* __restrict__ Df,
-                             const double* __restrict__ Ds, long long ldd, int groups, bool lower) {
-  const long long f0 = (long long)blockIdx.x * 32, s0 = (long long)blockIdx.y * 32;
-  if (lower && f0 + 31 < s0) return;  // tile entirely above the diagonal
-  __shared__ double df[32][33], ds[32][33];  // [group][index]
-  const int tx = threadIdx.x, ty = threadIdx.y;  // 32 x 8
-  double acc[4] = {0.0, 0.0, 0.0, 0.0};
-  for (int g0 = 0; g0 < groups; g0 += 32) {
-    for (int q = ty; q < 32; q += 8) {
-      const int g = g0 + q;
-      df[q][tx] = (g < groups && f0 + tx < nfast) ? Df[(long long)g * ldd + f0 + tx] : 0.0;
-      ds[q][tx] = (g < groups && s0 + tx < nslow) ? Ds[(long long)g * ldd + s0 + tx] : 0.0;
-    }
-    __syncthreads();
-    const int gn = min(32, groups - g0);
-    for (int q = 0; q < gn; ++q) {
-      const double a = df[q][tx];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[r] += a * ds[q][ty + 8 * r];
-    }
-    __syncthreads();
-  }
-  const long long f = f0 + tx;
-  if (f >= nfast) return;
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const long long sidx = s0 + ty + 8 * r;
-    if (sidx < nslow && (!lower || f >= sidx)) S[sidx * lds + f] += (double)Sb[sidx * ldb + f] + acc[r];
-  }
-}
-
 // Last step of a flush: n grows by the staged good rows.
 __global__ void stack_commit(Header* h, const long long* counts, int m) {
   long long nst = 0;
@@ -157,7 +120,9 @@ void CudaMoments::stage_batch(const Matrix& x, const Matrix* outputs, const Matr
   double* means = static_cast<double*>(st_means_.ptr) + (int64_t)(1 + slot) * width;  // [mu | nu | tau]
   char* rows = static_cast<char*>(st_x_.ptr) + (size_t)row0 * width * ies;
 
-  means_and_checks(x, outputs, labels, targets, prec, means, means + p, means + p + c, stream);
+  // Staged rows are centered on the batch's mean (a second pass): the
+  // stage's merge takes one mean per batch.
+  means_and_checks(x, outputs, labels, targets, prec, means, means + p, means + p + c, false, stream);
   // Every check above has run (stream order) before the centering reads the
   // verdict: a bad batch's rows are staged as zeros.
   launch_center(x, means, prec, rows, width, h, stream);
@@ -236,14 +201,7 @@ void CudaMoments::flush_stage(cudaStream_t stream) {
   const int groups = m + 1;
   auto merge = [&](double* S, long long lds, const void* Sb, long long ldb, long long nf, long long ns,
                    const double* Df, const double* Ds, bool lower) {
-    dim3 grid((unsigned)((nf + 31) / 32), (unsigned)((ns + 31) / 32));
-    if (oes == 8)
-      merge_groups<double><<<grid, dim3(32, 8), 0, stream>>>(S, lds, static_cast<const double*>(Sb), ldb, nf, ns,
-                                                             Df, Ds, W, groups, lower);
-    else
-      merge_groups<float><<<grid, dim3(32, 8), 0, stream>>>(S, lds, static_cast<const float*>(Sb), ldb, nf, ns, Df,
-                                                            Ds, W, groups, lower);
-    LAUNCH_CHECK("merge_groups");
+    launch_merge_groups(S, lds, Sb, oes == 8, ldb, nf, ns, Df, Ds, W, groups, lower, nullptr, stream);
   };
   // (f, s) entries: M column-major lower (i, j) = (f, s); B row-major p x c
   // with the output index fast.
