@@ -150,7 +150,7 @@ class Twin:
 
 
 def oracle(X, F=None, T=None, y=None, k=None) -> dict:
-    """Float64 state from all rows at once (SPEC.md's definitions; no streaming)."""
+    """Float64 state from all rows at once (docs/MATH.md's definitions; no streaming)."""
     X = np.asarray(X, dtype=np.float64)
     Xc = center_rows(X)
     s = {"n": X.shape[0], "mean": X.mean(0), "M": Xc.T @ Xc}

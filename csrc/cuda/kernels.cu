@@ -228,7 +228,7 @@ __global__ void scale_verdict(Header* h, double tiny) {
 }
 
 // Centered copy in the product type (row stride ldo). The subtraction is in
-// float64, before the narrowing (SPEC.md: mean 1e4 with spread 1e-2 survives
+// float64, before the narrowing (docs/MATH.md, precision: mean 1e4 with spread 1e-2 survives
 // fp32; bf16 keeps 8 bits of the centered value, bounded by the bf16 tests).
 // `zero_if_bad` (staging): a bad batch writes zeros, so that its rows add
 // nothing to the stage's product (NaN * 0 would still be NaN).
