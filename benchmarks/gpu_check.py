@@ -173,6 +173,14 @@ def benchmark(torch, args) -> dict:
         states[prec] = (m_out, m_head)
         log(f"ours  {prec}: outputs {t_out:.4f} s, head {t_head:.4f} s")
 
+    # -- which product the automatic choice measured and kept, per shape (first batch of each shape) --
+    from richness import _cuda
+
+    results["measured_products"] = _cuda.measured_products()
+    for mp in results["measured_products"]:
+        times = ", ".join(f"{a} {ms * 1e3:.0f} us" for a, ms in mp["ms"].items())
+        log(f"  measured {mp['precision']} n={mp['n']} rows={mp['rows']} block={mp['block']}: {times} -> {mp['product']}")
+
     # -- where the time goes (torch.profiler, 16 batches each): the ratios that missed their targets --
     results["breakdown"] = {}
     for prec, with_outputs, stack in (("fp32", True, 0), ("fp32", False, 0), ("tf32", False, 0),

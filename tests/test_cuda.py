@@ -333,8 +333,11 @@ def test_update_captures_in_cuda_graph(precision):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        m.update(X, F, y)  # warm-up: allocates the state and scratch
+        m.update(X, F, y)  # warm-up: allocates the state and scratch, times the product algorithms
     torch.cuda.current_stream().wait_stream(s)
+    # Reads the timings (a synchronising call): the capture and the reference below then multiply
+    # by the same measured choice, so their states agree to rounding of one algorithm.
+    assert m.n == n
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
         m.update(X, F, y)
@@ -387,6 +390,24 @@ def test_product_algorithms_agree(algo, block, precision):
     m._impl.set_product(algo, block)
     m.update(X[8:], F[8:])
     assert abs(m.compute().dlr - want) < TOL[precision]
+
+
+@needs_gpu
+def test_product_choice_measured_on_the_gpu():
+    # The first product of a shape times every algorithm with CUDA events (read at the next
+    # synchronisation); the state is the default algorithm's, then the fastest is kept.
+    from richness import _cuda
+
+    _cuda.clear_measured_products()
+    X, F, Xv, Fv, W, b, want, want_head, r = problem("float32")
+    m = richness.Moments(device="cuda", precision="tf32")
+    m.update(X, F)
+    assert m.n == len(X)
+    got = [e for e in _cuda.measured_products() if e["precision"] == "tf32"]
+    assert got and all(ms > 0 for e in got for ms in e["ms"].values())
+    assert all(e["ms"][e["product"]] == min(e["ms"].values()) for e in got)
+    m.update(X, F)  # the kept choice
+    assert abs(m.compute().dlr - want) < TOL["tf32"]
 
 
 @needs_gpu

@@ -21,15 +21,6 @@ using namespace richness::pystate;
 
 namespace {
 
-Product product_of(const std::string& name) {
-  if (name == "auto") return Product::automatic;
-  if (name == "syrk") return Product::syrk;
-  if (name == "gemm") return Product::gemm;
-  if (name == "block_rows") return Product::block_rows;
-  if (name == "tiles") return Product::tiles;
-  throw std::invalid_argument("product must be auto, syrk, gemm, block_rows or tiles, got " + name);
-}
-
 // One lock per object, as in the CPU backend (CpuMoments): every bound method
 // holds it, so several Python threads may update, merge and read one object.
 // Each method releases the GIL before taking it (a thread waiting for the lock
@@ -122,11 +113,18 @@ PYBIND11_MODULE(_cuda, m) {
       .def(
           "set_product",
           [](LockedCudaMoments& self, const std::string& algo, int block) {
-            const Product product = product_of(algo);
+            const Product product = richness::cuda::product_from_name(algo);
             locked(self, [&](CudaMoments& c) { c.set_product(product, block); });
           },
           py::arg("algo") = "auto", py::arg("block") = 512,
-          "How X^T X is formed: auto, syrk, gemm, block_rows or tiles (benchmarks).")
+          "How X^T X is formed: auto (measured once per shape, fastest kept), syrk, gemm, block_rows or tiles.\n"
+          "Overrides RICHNESS_CUDA_PRODUCT=name[:block], read when the object is made.")
+      .def_property_readonly("product",
+                             [](LockedCudaMoments& self) {
+                               return locked(self, [](CudaMoments& c) {
+                                 return std::string(richness::cuda::product_name(c.product()));
+                               });
+                             })
       .def("set_row_cap", &CudaMoments::set_row_cap, py::arg("rows"),
            "Most rows one fp32 product accumulates in float32 (0 = no limit); default 1024.")
       .def_property_readonly("row_cap", &CudaMoments::row_cap)
@@ -154,5 +152,28 @@ PYBIND11_MODULE(_cuda, m) {
 
   m.attr("PRECISIONS") = precision_names();
   m.def("device_info", &richness::cuda::device_info, py::arg("device") = 0);
+  m.def(
+      "measured_products",
+      [] {
+        py::list out;
+        for (const auto& m : richness::cuda::measured_products()) {
+          py::dict times;
+          for (const auto& [p, ms] : m.ms) times[richness::cuda::product_name(p)] = ms;
+          py::dict d;
+          d["device"] = m.device;
+          d["precision"] = precision_names()[(size_t)m.precision];
+          d["n"] = m.n;
+          d["rows"] = m.rows;
+          d["block"] = m.block;
+          d["product"] = richness::cuda::product_name(m.product);
+          d["ms"] = times;
+          out.append(d);
+        }
+        return out;
+      },
+      "Products chosen by measurement in this process: device, precision, n (width), rows, block, the product\n"
+      "kept and each candidate's time in ms (best of two runs).");
+  m.def("clear_measured_products", &richness::cuda::clear_measured_products,
+        "Forget the measured choices: the next product of each shape is measured again.");
   m.def("info", &richness::cuda::backend_info, "What was built and which GPU is usable; never raises.");
 }

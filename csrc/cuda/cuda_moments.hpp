@@ -1,12 +1,16 @@
-// CUDA backend of the streamed float64 co-moment state (SPEC.md).
+// CUDA backend of the streamed float64 co-moment state (docs/MATH.md, streaming estimator).
 //
-// The same state and Chan merge as the CPU backend (../moments.hpp), held in
+// The same state and Chan merge as the CPU backend (../cpu/cpu_moments.hpp), held in
 // device memory. A batch is validated on the host (shapes, dtypes: no data is
 // read there); everything that reads data runs on the caller's stream:
-//   column means in float64 -> centering and narrowing to the product type ->
-//   cuBLAS products into scratch -> float64 merge kernels -> mean/n update.
-// Non-finite values and out-of-range labels are counted on the device; the
-// merge kernels read that count and skip the batch, and the error is raised at
+//   one pass over the batch (center_partials): float64 column means and
+//   checks, rows centered on their 256-row chunk's mean and narrowed to the
+//   product type -> cuBLAS products into scratch -> float64 merge adding the
+//   chunks' offsets and Chan's term (merge_groups) -> mean/n update.
+// Non-finite values, out-of-range labels and values whose co-moments would
+// overflow float64 (or whose spread's squares underflow the products; the
+// CPU backend's rules) are counted on the device; the merge kernels read that
+// count and skip the batch, and the error is raised at
 // the next synchronising call (n, get_state, merge, reset). So update() never
 // waits for the device, labels included: without num_classes the class arrays
 // have a host-known capacity (set from the first labelled batch, which
@@ -29,6 +33,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/state.hpp"  // State (data only)
@@ -41,26 +46,53 @@ namespace cuda {
 
 // How the p x p product X^T X is formed. Only its lower triangle is read.
 enum class Product : int {
-  automatic = 0,  // syrk for fp64/fp32, full gemm for tf32/bf16 (measured on H200, see RESULTS_GPU.md)
+  automatic = 0,  // measured per shape (see Timing); until measured, default_product()
   syrk = 1,       // cublas{S,D}syrk (tf32: Ssyrk under TF32 math mode)
   gemm = 2,       // one cublasGemmEx over the full square
   block_rows = 3, // one cublasGemmEx per block-row of the lower triangle
   tiles = 4,      // cublasGemmBatchedEx over the lower bs x bs tiles (p % bs == 0)
 };
 
+// "auto", "syrk", "gemm", "block_rows", "tiles" (invalid_argument otherwise).
+Product product_from_name(const std::string& name);
+const char* product_name(Product p);
+// The algorithm used before a shape has been measured (benchmarks/gpu_check.py, H200).
+Product default_product(Precision prec);
+
+// Products chosen by measurement so far in this process (all objects share
+// them), for `richness info`-style reports and benchmarks.
+struct MeasuredProduct {
+  int device;
+  Precision precision;
+  int64_t n, rows;  // product width, rows per product
+  int block;
+  Product product;
+  std::vector<std::pair<Product, double>> ms;  // each candidate's best time of two runs
+};
+std::vector<MeasuredProduct> measured_products();
+void clear_measured_products();  // the next product of each shape is measured again
+
 // Most batches held in the stage at once (the float64 means and counts are
 // sized for this many; a stage that reaches it is flushed).
 constexpr int kMaxStackBatches = 256;
 
 // Device-side bookkeeping, read by the kernels (never by the host in update).
-// Error kinds: non-finite features/outputs/targets, labels out of range,
-// labels past the class capacity in more rows than the deferral buffer holds.
-constexpr int kBadKinds = 5;
+// Error kinds (kBad* below): non-finite features/outputs/targets, labels out
+// of range, labels past the class capacity in more rows than the deferral
+// buffer holds, co-moments that would overflow (features/outputs/targets) and
+// spreads whose squares would underflow the products (same three), as the
+// CPU backend refuses them (docs/MATH.md, precision).
+constexpr int kBadNonFinite = 0, kBadLabels = 3, kBadDeferral = 4, kBadOverflow = 5, kBadUnderflow = 8;
+constexpr int kBadKinds = 11;
 struct Header {
   long long n;                     // samples merged
   long long batch_bad[kBadKinds];  // this batch
+  double batch_magnitude[3];       // this batch: largest |value| of features, outputs, targets
+  double batch_range[3];           // this batch: largest column max - min of each
   long long total_bad[kBadKinds];  // since the last synchronising call
   long long skipped;               // batches skipped since the last synchronising call
+  double total_magnitude[3];       // the largest batch_magnitude of the batches skipped for overflow
+  double total_range[3];           // the largest batch_range of the batches skipped for underflow
   long long k_seen;                // one past the largest label of the batches added
   long long batch_max;             // this batch: largest label (-1: none)
   long long batch_over;            // this batch: rows whose label is past the class capacity
@@ -77,18 +109,28 @@ struct Header {
   long long defer_cap;
 };
 
+// The element type an array of the state has on the device: the kernels'
+// atomics take long long, which int64_t (long) is not on every platform.
+template <typename T>
+struct DeviceType {
+  using type = T;
+};
+template <>
+struct DeviceType<int64_t> {
+  using type = long long;
+};
+template <typename T>
+using device_t = typename DeviceType<T>::type;
+static_assert(sizeof(long long) == sizeof(int64_t), "class counts are 64-bit on the device and the host");
+
+// The state's arrays on the device, one per RICHNESS_STATE_ARRAYS entry (sizes
+// as in State; symmetric blocks hold their lower triangle column-major, i >= j;
+// class_sums rows are allocated for the class capacity, not just k).
 struct DeviceState {
   Header* hdr = nullptr;
-  double* mean = nullptr;      // p
-  double* M = nullptr;         // p x p, lower triangle (column-major i >= j) valid
-  double* out_mean = nullptr;  // c
-  double* B = nullptr;         // p x c, row-major (= column-major c x p)
-  double* A = nullptr;         // c x c, lower valid
-  double* tgt_mean = nullptr;  // t
-  double* Bt = nullptr;        // p x t
-  double* At = nullptr;        // t x t, lower valid
-  long long* class_counts = nullptr;  // k
-  double* class_sums = nullptr;       // k x p, row-major raw sums
+#define RICHNESS_DEVICE_ARRAY(name, type, rows, cols, sym) device_t<type>* name = nullptr;
+  RICHNESS_STATE_ARRAYS(RICHNESS_DEVICE_ARRAY)
+#undef RICHNESS_DEVICE_ARRAY
 };
 
 class CudaMoments {
@@ -110,10 +152,11 @@ class CudaMoments {
   void upload(const State& s);      // replaces the state
   // Copies the state into caller-allocated device buffers (symmetric matrices
   // filled); keys as in State. Returns after the copies have completed.
+  // A null target is skipped.
   struct Targets {
-    double *mean = nullptr, *M = nullptr, *out_mean = nullptr, *B = nullptr, *A = nullptr,
-           *tgt_mean = nullptr, *Bt = nullptr, *At = nullptr, *class_sums = nullptr;
-    long long* class_counts = nullptr;
+#define RICHNESS_TARGET_ARRAY(name, type, rows, cols, sym) device_t<type>* name = nullptr;
+    RICHNESS_STATE_ARRAYS(RICHNESS_TARGET_ARRAY)
+#undef RICHNESS_TARGET_ARRAY
   };
   void export_to(const Targets& t);
 
@@ -183,6 +226,7 @@ class CudaMoments {
     size_t bytes = 0;
   };
   Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_, defer_, part_;
+  Buf dev_;  // the per-batch path's chunk deviations: (chunks + 1) rows of p + c + t doubles
   // Pointer arrays of the batched lower-tile product, valid for `key`
   // (source, destination, sizes): recomputed on the device when it changes.
   struct TileCache {
@@ -213,6 +257,12 @@ class CudaMoments {
   void free_all();
   void free_state();
   void shape(int64_t p, int64_t c, int64_t t, int64_t k);
+  // Elements along a dimension of the state (a stream not present counts 0).
+  int64_t extent(Dim d) const {
+    State w;
+    w.p = p_, w.c = c_, w.t = t_, w.k = k_;
+    return w.size(d);
+  }
   void grow_classes(int64_t cap);  // capacity of the class arrays (synchronises)
   // Without num_classes: the first labelled batch's capacity (this call
   // synchronises, as the first batch's allocation does), and the deferral buffer.
@@ -223,9 +273,36 @@ class CudaMoments {
   void publish_classes();  // the header's copy of the class arrays' and deferral buffer's addresses
   void sync_and_check();  // flushes the stage, waits for the device; raises and clears pending errors
   void order_after_last(cudaStream_t stream);
-  Product resolve(Precision prec, int64_t n) const;  // the algorithm product_lower will use
+  // The algorithm a product of width n over k rows uses now: the explicit
+  // choice, else the measured one, else default_product (adjusted to what
+  // applies at n: tiles need p % block == 0 and two tiles, bf16 has no syrk).
+  Product resolve(Precision prec, int64_t n, int64_t k) const;
+  Product applicable(Product algo, Precision prec, int64_t n) const;
+  bool tiles_apply(Precision prec, int64_t n) const { return applicable(Product::tiles, prec, n) == Product::tiles; }
+  // One product by the given algorithm (no split, no measurement).
+  void run_product(Product algo, Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst,
+                   int64_t ldc, TileCache& tc, bool capturing, cudaStream_t stream);
+  // Measurement (Product::automatic): the first product of a new (device,
+  // precision, width, rows, block) runs every applicable algorithm twice on
+  // the caller's stream between timing events, the default last (so its
+  // result is the one kept); the events are read without waiting (a later
+  // update asks cudaEventQuery) or after the next synchronisation, and the
+  // fastest is kept for that shape in a table all objects share. Never under
+  // a graph capture; until a shape's times are read its default is used.
+  struct Timing {
+    int64_t n = 0, k = 0;
+    Precision prec = Precision::fp32;
+    int block = 0;
+    std::vector<Product> candidates;  // run in this order, twice
+    std::vector<cudaEvent_t> events;  // 2 * candidates + 1: before, then after each run
+  };
+  std::vector<Timing> timings_;
+  void measure(Precision prec, int64_t n, int64_t k, const void* src, int64_t lda, void* dst, int64_t ldc,
+               TileCache& tc, cudaStream_t stream);
+  // Reads the finished measurements (never waits); `drop`: abandons the rest.
+  void collect_timings(bool drop);
   void means_and_checks(const Matrix& x, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
-                        double* mu, double* nu, double* tau, cudaStream_t stream);
+                        Precision prec, double* mu, double* nu, double* tau, bool fuse, cudaStream_t stream);
   void prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, int64_t t);
   // Lower triangle of C = S^T S, S a k x n row-major block (row stride lda)
   // = column-major n x k; C column-major n x n with leading dimension ldc.

@@ -2,7 +2,7 @@
 
     python tests/cuda_emu/build.py          # builds, prints the module's path
 
-The .cu file is translated (translate.py) into a temporary directory and
+Each .cu file is translated (translate.py) into a temporary directory and
 compiled with g++ together with csrc/bindings/cuda.cpp and the emulator's
 runtime; <cuda_runtime.h>, <cublas_v2.h>, ... resolve to the stubs in
 include/. The result is ``_cuda<EXT_SUFFIX>`` in a cache directory keyed by
@@ -36,7 +36,8 @@ FLAGS = ["-std=c++20", "-O1", "-fPIC", "-g0", "-Wall", "-Wno-unknown-pragmas", "
          # means' row chunks, as beyond 16.7M rows on a GPU) runs several times in the tests
          "-DRICHNESS_GRID_Y_MAX=7"]
 BINDINGS = ROOT / "csrc" / "bindings" / "cuda.cpp"
-SOURCES = [*sorted(CUDA_DIR.glob("*.cu")), *sorted(CUDA_DIR.glob("*.hpp")), *sorted(CUDA_DIR.glob("*.cuh")), BINDINGS,
+CUDA_SOURCES = sorted(CUDA_DIR.glob("*.cu"))  # every translation unit of the backend (CMakeLists.txt lists the same)
+SOURCES = [*CUDA_SOURCES, *sorted(CUDA_DIR.glob("*.hpp")), *sorted(CUDA_DIR.glob("*.cuh")), BINDINGS,
            *sorted((ROOT / "csrc" / "common").glob("*.hpp")), ROOT / "csrc" / "bindings" / "common.hpp",
            HERE / "cuda_emu.hpp", HERE / "emu_runtime.cpp", HERE / "translate.py", HERE / "build.py",
            *sorted((HERE / "include").glob("*.h"))]
@@ -81,11 +82,14 @@ def build(cache: Path | None = None, verbose: bool = False) -> Path:
         return target
     work = Path(tempfile.mkdtemp(prefix="build-", dir=cache if cache.exists() else None))
     try:
-        text, _, _ = translate((CUDA_DIR / "cuda_moments.cu").read_text(), str(CUDA_DIR / "cuda_moments.cu"))
-        cu = work / "cuda_moments_emu.cpp"
-        cu.write_text(text)
+        units = []
+        for src in CUDA_SOURCES:  # each .cu translated on its own: its launches are of its own kernels
+            text, _, _ = translate(src.read_text(), str(src))
+            cu = work / (src.stem + "_emu.cpp")
+            cu.write_text(text)
+            units.append(cu)
         cxx = os.environ.get("CXX", "g++")
-        units = [cu, BINDINGS, HERE / "emu_runtime.cpp"]
+        units += [BINDINGS, HERE / "emu_runtime.cpp"]
 
         def compile_one(src: Path) -> Path:
             obj = work / (src.stem + ".o")

@@ -82,6 +82,11 @@ inline int atomicAdd(int* p, int v) {
   *p = old + v;
   return old;
 }
+inline long long __double_as_longlong(double v) {
+  long long r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+}
 inline long long atomicMax(long long* p, long long v) {
   const long long old = *p;
   if (v > old) *p = v;
@@ -163,6 +168,8 @@ enum cudaError_t {
   cudaErrorNoDevice = 100,
   cudaErrorStreamCaptureUnsupported = 900,
   cudaErrorLaunchFailure = 719,
+  cudaErrorNotReady = 600,
+  cudaErrorInvalidResourceHandle = 400,
 };
 typedef cudaError_t cudaError;
 
@@ -212,6 +219,8 @@ cudaError_t cudaEventCreate(cudaEvent_t* e);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = 0);
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags = 0);
+cudaError_t cudaEventQuery(cudaEvent_t e);
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end);
 cudaError_t cudaGetDevice(int* d);
 cudaError_t cudaSetDevice(int d);
 cudaError_t cudaGetDeviceCount(int* n);

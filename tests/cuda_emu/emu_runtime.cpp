@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <random>
@@ -363,8 +364,14 @@ using namespace emu;
 
 // ---- CUDA runtime -------------------------------------------------------------------
 
+// An event is the set of operations it waits for. A timing event (created
+// without cudaEventDisableTiming) also enqueues a marker that stamps the host
+// clock when the stream reaches it, so elapsed times are real (CPU) durations.
 struct CUevent_st {
   std::vector<uint64_t> deps;
+  bool timing = true;
+  bool recorded = false;
+  double stamp_ms = 0.0;
 };
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
@@ -500,8 +507,9 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* statu
                                                              : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
   *e = new CUevent_st();
+  (*e)->timing = !(flags & cudaEventDisableTiming);
   return cudaSuccess;
 }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
@@ -516,8 +524,37 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     return cudaSuccess;
   }
   e->deps.clear();
+  e->recorded = true;
+  if (e->timing) {  // the marker follows the stream's earlier work; the event waits for it
+    e->deps.push_back(enqueue(s, [e] {
+      e->stamp_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch())
+                        .count();
+    }));
+    return cudaSuccess;
+  }
   auto it = g_last_in_stream.find(stream_id(s));
   if (it != g_last_in_stream.end() && g_pending.count(it->second)) e->deps.push_back(it->second);
+  return cudaSuccess;
+}
+// Never waits: whether everything the event waits for has run.
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  if (!e) return g_last_error = cudaErrorInvalidValue;
+  if (capture_forbids("cudaEventQuery")) return g_last_error = cudaErrorStreamCaptureUnsupported;
+  ++g_counts["cudaEventQuery"];
+  for (uint64_t d : e->deps)
+    if (g_pending.count(d)) return cudaErrorNotReady;  // not an error: the sticky error is left alone
+  return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  if (!start || !end || !ms) return g_last_error = cudaErrorInvalidValue;
+  if (!start->timing || !end->timing || !start->recorded || !end->recorded) {
+    record("cudaEventElapsedTime on an event without timing or never recorded");
+    return g_last_error = cudaErrorInvalidResourceHandle;
+  }
+  for (cudaEvent_t e : {start, end})
+    for (uint64_t d : e->deps)
+      if (g_pending.count(d)) return cudaErrorNotReady;
+  *ms = (float)(end->stamp_ms - start->stamp_ms);
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
@@ -581,6 +618,8 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
   }
   return "cudaErrorUnknown";
 }
