@@ -93,7 +93,7 @@ def timed(torch, fn, reps=2) -> float:
 
 def benchmark(torch, args) -> dict:
     import richness
-    from richness import _finish
+    from richness import finish as _finish
 
     n, p, C, nb, nbuf = args.n, args.p, args.C, args.batch, 16
     steps = n // nb

@@ -23,7 +23,7 @@ import richness
 from reference import dlr_naive, nc1_naive, simplex_etf
 
 DEV = "cuda:0"
-# SPEC.md / issue 3: DLR tolerance by product precision.
+# DLR tolerance by product precision (docs/MATH.md, "Precision of products").
 TOL = {"fp64": 1e-12, "fp32": 1e-6, "tf32": 1e-3, "bf16": 5e-3}
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float64": torch.float64}
@@ -79,7 +79,7 @@ def test_dlr_gpu_vs_cpu_vs_reference(dtype_name, precision):
     cpu.update(X.cpu(), F.cpu())
     assert abs(cpu.compute().dlr - rep.dlr) < tol
     # Device finishing == host finishing of the same state.
-    host = richness._finish.finish(gpu.state_dict())
+    host = richness.finish.finish(gpu.state_dict())
     assert abs(host.dlr - rep.dlr) < 1e-10
     np.testing.assert_allclose(host.eigenvalues, rep.eigenvalues, rtol=1e-8, atol=1e-12 * rep.eigenvalues[0])
 
