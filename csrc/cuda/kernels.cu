@@ -12,6 +12,51 @@ namespace cuda {
 
 namespace {
 
+// One chunk's block reduction, shared by column_partials and center_partials:
+// the per-thread sums (s, ds, dq) and extremes (lo, hi) of column col are
+// reduced over the block's row lanes and written to the partial planes; with
+// chunk_mean, the chunk's mean of each column goes there too (as column_means
+// derives it). Every thread of the block calls it (it synchronises), and on
+// return sh and chunk_mean may be rewritten by the caller's next chunk only
+// after the caller's own reads of chunk_mean and a barrier.
+template <typename Tin>
+__device__ void store_chunk(double (&sh)[3][kRowLanes][kColTile + 1], double* chunk_mean, double s, double ds,
+                            double dq, double lo, double hi, const Tin* __restrict__ x, long long ld, long long r0,
+                            long long r1, long long col, long long cols, long long chunk, long long plane,
+                            double* __restrict__ partial) {
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  sh[0][ty][tx] = s;
+  sh[1][ty][tx] = ds;
+  sh[2][ty][tx] = dq;
+  __syncthreads();
+  if (ty == 0 && col < cols) {
+    double acc[3] = {0.0, 0.0, 0.0};
+#pragma unroll
+    for (int k = 0; k < kRowLanes; ++k)
+      for (int a = 0; a < 3; ++a) acc[a] += sh[a][k][tx];
+    partial[kSum * plane + chunk * cols + col] = acc[0];
+    partial[kShiftedSum * plane + chunk * cols + col] = acc[1];
+    partial[kShiftedSquares * plane + chunk * cols + col] = acc[2];
+    partial[kShift * plane + chunk * cols + col] = to_double(x[r0 * ld + col]);
+    if (chunk_mean) chunk_mean[tx] = acc[0] / (double)(r1 - r0);
+  }
+  __syncthreads();  // sh is rewritten below
+  sh[0][ty][tx] = lo;
+  sh[1][ty][tx] = hi;
+  __syncthreads();
+  if (ty == 0 && col < cols) {
+    double mn = INFINITY, mx = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kRowLanes; ++k) {
+      mn = fmin(mn, sh[0][k][tx]);
+      mx = fmax(mx, sh[1][k][tx]);
+    }
+    partial[kMin * plane + chunk * cols + col] = mn;
+    partial[kMax * plane + chunk * cols + col] = mx;
+  }
+  __syncthreads();  // sh is rewritten by the caller's next chunk
+}
+
 // Per row chunk and column, float64: the sum (the mean's), the sum and sum of
 // squares of the values less the chunk's first one (a shift inside the data,
 // so the chunk's co-moment diagonal comes out without cancellation), the
@@ -46,35 +91,7 @@ __global__ void column_partials(const Tin* __restrict__ x, long long rows, long 
         nbad += !isfinite(v);
       }
     }
-    sh[0][ty][tx] = s;
-    sh[1][ty][tx] = ds;
-    sh[2][ty][tx] = dq;
-    __syncthreads();
-    if (ty == 0 && col < cols) {
-      double acc[3] = {0.0, 0.0, 0.0};
-#pragma unroll
-      for (int k = 0; k < kRowLanes; ++k)
-        for (int a = 0; a < 3; ++a) acc[a] += sh[a][k][tx];
-      partial[kSum * plane + chunk * cols + col] = acc[0];
-      partial[kShiftedSum * plane + chunk * cols + col] = acc[1];
-      partial[kShiftedSquares * plane + chunk * cols + col] = acc[2];
-      partial[kShift * plane + chunk * cols + col] = to_double(x[r0 * ld + col]);
-    }
-    __syncthreads();  // sh is rewritten below and by the next chunk
-    sh[0][ty][tx] = lo;
-    sh[1][ty][tx] = hi;
-    __syncthreads();
-    if (ty == 0 && col < cols) {
-      double mn = INFINITY, mx = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < kRowLanes; ++k) {
-        mn = fmin(mn, sh[0][k][tx]);
-        mx = fmax(mx, sh[1][k][tx]);
-      }
-      partial[kMin * plane + chunk * cols + col] = mn;
-      partial[kMax * plane + chunk * cols + col] = mx;
-    }
-    __syncthreads();
+    store_chunk(sh, nullptr, s, ds, dq, lo, hi, x, ld, r0, r1, col, cols, chunk, plane, partial);
   }
   if (nbad) atomicAdd(bad, nbad);
 }
@@ -120,35 +137,7 @@ __global__ void center_partials(const Tin* __restrict__ x, long long rows, long 
         }
       }
     }
-    sh[0][ty][tx] = s;
-    sh[1][ty][tx] = ds;
-    sh[2][ty][tx] = dq;
-    __syncthreads();
-    if (ty == 0 && col < cols) {
-      double acc[3] = {0.0, 0.0, 0.0};
-#pragma unroll
-      for (int k = 0; k < kRowLanes; ++k)
-        for (int a = 0; a < 3; ++a) acc[a] += sh[a][k][tx];
-      partial[kSum * plane + chunk * cols + col] = acc[0];
-      partial[kShiftedSum * plane + chunk * cols + col] = acc[1];
-      partial[kShiftedSquares * plane + chunk * cols + col] = acc[2];
-      partial[kShift * plane + chunk * cols + col] = to_double(x[r0 * ld + col]);
-      chunk_mean[tx] = acc[0] / (double)(r1 - r0);  // as column_means derives it
-    }
-    __syncthreads();
-    sh[0][ty][tx] = lo;
-    sh[1][ty][tx] = hi;
-    __syncthreads();
-    if (ty == 0 && col < cols) {
-      double mn = INFINITY, mx = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < kRowLanes; ++k) {
-        mn = fmin(mn, sh[0][k][tx]);
-        mx = fmax(mx, sh[1][k][tx]);
-      }
-      partial[kMin * plane + chunk * cols + col] = mn;
-      partial[kMax * plane + chunk * cols + col] = mx;
-    }
+    store_chunk(sh, chunk_mean, s, ds, dq, lo, hi, x, ld, r0, r1, col, cols, chunk, plane, partial);
     if (col < cols) {
       const double m = chunk_mean[tx];
 #pragma unroll
