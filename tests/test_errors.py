@@ -304,6 +304,15 @@ def test_bad_compute_arguments():
         m.compute(test=X)
     with pytest.raises(ValueError, match=r"test state has 3 features, the training state 4"):
         m.compute(test=other)
+    narrow = richness.Moments()
+    narrow.update(X, F[:, :1])  # another output width: not the same learned functions
+    with pytest.raises(ValueError, match=rf"test state has 1 outputs, the training state {F.shape[1]}"):
+        m.compute(test=narrow)
+    targets = richness.Moments()
+    targets.update(X, F, targets=F[:, 0])  # targets the training state never streamed
+    with pytest.raises(ValueError, match=r"test state has 1 targets, the training state no targets"):
+        m.compute(test=targets)
+    assert m.compute(test=narrow, head=np.ones((2, X.shape[1]))).test_utilization is not None  # head: outputs unused
     tiny = richness.Moments()
     tiny.update(X[:1], F[:1])
     with pytest.raises(ValueError, match=r"test state needs at least 2 samples"):

@@ -224,7 +224,6 @@ class Moments(Lockable):
             if not isinstance(test, Moments):
                 raise TypeError(f"test must be a Moments, got {type(test).__name__}")
             test_state = test.state_dict()
-            _check_held_out(self._backend.widths() if self._backend is not None else None, test_state)
         if uncertainty and self._groups is None:
             raise ValueError("uncertainty=True needs the samples kept in groups: use Moments(groups=k), k >= 2")
         report = _finish.finish(self._finish_state(), W=W, test=test_state, rtol=rtol, centered=centered,
@@ -285,16 +284,6 @@ class Moments(Lockable):
             return "Moments(empty)"
         groups = "" if self._groups is None else f", groups={self._groups}"
         return f"Moments(n={self.n}, p={self._backend.widths()['p']}, device={self._device!r}{groups})"
-
-
-def _check_held_out(train: Optional[dict], test: dict) -> None:
-    """A held-out state must describe the same functions of the same features."""
-    if train is None or train["p"] < 0 or test["p"] < 0:
-        return
-    for key, what in (("p", "features"), ("c", "outputs"), ("t", "targets")):
-        if test[key] >= 0 and test[key] != train[key]:
-            have = f"no {what}" if train[key] < 0 else str(train[key])
-            raise ValueError(f"test state has {test[key]} {what}, the training state {have}")
 
 
 def dlr(features: Any, outputs: Any = None, *, head: Any = None, rtol: Optional[float] = None) -> float:

@@ -79,8 +79,13 @@ def held_out(spec: Spectrum, st: dict, test: dict, W, centered: bool) -> tuple:
     nt = int(test["n"])
     if nt < 2:  # first: an empty test state has no width (p = -1) to compare
         raise ValueError(f"the test state needs at least 2 samples, got n = {nt}")
-    if int(test["p"]) != p:
-        raise ValueError(f"test state has {test['p']} features, the training state {p}")
+    # The same functions of the same features: widths must match where the
+    # test state streamed them (its outputs are unused with a head).
+    checked = (("p", "features"), ("t", "targets")) + ((("c", "outputs"),) if W is None else ())
+    for key, what in checked:
+        if int(test[key]) != int(st[key]) and (key == "p" or int(test[key]) >= 0):
+            have = f"no {what}" if int(st[key]) < 0 else str(int(st[key]))
+            raise ValueError(f"test state has {int(test[key])} {what}, the training state {have}")
     xp = ns(st["M"])
     rho_k = spec.rho[:spec.rank]
 
