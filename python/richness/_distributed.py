@@ -94,10 +94,10 @@ def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[d
         with np.errstate(over="ignore", invalid="ignore"):
             flat = torch.from_numpy(_state.shifted_sums(st, means, w)).to(dev, torch.float64)
         dist.all_reduce(flat, group=group)
-        _state.check_finite(flat.cpu().numpy(), means)  # the same sums on every rank: all raise alike
-        precision = _state.PRECISIONS[max((m["prec"] for m in metas if m["n"] > 0),
-                                          key=lambda j: _state.PRECISION_MODES[j].coarseness)]
-        out.append(_state.assemble(flat.cpu().numpy(), means, w, precision))
+        flat = flat.cpu().numpy()
+        _state.check_finite(flat, means)  # the same sums on every rank: all raise alike
+        precision = _state.coarsest(_state.PRECISIONS[m["prec"]] for m in metas if m["n"] > 0)
+        out.append(_state.assemble(flat, means, w, precision))
     return out
 
 
