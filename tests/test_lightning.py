@@ -157,6 +157,13 @@ def _fit(pl, module, callbacks, steps=4, accumulate=1):
     return trainer, logger
 
 
+def _window_dlr(seen, *calls):
+    """The oracle DLR of the head's inputs and outputs over the given forward calls."""
+    H = np.vstack([seen[k][0] for k in calls])
+    F = np.vstack([seen[k][1] for k in calls])
+    return dlr_naive(H, F)[0]
+
+
 def test_callback_logs_dlr_at_the_trainers_step():
     pl = _lightning()
     from richness.lightning import RichnessCallback
@@ -169,9 +176,7 @@ def test_callback_logs_dlr_at_the_trainers_step():
     hist = cb.monitor.history
     assert [r["step"] for r in hist] == [1, 3]
     for rec, k in zip(hist, (0, 2)):
-        H = np.vstack([seen[k][0], seen[k + 1][0]])
-        F = np.vstack([seen[k][1], seen[k + 1][1]])
-        assert abs(rec["dlr"] - dlr_naive(H, F)[0]) < 1e-10
+        assert abs(rec["dlr"] - _window_dlr(seen, k, k + 1)) < 1e-10
         assert rec["nc1"] is not None
     dlr_rows = {step: m["richness/dlr"] for step, m in logger.rows if "richness/dlr" in m}
     loss_steps = [step for step, m in logger.rows if "loss" in m]
@@ -190,9 +195,7 @@ def test_callback_with_gradient_accumulation_takes_all_micro_batches():
     _fit(pl, module, [cb], steps=2, accumulate=2)
     (rec,) = cb.monitor.history
     assert rec["step"] == 1 and rec["n"] == 80  # the 2nd optimizer step: micro-batches 2 and 3
-    H = np.vstack([seen[2][0], seen[3][0]])
-    F = np.vstack([seen[2][1], seen[3][1]])
-    assert abs(rec["dlr"] - dlr_naive(H, F)[0]) < 1e-10
+    assert abs(rec["dlr"] - _window_dlr(seen, 2, 3)) < 1e-10
 
 
 def test_callback_warns_when_training_bypasses_the_forward():
