@@ -11,14 +11,10 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from . import _state
-
 # Element types by the names the core knows (csrc/common/types.hpp, RICHNESS_DTYPES).
 F32, F64, F16, BF16, I32, I64 = "float32", "float64", "float16", "bfloat16", "int32", "int64"
 FLOAT_CODES = {np.dtype(np.float32): F32, np.dtype(np.float64): F64, np.dtype(np.float16): F16}
 INT_CODES = {np.dtype(np.int32): I32, np.dtype(np.int64): I64}
-
-PRECISIONS = _state.PRECISIONS
 
 
 class Matrix(NamedTuple):
