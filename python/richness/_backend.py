@@ -12,17 +12,12 @@ wraps one compiled accumulator (``_core.CpuMoments`` or ``_cuda.CudaMoments``);
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Protocol
 
 import numpy as np
 
 from . import _state
 from ._core import CpuMoments, check_batch
-
-try:  # typing.Protocol exists from Python 3.8
-    from typing import Protocol
-except ImportError:  # pragma: no cover
-    Protocol = object  # type: ignore[assignment,misc]
 
 
 class Batch(NamedTuple):
