@@ -58,14 +58,6 @@ def _as_f64(x: Any, name: str, like: Any = None) -> Any:
     return x
 
 
-def _zeros_like_framework(like: Any, *shape: int) -> Any:
-    if _is_torch(like):
-        import torch
-
-        return torch.zeros(shape, dtype=torch.float64, device=like.device)
-    return np.zeros(shape, dtype=np.float64)
-
-
 def _frob(x: Any) -> float:
     if _is_torch(x):
         return float(x.norm().item())
