@@ -250,8 +250,12 @@ class Moments(Lockable):
         return self._backend.to_state()
 
     def load_state_dict(self, state: dict) -> None:
-        """Replace the state with ``state`` (validated first; on error nothing changes)."""
-        w = _state.validate(state)
+        """Replace the state with ``state``. It is validated first (shapes,
+        types, and the invariants every real state satisfies: class counts
+        adding up to ``n``, class sums to ``n`` times the mean, no negative
+        variance); on error nothing changes."""
+        state = _state.checked(state)
+        w = _state.widths_of(state)
         self._check_num_classes([state])
         device = self._device or "cpu"
         if self._groups is None:
