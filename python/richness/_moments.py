@@ -166,12 +166,13 @@ class Moments(Lockable):
         ValueError on every rank, and no rank's state changes."""
         from ._distributed import all_reduce_states
 
-        if isinstance(self._backend, GroupedBackend):
-            states = all_reduce_states(self._backend.group_states(), group=group)
-            for st in states:
-                _state.validate(st)
+        if self._groups is not None:
+            # a rank that saw no data has no backend yet: it holds k empty groups
+            mine = (self._backend.group_states() if self._backend is not None
+                    else [_state.empty(self.num_classes) for _ in range(self._groups)])
+            states = [_state.checked(st) for st in all_reduce_states(mine, group=group)]
             self._check_num_classes(states)
-            self._backend.load_group_states(states)
+            self._sink(self._device or "cpu").load_group_states(states)
             self.num_classes = self._merged_num_classes(states)
             return
         self.load_state_dict(all_reduce_states([self.state_dict()], group=group)[0])
