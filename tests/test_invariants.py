@@ -5,6 +5,11 @@ impossible ones (negative variances, class sums that disagree with the mean,
 counts that do not add up to n or wrap around int64, non-integer counts) with a
 clear error that leaves the object exactly as it was."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -227,3 +232,30 @@ def test_many_state_merge_refuses_a_count_beyond_int64():
     _state.validate(st)
     with pytest.raises(ValueError, match=r"merged sample count 13835058055282163712 would overflow int64"):
         _state.merge([st, st, st])
+
+
+def test_groups_beyond_the_cap_are_refused_before_allocation():
+    # Under a 1 GiB address-space limit, k = 10**8 groups used to be built one
+    # by one until the allocator failed (a MemoryError, or an abort from the core).
+    code = textwrap.dedent("""
+        import resource
+        import numpy as np
+        import richness
+        from richness._moments import MAX_GROUPS
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+        for k in (10**8, MAX_GROUPS + 1, 0, True, 2.5):
+            try:
+                richness.Moments(groups=k)
+            except ValueError as e:
+                print("refused", k, "|", e)
+        m = richness.Moments(groups=MAX_GROUPS)
+        m.update(np.random.default_rng(0).normal(size=(8, 3)))
+        print("ok", m.n)
+    """)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 6 and lines[-1] == "ok 8"
+    assert all(line.startswith("refused") for line in lines[:5])
+    assert "groups must be an integer in [2, 1024] or None, got 100000000" in lines[0]

@@ -14,6 +14,13 @@ from ._backend import STACK_CPU, Batch, CoreBackend, GroupedBackend, Lockable
 from ._report import Report
 
 
+# The largest Moments(groups=k). Each group is a whole state (its p x p Gram
+# alone is 8 p^2 bytes: 2 MiB at p = 512, so 1024 groups fill 2 GiB), and the
+# jackknife's standard error gains little past a few dozen groups; a larger
+# k is a typo or a unit mistake, refused before anything is allocated.
+MAX_GROUPS = 1024
+
+
 class Moments(Lockable):
     """Streamed float64 co-moments of features (and outputs, labels, targets).
 
@@ -31,7 +38,9 @@ class Moments(Lockable):
             ``compute(uncertainty=True)`` gives a delete-one-group jackknife
             standard error at the cost of k merges, never a second pass. Each
             ``update`` (and each ``merge``) goes whole to one group: in turn, or
-            at random when ``group_seed`` is given. Costs k times the memory.
+            at random when ``group_seed`` is given. Costs k times the memory
+            (k float64 states of ``8 (p^2 + pC + C^2 + ...)`` bytes once filled);
+            at most ``MAX_GROUPS`` (1024).
         group_seed: seed for the random assignment of updates to groups.
         stack_rows: CUDA only (a ``ValueError`` on the CPU). 0 (default): one
             product and one float64 merge per batch. N > 0: each batch is
@@ -61,8 +70,10 @@ class Moments(Lockable):
     def __init__(self, num_classes: Optional[int] = None, *, device: Optional[str] = None,
                  precision: Optional[str] = None, groups: Optional[int] = None,
                  group_seed: Optional[int] = None, stack_rows: int = 0) -> None:
-        if groups is not None and (not isinstance(groups, (int, np.integer)) or groups < 2):
-            raise ValueError(f"groups must be an integer >= 2 or None, got {groups!r}")
+        if groups is not None and (isinstance(groups, (bool, np.bool_)) or not isinstance(groups, (int, np.integer))
+                                   or not 2 <= groups <= MAX_GROUPS):
+            raise ValueError(f"groups must be an integer in [2, {MAX_GROUPS}] or None, got {groups!r} "
+                             "(each group holds a whole state: k groups cost k times the memory)")
         if group_seed is not None and groups is None:
             raise ValueError("group_seed needs groups=k")
         if num_classes is not None and (not isinstance(num_classes, (int, np.integer)) or num_classes < 1):
