@@ -99,8 +99,13 @@ class Monitor:
     Use as a context manager (hooks removed on exit) and call ``step(labels)``
     after every optimizer step. Window mode captures the head's forwards that
     run with gradients enabled (training steps, whatever the modules' train/eval
-    mode); forwards under ``torch.no_grad()`` (validation) are ignored. ``history`` holds the emitted records
-    ``{step, mode, n, dlr, rank, nc1, effective_dim, time}``.
+    mode); forwards under ``torch.no_grad()`` (validation) are ignored, and so is
+    a forward of the model that raises after the head ran. With labels, a
+    step's captures are its latest forwards whose rows match the labels (those
+    of a step skipped after its forward are dropped with a warning); labels
+    matching none are refused with nothing recorded and the step not counted.
+    ``history`` holds the emitted records ``{step, mode, n, dlr, rank, nc1,
+    effective_dim, time}``.
 
     Example::
 
@@ -222,7 +227,11 @@ class Monitor:
         fewer samples than features, as with ``every=1``) are computed in groups
         of up to ``lag`` steps and reach ``history`` and the sinks at most
         ``lag`` steps later (a few more on a GPU, where they are finished without
-        waiting for the device); ``flush()`` or closing emits the rest."""
+        waiting for the device); ``flush()`` or closing emits the rest.
+
+        Labels that match none of the step's captured rows raise a ValueError
+        before anything changes (the step is not counted): call ``step`` again
+        with this step's labels."""
         if self._closed:
             raise RuntimeError("this Monitor is closed")
         rows = None
