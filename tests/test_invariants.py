@@ -141,6 +141,13 @@ def _asymmetric(st):
     st["M"] = a
 
 
+def _emptied_class(st):
+    c = st["class_counts"].copy()
+    c[2] += c[3]
+    c[3] = 0  # the counts still add up to n and the sums to n times the mean
+    st["class_counts"] = c
+
+
 IMPOSSIBLE = {
     "negative variance in M": (_negative_diag("M"), ValueError, r"'M' has the negative variance"),
     "negative variance in A": (_negative_diag("A"), ValueError, r"'A' has the negative variance"),
@@ -161,6 +168,8 @@ IMPOSSIBLE = {
                                   ValueError, r"count beyond 2\*\*63 - 1"),
     "n beyond int64": (_set("n", np.uint64(2**63)), ValueError, r"'n' is 9223372036854775808, which overflows"),
     "n negative": (_set("n", -200), ValueError, r"n is negative \(-200\)"),
+    "no samples but values": (_set("n", 0), ValueError, r"n=0 samples but nonzero mean, M, out_mean"),
+    "a class of no samples with a sum": (_emptied_class, ValueError, r"class 3 has no samples but a nonzero"),
     "n a float": (_set("n", 200.0), TypeError, r"'n' must be an integer, got float"),
     "n a bool array": (_set("n", np.bool_(True)), TypeError, r"'n' must be an integer"),
     "num_classes zero": (_set("num_classes", 0), ValueError, r"num_classes=0"),

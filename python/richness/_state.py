@@ -211,7 +211,9 @@ def check_invariants(st: dict) -> None:
 
     * the widths: a nonempty state has features; streams are -1 or >= 1;
       no more classes than a fixed ``num_classes``;
-    * the class counts add up to ``n`` exactly (each sample has one class);
+    * a state of no samples holds only zeros;
+    * the class counts add up to ``n`` exactly (each sample has one class),
+      and a class of no samples has a zero sum;
     * the class sums add up to ``n`` times the mean (float64 sums of the same
       inputs: within ``INVARIANT_RTOL`` of their magnitudes);
     * each Gram (M, A, At) is symmetric and has no negative diagonal entry:
@@ -229,12 +231,20 @@ def check_invariants(st: dict) -> None:
         raise ValueError(f"state has n={n} samples but no feature width (p={p})")
     if st["num_classes"] >= 0 and k > st["num_classes"]:
         raise ValueError(f"state has more classes than num_classes ({k} > {st['num_classes']})")
+    if n == 0:
+        held = [f.name for f in FIELDS if np.any(st[f.name] != 0)]
+        if held:
+            raise ValueError(f"state has n=0 samples but nonzero {', '.join(held)}")
     if k >= 0:
-        total = int(st["class_counts"].astype(object).sum())  # Python ints: no wraparound
+        counts = st["class_counts"]
+        total = int(counts.astype(object).sum())  # Python ints: no wraparound
         if total != n:
             raise ValueError(f"class counts do not add up to n: they sum to {total}, n is {n}")
         sums = st["class_sums"]
-        mean = st["mean"] if n > 0 else np.zeros(max(p, 0))
+        empty_classes = (counts == 0) & np.any(sums != 0, axis=1)
+        if empty_classes.any():
+            raise ValueError(f"state's class {int(np.argmax(empty_classes))} has no samples but a nonzero class sum")
+        mean = st["mean"]
         with np.errstate(over="ignore"):
             gap = np.abs(sums.sum(axis=0) - n * mean)
             scale = np.abs(sums).sum(axis=0) + n * np.abs(mean) + np.sqrt(n * np.maximum(np.diag(st["M"]), 0))
