@@ -290,7 +290,12 @@ def check_compatible(metas: List[Dict[str, int]]) -> None:
         k = max((m["k"] for m in metas), default=-1)
         if k > fixed[0]:
             raise ValueError(f"cannot merge: a state has {k} classes, more than num_classes={fixed[0]}")
-    total = sum(m["n"] for m in live)
+    check_sample_count([m["n"] for m in live])
+
+
+def check_sample_count(counts: Iterable[int]) -> None:
+    """Raise when the merged sample count would overflow int64 (a merge adds counts)."""
+    total = sum(int(n) for n in counts)
     if total > INT64_MAX:
         raise ValueError(f"cannot merge: the merged sample count {total} would overflow int64")
 
