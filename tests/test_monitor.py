@@ -532,6 +532,14 @@ def _data(n, seed=0):
     return torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (n,), generator=g)
 
 
+def _raising_setup(count, rows=128, extra=0):
+    """A RaisesAfterHead model and ``count`` batches of ``rows`` (``extra`` more rows of X after them)."""
+    torch.manual_seed(0)
+    model = RaisesAfterHead().double()
+    X, y = _data(count * rows + extra)
+    return model, X, [(X[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]) for i in range(count)]
+
+
 def _window_oracle(model, batches):
     with torch.no_grad():
         H = torch.cat([model.body(x) for x, _ in batches]).numpy()
@@ -545,10 +553,7 @@ def test_monitor_forward_raising_after_the_head_leaves_nothing(with_labels):
     # Window of 2 steps of 128 rows; at step 3 a 32-row forward raises after the head and the loop
     # moves on to the next batch. Its activations used to join the window (n = 288, or with labels
     # a row-count error that dropped the whole step).
-    torch.manual_seed(0)
-    model = RaisesAfterHead().double()
-    X, y = _data(4 * 128 + 32)
-    batches = [(X[i * 128:(i + 1) * 128], y[i * 128:(i + 1) * 128]) for i in range(4)]
+    model, X, batches = _raising_setup(4, extra=32)
     with richness.Monitor(model, every=2, window=2) as mon:
         for step, (xb, yb) in enumerate(batches, 1):  # no optimizer: the weights stay, the oracle is exact
             if step == 3:
@@ -568,10 +573,7 @@ def test_monitor_forward_raising_after_the_head_leaves_nothing(with_labels):
 def test_monitor_nested_and_direct_head_calls_are_kept():
     # The head called by training code outside the model's forward, and a model forward nested in
     # another call of the model, are still captured; a raising outer call drops its inner captures.
-    torch.manual_seed(0)
-    model = RaisesAfterHead().double()
-    X, y = _data(3 * 64)
-    parts = [(X[i * 64:(i + 1) * 64], y[i * 64:(i + 1) * 64]) for i in range(3)]
+    model, _, parts = _raising_setup(3, rows=64)
     with richness.Monitor(model, head="fc", every=1, window=1) as mon:
         model.fc(model.body(parts[0][0]))  # direct
         mon.step(labels=parts[0][1])
@@ -593,10 +595,7 @@ def test_monitor_step_skipped_after_its_forward_is_not_recorded():
     # The forward returned, then the loss (or backward) failed and the loop skipped step(): with
     # labels, the step's captures are the latest forwards that match them; the earlier ones are
     # dropped with a warning instead of refusing the step.
-    torch.manual_seed(0)
-    model = RaisesAfterHead().double()
-    X, y = _data(3 * 128)
-    batches = [(X[i * 128:(i + 1) * 128], y[i * 128:(i + 1) * 128]) for i in range(3)]
+    model, _, batches = _raising_setup(3)
     with richness.Monitor(model, every=1, window=1) as mon:
         model(batches[0][0][:48])  # skipped: no step() for it
         model(batches[0][0])
@@ -612,10 +611,7 @@ def test_monitor_step_skipped_after_its_forward_is_not_recorded():
 
 
 def test_monitor_refuses_labels_that_do_not_match_and_changes_nothing():
-    torch.manual_seed(0)
-    model = RaisesAfterHead().double()
-    X, y = _data(3 * 128)
-    batches = [(X[i * 128:(i + 1) * 128], y[i * 128:(i + 1) * 128]) for i in range(3)]
+    model, _, batches = _raising_setup(3)
     with richness.Monitor(model, every=2, window=2) as mon:
         model(batches[0][0])
         mon.step(labels=batches[0][1])
