@@ -268,3 +268,16 @@ def test_groups_beyond_the_cap_are_refused_before_allocation():
     assert len(lines) == 6 and lines[-1] == "ok 8"
     assert all(line.startswith("refused") for line in lines[:5])
     assert "groups must be an integer in [2, 1024] or None, got 100000000" in lines[0]
+
+
+def test_many_state_merge_refuses_counts_past_float64_exactness():
+    # The shift-and-sum merge adds counts in float64: past 2**53 labelled samples it would round them.
+    src = _streamed(16, num_classes=K)
+    st = src.state_dict()
+    scale = 2**51 // st["n"]
+    big = dict(st, n=st["n"] * scale, class_counts=st["class_counts"] * scale, class_sums=st["class_sums"] * scale,
+               M=st["M"] * scale, B=st["B"] * scale, A=st["A"] * scale, Bt=st["Bt"] * scale, At=st["At"] * scale)
+    _state.validate(big)
+    assert _state.merge([big, big])["n"] == 2 * big["n"]
+    with pytest.raises(ValueError, match=r"past 2\*\*53"):
+        _state.merge([big] * 5)

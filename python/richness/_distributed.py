@@ -98,13 +98,12 @@ def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[d
             metas.append(dict(zip(_state.WIDTHS, (int(x) for x in v[:nw]))) | {"prec": int(v[nw])})
         try:
             _state.check_compatible(metas)
+            per_slot.append((metas, _state.merged_widths(metas)))
         except ValueError as e:
             raise ValueError(f"all_reduce across ranks: {e}") from None
-        per_slot.append(metas)
 
     out = []
-    for st, metas in zip(states, per_slot):
-        w = _state.merged_widths(metas)
+    for st, (metas, w) in zip(states, per_slot):
         if w["n"] == 0:
             out.append(st)
             continue

@@ -301,15 +301,20 @@ def check_sample_count(counts: Iterable[int]) -> None:
 
 
 def merged_widths(metas: List[Dict[str, int]]) -> Dict[str, int]:
-    """Widths of the merge of compatible states (check_compatible first)."""
+    """Widths of the shift-and-sum merge of compatible states (check_compatible
+    first). Its sums are float64, class counts included: counts past 2**53
+    would lose exactness there, so such a merge is refused (ValueError)."""
     live = [m for m in metas if m["n"] > 0]
     nc = max(m["num_classes"] for m in metas)
     if not live:
         return {"n": 0, "p": -1, "c": -1, "t": -1, "k": -1, "num_classes": nc}
     first = live[0]
     k = max(max(m["k"] for m in live), nc) if first["k"] >= 0 else -1
-    return {"n": sum(m["n"] for m in live), "p": first["p"], "c": first["c"], "t": first["t"], "k": k,
-            "num_classes": nc}
+    n = sum(m["n"] for m in live)
+    if k >= 0 and n > 2**53:
+        raise ValueError(f"cannot merge: {n} labelled samples, past 2**53, where the float64 sums of this merge "
+                         "no longer count exactly")
+    return {"n": n, "p": first["p"], "c": first["c"], "t": first["t"], "k": k, "num_classes": nc}
 
 
 def weighted_means(state: dict, widths: Dict[str, int]) -> np.ndarray:
