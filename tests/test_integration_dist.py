@@ -1,7 +1,8 @@
 """torch.distributed: 2 gloo processes on the CPU against one process.
 
 One spawn runs every check (Moments.all_reduce in float64 and float32, a rank
-with no samples and ranks with different label ranges, evaluate(distributed=True)
+with no samples (with and without groups), ranks with different label ranges, a
+rank holding an invalid state, evaluate(distributed=True)
 with a DistributedSampler, and the torchmetrics DLR under DDP sync); rank 0
 writes what it measured to a JSON file the test then compares.
 """
@@ -93,6 +94,27 @@ def _worker(rank, world, port, out_path):
         rep = g.compute(uncertainty=True)
         res["groups"] = {"n": g.n, "sizes": [s["n"] for s in g._backend.group_states()], "dlr": rep.dlr,
                          "stderr": rep.dlr_stderr}
+        # groups with a rank that saw no data: it merges as k empty groups
+        ge = richness.Moments(groups=3)
+        if rank == 1:
+            for idx in np.array_split(np.arange(N), 6):
+                ge.update(X[idx], F[idx])
+        ge.all_reduce()
+        res["groups_empty_rank"] = {"n": ge.n, "sizes": [s["n"] for s in ge._backend.group_states()],
+                                    "dlr": ge.compute(uncertainty=True).dlr}
+        # a rank holding an impossible state (a negative variance): every rank refuses
+        from richness._distributed import all_reduce_states
+
+        good = richness.Moments()
+        good.update(X[shard], F[shard])
+        st = good.state_dict()
+        if rank == 1:
+            st["M"] = st["M"] - 2 * np.diag(np.diag(st["M"]))
+        try:
+            all_reduce_states([st])
+            res["invalid"] = "no error"
+        except ValueError as e:
+            res["invalid"] = str(e)
         # evaluate(distributed=True) with a DistributedSampler
         model = _model()
         ds = torch.utils.data.TensorDataset(torch.tensor(X), torch.tensor(y))
@@ -187,6 +209,21 @@ def test_all_reduce_keeps_groups(dist_results):
         assert g["stderr"] is not None and g["stderr"] > 0
     # the same reduction on every rank
     assert dist_results["ranks"][0]["groups"] == dist_results["ranks"][1]["groups"]
+
+
+def test_all_reduce_groups_with_an_empty_rank(dist_results):
+    X, F, _, _ = _data()
+    want, _ = dlr_naive(X, F)
+    for res in dist_results["ranks"]:
+        g = res["groups_empty_rank"]
+        assert g["n"] == N and g["sizes"] == [200, 200, 200]  # rank 1's six updates, two a group
+        assert abs(g["dlr"] - want) < 1e-10
+
+
+def test_all_reduce_refuses_an_invalid_state_on_every_rank(dist_results):
+    for r, res in enumerate(dist_results["ranks"]):
+        assert "rank(s) [1] hold an invalid state" in res["invalid"]
+        assert ("negative variance" in res["invalid"]) == (r == 1)  # the holder says what is wrong
 
 
 def test_evaluate_distributed_sampler(dist_results):

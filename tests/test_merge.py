@@ -228,3 +228,22 @@ def test_one_field_list_in_python_and_cpp():
         assert full[f.name].shape == _state.shape_of(f, full)
         if f.symmetric:
             assert np.array_equal(full[f.name], full[f.name].T)
+
+
+def test_merge_refuses_a_sample_count_beyond_int64():
+    # n used to wrap around: 60 self-merges gave n = -6.9e18 and a state that could not be saved.
+    m = richness.Moments()
+    X = np.random.default_rng(0).normal(size=(30, 4))
+    m.update(X, X[:, :2])
+    st = m.state_dict()
+    st["n"] = 2**61
+    m.load_state_dict(st)
+    m.merge(m)
+    assert m.n == 2**62
+    before = m.state_dict()
+    twin = richness.Moments()
+    twin.load_state_dict(before)
+    for other in (m, twin):
+        with pytest.raises(ValueError, match=r"merged sample count 9223372036854775808 would overflow int64"):
+            m.merge(other)
+        assert states_equal(m.state_dict(), before)

@@ -507,3 +507,130 @@ def test_one_batch_lateness_does_not_depend_on_first_step(first_step):
             seen.append(len(mon.history))
     assert seen == [0, 0, 0, 4, 4, 4, 4, 8, 8, 8]
     assert [r["step"] for r in mon.history] == list(range(first_step, first_step + 10))
+
+
+class RaisesAfterHead(nn.Module):
+    """An MLP whose forward raises after the head ran when ``fail`` is set (a
+    check on the logits, a loss computed inside forward, an out-of-memory error)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU())
+        self.fc = nn.Linear(16, 4)
+        self.fail = False
+
+    def forward(self, x):
+        out = self.fc(self.body(x))
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("logits check failed")
+        return out
+
+
+def _data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (n,), generator=g)
+
+
+def _raising_setup(count, rows=128, extra=0):
+    """A RaisesAfterHead model and ``count`` batches of ``rows`` (``extra`` more rows of X after them)."""
+    torch.manual_seed(0)
+    model = RaisesAfterHead().double()
+    X, y = _data(count * rows + extra)
+    return model, X, [(X[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]) for i in range(count)]
+
+
+def _window_oracle(model, batches):
+    with torch.no_grad():
+        H = torch.cat([model.body(x) for x, _ in batches]).numpy()
+        F = torch.cat([model.fc(model.body(x)) for x, _ in batches]).numpy()
+    y = torch.cat([y for _, y in batches]).numpy()
+    return dlr_naive(H, F)[0], nc1_naive(H, y)
+
+
+@pytest.mark.parametrize("with_labels", [True, False])
+def test_monitor_forward_raising_after_the_head_leaves_nothing(with_labels):
+    # Window of 2 steps of 128 rows; at step 3 a 32-row forward raises after the head and the loop
+    # moves on to the next batch. Its activations used to join the window (n = 288, or with labels
+    # a row-count error that dropped the whole step).
+    model, X, batches = _raising_setup(4, extra=32)
+    with richness.Monitor(model, every=2, window=2) as mon:
+        for step, (xb, yb) in enumerate(batches, 1):  # no optimizer: the weights stay, the oracle is exact
+            if step == 3:
+                model.fail = True
+                with pytest.raises(RuntimeError, match="logits check"):
+                    model(X[-32:])
+            model(xb).sum().backward()
+            mon.step(labels=yb if with_labels else None)
+    assert [r["n"] for r in mon.history] == [256, 256]
+    for rec, window in zip(mon.history, (batches[:2], batches[2:])):
+        dlr, nc1 = _window_oracle(model, window)
+        assert abs(rec["dlr"] - dlr) < 1e-10
+        if with_labels:
+            assert abs(rec["nc1"] - nc1) < 1e-8 * nc1
+
+
+def test_monitor_nested_and_direct_head_calls_are_kept():
+    # The head called by training code outside the model's forward, and a model forward nested in
+    # another call of the model, are still captured; a raising outer call drops its inner captures.
+    model, _, parts = _raising_setup(3, rows=64)
+    with richness.Monitor(model, head="fc", every=1, window=1) as mon:
+        model.fc(model.body(parts[0][0]))  # direct
+        mon.step(labels=parts[0][1])
+        model.fail = False
+        outer = torch.nn.Sequential(model)  # the monitored model nested in a larger one
+        outer(parts[1][0])
+        mon.step(labels=parts[1][1])
+        model.fail = True
+        with pytest.raises(RuntimeError):
+            outer(parts[2][0][:10])
+        model(parts[2][0])
+        mon.step(labels=parts[2][1])
+    assert [r["n"] for r in mon.history] == [64, 64, 64]
+    for rec, part in zip(mon.history, parts):
+        assert abs(rec["dlr"] - _window_oracle(model, [part])[0]) < 1e-10
+
+
+def test_monitor_step_skipped_after_its_forward_is_not_recorded():
+    # The forward returned, then the loss (or backward) failed and the loop skipped step(): with
+    # labels, the step's captures are the latest forwards that match them; the earlier ones are
+    # dropped with a warning instead of refusing the step.
+    model, _, batches = _raising_setup(3)
+    with richness.Monitor(model, every=1, window=1) as mon:
+        model(batches[0][0][:48])  # skipped: no step() for it
+        model(batches[0][0])
+        with pytest.warns(UserWarning, match=r"1 training forward\(s\) of the head \(48 samples\)"):
+            mon.step(labels=batches[0][1])
+        half = [batches[1][0][:64], batches[1][0][64:]]  # gradient accumulation: two forwards, one step
+        for xb in half:
+            model(xb)
+        mon.step(labels=batches[1][1])
+    assert [r["n"] for r in mon.history] == [128, 128]
+    for rec, window in zip(mon.history, batches):
+        assert abs(rec["dlr"] - _window_oracle(model, [window])[0]) < 1e-10
+
+
+def test_monitor_refuses_labels_that_do_not_match_and_changes_nothing():
+    model, _, batches = _raising_setup(3)
+    with richness.Monitor(model, every=2, window=2) as mon:
+        model(batches[0][0])
+        mon.step(labels=batches[0][1])
+        model(batches[1][0])
+        for bad in (batches[1][1][:100], batches[1][1][0], torch.zeros(128, 2, 2, dtype=torch.long)):
+            with pytest.raises(ValueError, match=r"Monitor\.step: .*(100 rows, but .* gave 128 rows|single value"
+                                                 r"|1-D).*not counted"):
+                mon.step(labels=bad)
+            assert mon.steps == 1 and mon.history == []
+        mon.step(labels=batches[1][1])  # the retry with the right labels records the step
+        assert mon.steps == 2 and [r["n"] for r in mon.history] == [256]
+        assert abs(mon.history[0]["dlr"] - _window_oracle(model, batches[:2])[0]) < 1e-10
+        # a refused step that the loop moves past: its captures do not reach the next step
+        model(batches[2][0][:32])
+        with pytest.raises(ValueError, match="labels have 7 rows"):
+            mon.step(labels=batches[2][1][:7])
+        model(batches[2][0])
+        mon.step(labels=batches[2][1])
+        model(batches[0][0])
+        mon.step(labels=batches[0][1])
+    assert [r["n"] for r in mon.history] == [256, 256]
+    assert abs(mon.history[1]["dlr"] - _window_oracle(model, [batches[2], batches[0]])[0]) < 1e-10

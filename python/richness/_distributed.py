@@ -38,6 +38,9 @@ def _comm_device(torch, dist, group) -> Any:
     return torch.device("cpu")
 
 
+INVALID = -1  # the precision index of a rank whose state failed validation
+
+
 def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[dict]:
     """State i of the result is the merge of every rank's state i (every rank
     gets the same list). Each rank passes the same number of states (one, or
@@ -45,15 +48,28 @@ def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[d
 
     Raises ValueError on every rank when the ranks' states cannot merge
     (different feature widths, outputs streamed on some ranks only, different
-    num_classes, ...).
+    num_classes, ...) or when a rank's state is invalid (``_state.validate``).
     """
     torch, dist = _dist()
     dev = _comm_device(torch, dist, group)
     world = dist.get_world_size(group)
     nw = len(_state.WIDTHS)
+    # Each rank validates its own states (_state.checked, the validator of
+    # load and merge); an invalid one is announced with the precision index
+    # INVALID, so that every rank refuses, not only the one that holds it.
+    problem: Optional[Exception] = None
+    valid = []
+    for st in states:
+        try:
+            valid.append(_state.checked(st))
+        except (TypeError, ValueError) as e:
+            problem = problem or e
+            valid.append(_state.empty())
+    states = valid
 
     def widths(st):
-        return [*_state.widths_of(st).values(), _state.PRECISIONS.index(st["precision"])]
+        prec = INVALID if problem is not None else _state.PRECISIONS.index(st["precision"])
+        return [*_state.widths_of(st).values(), prec]
 
     mine = torch.tensor([len(states)] + [v for st in states for v in widths(st)], dtype=torch.int64)
     # Ranks may hold different numbers of states: gather the counts first.
@@ -70,6 +86,10 @@ def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[d
     if len(sizes) > 1:
         raise ValueError(f"all_reduce: ranks hold different numbers of groups {sizes}; use the same "
                          "Moments(groups=k) on every rank")
+    bad = [r for r, row in enumerate(rows) if int(row[nw + 1]) == INVALID]
+    if bad:
+        why = f" ({problem})" if problem is not None else ""
+        raise ValueError(f"all_reduce: rank(s) {bad} hold an invalid state{why}; no rank's state changed")
     per_slot = []
     for i in range(len(states)):
         metas = []
@@ -78,13 +98,12 @@ def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[d
             metas.append(dict(zip(_state.WIDTHS, (int(x) for x in v[:nw]))) | {"prec": int(v[nw])})
         try:
             _state.check_compatible(metas)
+            per_slot.append((metas, _state.merged_widths(metas)))
         except ValueError as e:
             raise ValueError(f"all_reduce across ranks: {e}") from None
-        per_slot.append(metas)
 
     out = []
-    for st, metas in zip(states, per_slot):
-        w = _state.merged_widths(metas)
+    for st, (metas, w) in zip(states, per_slot):
         if w["n"] == 0:
             out.append(st)
             continue

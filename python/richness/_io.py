@@ -192,7 +192,7 @@ def load_state(path: "os.PathLike | str") -> dict:
         raise bad(f"unexpected entries: {', '.join(extra)}")
     try:
         widths = widths_of(meta)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise bad(f"not a valid richness state ({e})") from None
     for f in FIELDS:
         shape, dtype = headers[f.name]

@@ -14,6 +14,13 @@ from ._backend import STACK_CPU, Batch, CoreBackend, GroupedBackend, Lockable
 from ._report import Report
 
 
+# The largest Moments(groups=k). Each group is a whole state (its p x p Gram
+# alone is 8 p^2 bytes: 2 MiB at p = 512, so 1024 groups fill 2 GiB), and the
+# jackknife's standard error gains little past a few dozen groups; a larger
+# k is a typo or a unit mistake, refused before anything is allocated.
+MAX_GROUPS = 1024
+
+
 class Moments(Lockable):
     """Streamed float64 co-moments of features (and outputs, labels, targets).
 
@@ -31,7 +38,9 @@ class Moments(Lockable):
             ``compute(uncertainty=True)`` gives a delete-one-group jackknife
             standard error at the cost of k merges, never a second pass. Each
             ``update`` (and each ``merge``) goes whole to one group: in turn, or
-            at random when ``group_seed`` is given. Costs k times the memory.
+            at random when ``group_seed`` is given. Costs k times the memory
+            (k float64 states of ``8 (p^2 + pC + C^2 + ...)`` bytes once filled);
+            at most ``MAX_GROUPS`` (1024).
         group_seed: seed for the random assignment of updates to groups.
         stack_rows: CUDA only (a ``ValueError`` on the CPU). 0 (default): one
             product and one float64 merge per batch. N > 0: each batch is
@@ -61,8 +70,10 @@ class Moments(Lockable):
     def __init__(self, num_classes: Optional[int] = None, *, device: Optional[str] = None,
                  precision: Optional[str] = None, groups: Optional[int] = None,
                  group_seed: Optional[int] = None, stack_rows: int = 0) -> None:
-        if groups is not None and (not isinstance(groups, (int, np.integer)) or groups < 2):
-            raise ValueError(f"groups must be an integer >= 2 or None, got {groups!r}")
+        if groups is not None and (isinstance(groups, (bool, np.bool_)) or not isinstance(groups, (int, np.integer))
+                                   or not 2 <= groups <= MAX_GROUPS):
+            raise ValueError(f"groups must be an integer in [2, {MAX_GROUPS}] or None, got {groups!r} "
+                             "(each group holds a whole state: k groups cost k times the memory)")
         if group_seed is not None and groups is None:
             raise ValueError("group_seed needs groups=k")
         if num_classes is not None and (not isinstance(num_classes, (int, np.integer)) or num_classes < 1):
@@ -154,6 +165,7 @@ class Moments(Lockable):
             raise TypeError(f"merge expects a Moments, got {type(other).__name__}")
         if other._backend is None or other.n == 0:
             return
+        _state.check_sample_count([self.n, other.n])
         self._sink(self._device if self._backend is not None else other._device).merge(other._backend)
 
     def all_reduce(self, group: Any = None) -> None:
@@ -166,12 +178,13 @@ class Moments(Lockable):
         ValueError on every rank, and no rank's state changes."""
         from ._distributed import all_reduce_states
 
-        if isinstance(self._backend, GroupedBackend):
-            states = all_reduce_states(self._backend.group_states(), group=group)
-            for st in states:
-                _state.validate(st)
+        if self._groups is not None:
+            # a rank that saw no data has no backend yet: it holds k empty groups
+            mine = (self._backend.group_states() if self._backend is not None
+                    else [_state.empty(self.num_classes) for _ in range(self._groups)])
+            states = [_state.checked(st) for st in all_reduce_states(mine, group=group)]
             self._check_num_classes(states)
-            self._backend.load_group_states(states)
+            self._sink(self._device or "cpu").load_group_states(states)
             self.num_classes = self._merged_num_classes(states)
             return
         self.load_state_dict(all_reduce_states([self.state_dict()], group=group)[0])
@@ -250,8 +263,12 @@ class Moments(Lockable):
         return self._backend.to_state()
 
     def load_state_dict(self, state: dict) -> None:
-        """Replace the state with ``state`` (validated first; on error nothing changes)."""
-        w = _state.validate(state)
+        """Replace the state with ``state``. It is validated first (shapes,
+        types, and the invariants every real state satisfies: class counts
+        adding up to ``n``, class sums to ``n`` times the mean, no negative
+        variance); on error nothing changes."""
+        state = _state.checked(state)
+        w = _state.widths_of(state)
         self._check_num_classes([state])
         device = self._device or "cpu"
         if self._groups is None:

@@ -34,7 +34,8 @@ import numpy as np
 from ._batches import check_tokens, label_kwargs, select_rows
 from ._evaluate import collect
 from ._hooks import HeadFinder, resolve_head
-from ._monitor_capture import _grad_enabled, _PendingCapture, _probe_batches, _StepBuffer  # noqa: F401
+from ._monitor_capture import (_grad_enabled, _ModelForwards, _PendingCapture, _probe_batches,  # noqa: F401
+                               _StepBuffer)
 from ._monitor_onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group,  # noqa: F401
                                OneBatchRoute)
 from ._monitor_sinks import FIELDS, _make_sinks  # noqa: F401
@@ -98,8 +99,13 @@ class Monitor:
     Use as a context manager (hooks removed on exit) and call ``step(labels)``
     after every optimizer step. Window mode captures the head's forwards that
     run with gradients enabled (training steps, whatever the modules' train/eval
-    mode); forwards under ``torch.no_grad()`` (validation) are ignored. ``history`` holds the emitted records
-    ``{step, mode, n, dlr, rank, nc1, effective_dim, time}``.
+    mode); forwards under ``torch.no_grad()`` (validation) are ignored, and so is
+    a forward of the model that raises after the head ran. With labels, a
+    step's captures are its latest forwards whose rows match the labels (those
+    of a step skipped after its forward are dropped with a warning); labels
+    matching none are refused with nothing recorded and the step not counted.
+    ``history`` holds the emitted records ``{step, mode, n, dlr, rank, nc1,
+    effective_dim, time}``.
 
     Example::
 
@@ -149,10 +155,13 @@ class Monitor:
         self._capture: Optional[_PendingCapture] = None
         self._finder: Optional[HeadFinder] = None
         self._model_hook = None
+        self._forwards: Optional[_ModelForwards] = None
+        self._refused = False  # the last step() refused its labels; its captures wait for a retry
         self._closed = False
         self._head_ran = False  # set by the head's hook; a head that never runs is warned about once
         self._t0 = time.time()
         if self.probe is None:
+            self._forwards = _ModelForwards(model, self._commit)
             if self._head is not None:
                 self._capture = _PendingCapture(self._head, self)
             else:
@@ -191,7 +200,18 @@ class Monitor:
         self._head_ran = self._head_ran or (x is not None and _grad_enabled())
         self._capture = _PendingCapture(head, self)
         if x is not None and self._hook_active():
-            self._pending.append((x.detach(), y.detach() if hasattr(y, "detach") else y))
+            self._captured((x.detach(), y.detach() if hasattr(y, "detach") else y))
+
+    def _captured(self, capture: tuple) -> None:
+        """A training forward's (head input, head output), kept once the model
+        forward that made it returns (``_ModelForwards``)."""
+        if self._refused:  # training moved on past a refused step(): its captures are not this step's
+            self._pending = []
+            self._refused = False
+        self._forwards.add(capture)
+
+    def _commit(self, captures: list) -> None:
+        self._pending.extend(captures)
 
     @property
     def head(self) -> Any:
@@ -207,17 +227,29 @@ class Monitor:
         fewer samples than features, as with ``every=1``) are computed in groups
         of up to ``lag`` steps and reach ``history`` and the sinks at most
         ``lag`` steps later (a few more on a GPU, where they are finished without
-        waiting for the device); ``flush()`` or closing emits the rest."""
+        waiting for the device); ``flush()`` or closing emits the rest.
+
+        Labels that match none of the step's captured rows raise a ValueError
+        before anything changes (the step is not counted): call ``step`` again
+        with this step's labels."""
         if self._closed:
             raise RuntimeError("this Monitor is closed")
+        rows = None
+        if self._forwards is not None:
+            self._forwards.clear()
+        if self.probe is None and self._pending:
+            try:
+                rows = self._step_rows(labels)  # checks only: a refused step changes nothing
+            except ValueError:
+                self._refused = True
+                raise
+        self._refused = False
         self._one_batch.poll()
         self.steps += 1
         rec = None
-        try:
-            if self.probe is None and self._pending:
-                self._consume(labels)
-        finally:
-            self._pending = []
+        self._pending = []
+        if rows is not None:
+            self._add_rows(*rows)
         if self.steps >= self.every and not self._head_ran and self.probe is None:
             self._warn_head_idle()
         if self.steps % self.every == 0:
@@ -244,33 +276,74 @@ class Monitor:
     def _step_label(self) -> int:
         return self.first_step + self.steps - 1
 
-    def _consume(self, labels: Any) -> None:
+    def _step_rows(self, labels: Any) -> tuple:
+        """This step's (features, outputs, label keyword arguments), checked;
+        changes nothing. With labels, the step's captures are the latest
+        forwards whose rows add up to the labels' rows: captures before them
+        come from a forward whose step was never counted (a batch skipped after
+        its forward) and are dropped with a warning. Labels that no run of
+        latest forwards matches raise a ValueError naming both counts."""
         import torch
 
-        rows = [select_rows(x, y, None, tokens=self.tokens) for x, y in self._pending]
-        if len(rows) == 1:
-            feats, outs, _ = rows[0]
-        else:
-            feats = torch.cat([r[0] for r in rows])
-            outs = torch.cat([r[1] for r in rows]) if all(r[1] is not None for r in rows) else None
-        if labels is not None and isinstance(labels, torch.Tensor) and labels.ndim >= 2 \
-                and feats.shape[0] != labels.shape[0] and len(rows) == 1:
-            # per-token labels of a sequence batch: follow the token selection
-            x, y = self._pending[0]
-            feats, outs, labels = select_rows(x, y, labels, tokens=self.tokens)
-        lk = label_kwargs(labels, feats.shape[0], feats.device)
-        has = bool(lk)
-        if self._window_labels is None:
-            self._window_labels = has
-        elif self._window_labels != has:
+        try:
+            if labels is not None and not isinstance(labels, torch.Tensor):
+                labels = torch.as_tensor(labels)
+            if labels is not None and labels.ndim == 0:
+                raise ValueError("labels must hold one entry per sample, got a single value")
+            rows = [select_rows(x, y, None, tokens=self.tokens) for x, y in self._pending]
+            first = self._first_capture(rows, labels)
+            dropped = sum(int(r[0].shape[0]) for r in rows[:first])
+            rows = rows[first:]
+            if len(rows) == 1:
+                feats, outs, _ = rows[0]
+            else:
+                feats = torch.cat([r[0] for r in rows])
+                outs = torch.cat([r[1] for r in rows]) if all(r[1] is not None for r in rows) else None
+            if labels is not None and labels.ndim >= 2 and feats.shape[0] != labels.shape[0] and len(rows) == 1:
+                # per-token labels of a sequence batch: follow the token selection
+                x, y = self._pending[first]
+                feats, outs, labels = select_rows(x, y, labels, tokens=self.tokens)
+            lk = label_kwargs(labels, feats.shape[0], feats.device)
+        except (ValueError, TypeError, IndexError, RuntimeError) as e:
+            raise ValueError(f"Monitor.step: {e}. The step was not counted and nothing was recorded: call step() "
+                             "again with this step's labels") from None
+        if self._window_labels is not None and self._window_labels != bool(lk):
             raise ValueError("Monitor.step got labels on some steps of a window and none on others")
+        if outs is None and not self._uses_weights():
+            raise ValueError(f"the head {type(self._head).__name__} did not return a tensor")
+        if first:
+            warnings.warn(f"richness.Monitor: {first} training forward(s) of the head ({dropped} samples) before "
+                          "this step's did not belong to it (a step skipped after its forward?); they are not "
+                          "recorded", UserWarning, stacklevel=3)
+        return feats, outs, lk
+
+    def _first_capture(self, rows: list, labels: Any) -> int:
+        """Index of the first capture of this step (see ``_step_rows``)."""
+        if labels is None:
+            return 0
+        want, total = int(labels.shape[0]), 0
+        for i in range(len(rows) - 1, -1, -1):
+            x = self._pending[i][0]
+            if i == len(rows) - 1 and labels.ndim >= 2 and x.ndim == 3 and int(x.shape[0]) == want:
+                return i  # per-token labels of one sequence batch
+            total += int(rows[i][0].shape[0])
+            if total == want:
+                return i
+            if total > want:
+                break
+        sizes = [int(r[0].shape[0]) for r in rows]
+        raise ValueError(f"labels have {want} rows, but the head's training forwards since the last step() gave "
+                         f"{' + '.join(map(str, sizes))} rows, and no run of the latest of them adds up to {want}")
+
+    def _add_rows(self, feats: Any, outs: Any, lk: dict) -> None:
+        """Add this step's checked rows to the window (or the one-batch group)."""
+        if self._window_labels is None:
+            self._window_labels = bool(lk)
         if self._batch_path_fits(feats, outs):
             self._defer(feats, outs, lk.get("labels"))
             return
         parts = {"features": feats}
         if not self._uses_weights():
-            if outs is None:
-                raise ValueError(f"the head {type(self._head).__name__} did not return a tensor")
             parts["outputs"] = outs
         parts.update(lk)
         self._window_route.add(parts, self._threads)
@@ -384,6 +457,8 @@ class Monitor:
             self._one_batch.group = self._window_route.buf = None
             if self._capture is not None:
                 self._capture.remove()
+            if self._forwards is not None:
+                self._forwards.remove()
             if self._finder is not None:
                 self._finder.remove()
             if self._model_hook is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, List
 
 
 def _grad_enabled() -> bool:
@@ -12,8 +12,9 @@ def _grad_enabled() -> bool:
 
 
 class _PendingCapture:
-    """Forward hook on the head: queues (features, outputs) of the training
-    forwards of window steps until ``Monitor.step`` consumes them."""
+    """Forward hook on the head: hands (features, outputs) of the training
+    forwards of window steps to ``Monitor._captured`` (which ties them to the
+    model forward that made them) until ``Monitor.step`` consumes them."""
 
     def __init__(self, module: Any, mon: Any) -> None:
         self.mon = mon
@@ -25,10 +26,60 @@ class _PendingCapture:
             mon._head_ran = True
         # training forwards run with gradients; validation under no_grad is skipped
         if mon._active and args and _grad_enabled():
-            mon._pending.append((args[0].detach(), out.detach() if hasattr(out, "detach") else out))
+            mon._captured((args[0].detach(), out.detach() if hasattr(out, "detach") else out))
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+class _ModelForwards:
+    """Hooks on the model that tie the head's captures to the model forward
+    that made them: captures made while the model's forward runs are kept
+    (``commit``) only when that forward returns, so a forward that raises after
+    the head ran (a failing check or loss inside ``forward``, an out-of-memory
+    error) leaves nothing in the step. The head called outside the model's
+    forward (training code calling submodules itself) commits at once."""
+
+    def __init__(self, model: Any, commit: Callable[[list], None]) -> None:
+        self.commit = commit
+        self.frames: List[list] = []  # one per model forward in progress: [returned, captures]
+        # The "returned" hook runs only when the forward returned; the
+        # always-called one after it, returned or raised: it closes the frame.
+        self.handles = [model.register_forward_pre_hook(self._begin),
+                        model.register_forward_hook(self._returned),
+                        model.register_forward_hook(self._end, always_call=True)]
+
+    def add(self, capture: tuple) -> None:
+        if self.frames:
+            self.frames[-1][1].append(capture)
+        else:
+            self.commit([capture])
+
+    def _begin(self, mod, args) -> None:
+        self.frames.append([False, []])
+
+    def _returned(self, mod, args, out) -> None:
+        if self.frames:
+            self.frames[-1][0] = True
+
+    def _end(self, mod, args, out) -> None:
+        if not self.frames:
+            return
+        returned, captures = self.frames.pop()
+        if returned and captures:
+            if self.frames:  # a forward nested in another: kept if the outer one returns too
+                self.frames[-1][1].extend(captures)
+            else:
+                self.commit(captures)
+
+    def clear(self) -> None:
+        """Forget forwards still open (``step()`` runs between forwards: these
+        raised where the always-called hook could not run)."""
+        self.frames.clear()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 class _StepBuffer:

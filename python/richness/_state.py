@@ -112,21 +112,41 @@ def empty(num_classes: Optional[int] = None) -> dict:
     return st
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _as_int(key: str, v: object) -> int:
+    """An integer entry as a Python int (any numpy integer type, signed or
+    not); TypeError for non-integers, ValueError beyond int64."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"state entry {key!r} must be an integer, got {type(v).__name__}")
+    v = int(v)
+    if not -INT64_MAX - 1 <= v <= INT64_MAX:
+        raise ValueError(f"state entry {key!r} is {v}, which overflows int64")
+    return v
+
+
 def widths_of(state: dict) -> Dict[str, int]:
-    """The integer widths of ``state``, type-checked (TypeError otherwise)."""
-    out = {}
-    for key in WIDTHS:
-        v = state[key]
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"state entry {key!r} must be an integer, got {type(v).__name__}")
-        out[key] = int(v)
-    return out
+    """The integer widths of ``state`` as Python ints, type- and range-checked
+    (TypeError for non-integers, ValueError outside int64)."""
+    return {key: _as_int(key, state[key]) for key in WIDTHS}
 
 
 def validate(state: dict) -> Dict[str, int]:
-    """Check a state dict against the schema before anything reads it: every
-    entry present, integer widths, a known precision, every array of the
-    shape its widths give, finite floats. Returns the widths."""
+    """Check a state dict before anything reads it; returns its widths.
+
+    The one validator of states that come from outside a ``Moments`` (load,
+    ``load_state_dict``, the many-state and distributed merges): every entry
+    present, integer widths, a known precision, every array of the shape its
+    widths give, finite floats, and what every state built by updates and
+    merges satisfies (``check_invariants``)."""
+    checked(state)
+    return widths_of(state)
+
+
+def checked(state: dict) -> dict:
+    """``state`` validated (see ``validate``), as a new dict with Python-int
+    widths and C-contiguous float64 / int64 arrays: what the core imports."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
     missing = [k for k in SCALARS + FIELD_NAMES if k not in state]
@@ -140,14 +160,113 @@ def validate(state: dict) -> Dict[str, int]:
         raise TypeError(f"state entry 'precision' must be a string, got {type(state['precision']).__name__}")
     if state["precision"] not in PRECISIONS:
         raise ValueError(f"state entry 'precision' is {state['precision']!r}, expected one of {PRECISIONS}")
+    if w["n"] < 0:
+        raise ValueError(f"state's sample count n is negative ({w['n']})")
+    out: dict = dict(w, precision=str(state["precision"]))
     for f in FIELDS:
         want = shape_of(f, w)
-        got = np.shape(state[f.name])
+        raw = state[f.name]
+        got = np.shape(raw)
         if got != want:
             raise ValueError(f"state entry {f.name!r} has shape {got}, expected {want}")
-        if f.dtype == np.float64 and not np.isfinite(np.asarray(state[f.name], dtype=np.float64)).all():
+        a = np.asarray(raw)
+        if f.dtype == np.int64:
+            out[f.name] = _int_array(f.name, a)
+            continue
+        if a.size and (a.dtype.kind not in "fiu"):
+            raise TypeError(f"state entry {f.name!r} must hold real numbers, got dtype {a.dtype}")
+        a = np.ascontiguousarray(a, dtype=np.float64)
+        if not np.isfinite(a).all():
             raise ValueError(f"state entry {f.name!r} contains NaN or Inf")
-    return w
+        out[f.name] = a
+    check_invariants(out)
+    return out
+
+
+def _int_array(name: str, a: np.ndarray) -> np.ndarray:
+    """An array of counts as int64: integers only, none negative or beyond int64."""
+    if a.size == 0:
+        return np.zeros(a.shape, dtype=np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"state entry {name!r} must hold integers, got dtype {a.dtype}")
+    if a.dtype.kind == "i" and (a < 0).any():
+        raise ValueError(f"state entry {name!r} has a negative count ({int(a.min())})")
+    if a.dtype.kind == "u" and a.dtype.itemsize >= 8 and (a > INT64_MAX).any():
+        raise ValueError(f"state entry {name!r} has a count beyond 2**63 - 1 ({int(a.max())})")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+# Relative slack of the float64 identities below: their two sides are sums of
+# the same numbers taken in different orders (raw class sums against Chan's
+# merged mean), so they agree to a few ulps per merge; 1e-9 of the magnitudes
+# involved leaves room for 10^6 merges and still catches any tampered value
+# that matters.
+INVARIANT_RTOL = 1e-9
+
+
+def check_invariants(st: dict) -> None:
+    """What every state built by updates and merges satisfies, checked on a
+    validated ``st`` (widths as ints, arrays float64 / int64), in every
+    product precision (docs/MATH.md, "Streaming estimator"):
+
+    * the widths: a nonempty state has features; streams are -1 or >= 1;
+      no more classes than a fixed ``num_classes``;
+    * a state of no samples holds only zeros;
+    * the class counts add up to ``n`` exactly (each sample has one class),
+      and a class of no samples has a zero sum;
+    * the class sums add up to ``n`` times the mean (float64 sums of the same
+      inputs: within ``INVARIANT_RTOL`` of their magnitudes);
+    * each Gram (M, A, At) is symmetric and has no negative diagonal entry:
+      its diagonal is a sum of squares in every precision and each merge
+      adds squares, so a negative variance is impossible, not rounding.
+    """
+    n, p, k = st["n"], st["p"], st["k"]
+    for key in ("c", "t"):
+        if st[key] == 0 or st[key] < -1:
+            raise ValueError(f"state entry {key!r} is {st[key]}: a width is -1 (not streamed) or >= 1")
+    if p == 0 or p < -1 or k < -1 or st["num_classes"] == 0 or st["num_classes"] < -1:
+        raise ValueError(f"state widths p={p}, k={k}, num_classes={st['num_classes']}: p and num_classes are -1 "
+                         "(not yet known, not fixed) or >= 1, k is -1 (no labels) or >= 0")
+    if n > 0 and p < 1:
+        raise ValueError(f"state has n={n} samples but no feature width (p={p})")
+    if st["num_classes"] >= 0 and k > st["num_classes"]:
+        raise ValueError(f"state has more classes than num_classes ({k} > {st['num_classes']})")
+    if n == 0:
+        held = [f.name for f in FIELDS if np.any(st[f.name] != 0)]
+        if held:
+            raise ValueError(f"state has n=0 samples but nonzero {', '.join(held)}")
+    if k >= 0:
+        counts = st["class_counts"]
+        total = int(counts.astype(object).sum())  # Python ints: no wraparound
+        if total != n:
+            raise ValueError(f"class counts do not add up to n: they sum to {total}, n is {n}")
+        sums = st["class_sums"]
+        empty_classes = (counts == 0) & np.any(sums != 0, axis=1)
+        if empty_classes.any():
+            raise ValueError(f"state's class {int(np.argmax(empty_classes))} has no samples but a nonzero class sum")
+        mean = st["mean"]
+        with np.errstate(over="ignore"):
+            gap = np.abs(sums.sum(axis=0) - n * mean)
+            scale = np.abs(sums).sum(axis=0) + n * np.abs(mean) + np.sqrt(n * np.maximum(np.diag(st["M"]), 0))
+        bad = ~(gap <= INVARIANT_RTOL * scale)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(f"state's class sums add up to {sums[:, j].sum():.17g} in feature {j}, but n times "
+                             f"the mean is {n * mean[j]:.17g}: class_sums and mean do not belong together")
+    for f in FIELDS:
+        if not f.symmetric or st[f.name].size == 0:
+            continue
+        a = st[f.name]
+        d = np.diag(a)
+        scale = np.abs(d).max()
+        if (d < -INVARIANT_RTOL * scale).any():
+            j = int(np.argmin(d))
+            raise ValueError(f"state entry {f.name!r} has the negative variance {d[j]:.6g} on its diagonal "
+                             f"(entry {j}): a Gram matrix's diagonal is a sum of squares")
+        asym = np.abs(a - a.T).max()
+        if asym > INVARIANT_RTOL * max(np.abs(a).max(), np.finfo(float).tiny):
+            raise ValueError(f"state entry {f.name!r} is not symmetric (largest |{f.name} - {f.name}^T| is "
+                             f"{asym:.3g})")
 
 
 # -- many-state merge ----------------------------------------------------------
@@ -171,18 +290,31 @@ def check_compatible(metas: List[Dict[str, int]]) -> None:
         k = max((m["k"] for m in metas), default=-1)
         if k > fixed[0]:
             raise ValueError(f"cannot merge: a state has {k} classes, more than num_classes={fixed[0]}")
+    check_sample_count([m["n"] for m in live])
+
+
+def check_sample_count(counts: Iterable[int]) -> None:
+    """Raise when the merged sample count would overflow int64 (a merge adds counts)."""
+    total = sum(int(n) for n in counts)
+    if total > INT64_MAX:
+        raise ValueError(f"cannot merge: the merged sample count {total} would overflow int64")
 
 
 def merged_widths(metas: List[Dict[str, int]]) -> Dict[str, int]:
-    """Widths of the merge of compatible states (check_compatible first)."""
+    """Widths of the shift-and-sum merge of compatible states (check_compatible
+    first). Its sums are float64, class counts included: counts past 2**53
+    would lose exactness there, so such a merge is refused (ValueError)."""
     live = [m for m in metas if m["n"] > 0]
     nc = max(m["num_classes"] for m in metas)
     if not live:
         return {"n": 0, "p": -1, "c": -1, "t": -1, "k": -1, "num_classes": nc}
     first = live[0]
     k = max(max(m["k"] for m in live), nc) if first["k"] >= 0 else -1
-    return {"n": sum(m["n"] for m in live), "p": first["p"], "c": first["c"], "t": first["t"], "k": k,
-            "num_classes": nc}
+    n = sum(m["n"] for m in live)
+    if k >= 0 and n > 2**53:
+        raise ValueError(f"cannot merge: {n} labelled samples, past 2**53, where the float64 sums of this merge "
+                         "no longer count exactly")
+    return {"n": n, "p": first["p"], "c": first["c"], "t": first["t"], "k": k, "num_classes": nc}
 
 
 def weighted_means(state: dict, widths: Dict[str, int]) -> np.ndarray:
@@ -251,7 +383,9 @@ def assemble(flat: np.ndarray, means: Dict[str, np.ndarray], widths: Dict[str, i
 
 
 def merge(states: List[dict]) -> dict:
-    """The merge of several state dicts (numpy, float64), in one shift-and-sum."""
+    """The merge of several state dicts (numpy, float64), in one shift-and-sum.
+    Each is validated first (``validate``)."""
+    states = [checked(s) for s in states]
     metas = [widths_of(s) for s in states]
     check_compatible(metas)
     w = merged_widths(metas)
