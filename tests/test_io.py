@@ -431,4 +431,4 @@ def test_saved_state_survives_kill_between_saves(tmp_path):
         X, F = rng.normal(size=(50, 8)), rng.normal(size=(50, 3))
         assert abs(m.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
     leftovers = [f for f in os.listdir(tmp_path) if f != "state.npz"]
-    assert all(f.startswith(".state.npz.richness-") for f in leftovers)  # only a temp file can remain
+    assert all(f.startswith(".richness-") for f in leftovers)  # only a temp file can remain
