@@ -363,7 +363,7 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged) -> dict:
         raise bad(f"unexpected entries: {', '.join(extra)}")
     try:
         widths = widths_of(meta)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise bad(f"not a valid richness state ({e})") from None
     for f in FIELDS:
         head = members[f.name].header

@@ -128,7 +128,7 @@ class ArrayFile:
             raise
         except _UNREADABLE as e:
             msg = _reason(e)
-            raise UserError(msg if msg.startswith(self.label) else f"{self.label}: cannot read ({msg})") from None
+            raise UserError(msg if msg.startswith(path) else f"{self.label}: cannot read ({msg})") from None
         if not all(isinstance(s, int) and s >= 0 for s in self.shape):
             raise UserError(f"{self.label}: the file gives an impossible shape {self.shape}")
         if len(self.shape) not in (1, 2):
@@ -255,7 +255,7 @@ class ArrayFile:
         from ._adapt import refuse_unreadable
 
         try:
-            refuse_unreadable(t, "the tensor")
+            refuse_unreadable(t, "it")
         except TypeError as e:
             raise UserError(f"{self.label}: {e}") from None
         if t.dtype == torch.bfloat16:  # numpy has no bfloat16: keep the bits, widened per chunk
@@ -537,6 +537,11 @@ def eval_cmd(args: argparse.Namespace) -> int:
     outs = _open(args.outputs, bundle, "outputs")
     labels = _open(args.labels, bundle, "labels")
     targets = _open(args.targets, bundle, "targets")
+    if args.test_features is not None:
+        for given, train, what in ((args.test_outputs, outs, "outputs"), (args.test_labels, labels, "labels"),
+                                   (args.test_targets, targets, "targets")):
+            if given is not None and train is None:
+                raise UserError(f"--test-{what} {given}: the training set has no {what} (give --{what})")
     for f, what in ((feats, "features"), (outs, "outputs"), (labels, "labels"), (targets, "targets")):
         if f is not None:
             log.info("%s: %s, shape %s, %s", what, f.label, f.shape, "bfloat16" if f.bf16 else f.dtype)
@@ -554,10 +559,6 @@ def eval_cmd(args: argparse.Namespace) -> int:
         if tfeats.shape[1:] != feats.shape[1:]:
             raise UserError(f"{tfeats.label}: has {tfeats.shape[1:]} features per sample, the training set "
                             f"{feats.shape[1:]}")
-        for given, train, what in ((args.test_outputs, outs, "outputs"), (args.test_labels, labels, "labels"),
-                                   (args.test_targets, targets, "targets")):
-            if given is not None and train is None:
-                raise UserError(f"--test-{what} {given}: the training set has no {what} (give --{what})")
         touts = _open(args.test_outputs, tbundle, "outputs") if outs is not None else None
         tlabels = _open(args.test_labels, tbundle, "labels") if labels is not None else None
         ttargets = _open(args.test_targets, tbundle, "targets") if targets is not None else None
@@ -939,9 +940,10 @@ def _real(lo: float, hi: float, what: str):
     return parse
 
 
-# The sweep's alphas scale the targets by 1/alpha in float32 training: outside
-# this range the network either diverges or does not move at all.
-_ALPHA_RANGE = (1e-3, 1e3)
+# The sweep's alphas scale the targets by 1/alpha. Below about 0.03 the SGD
+# step (lr 0.05) on targets that large kills every ReLU (alpha 0.01: constant
+# features); above 1000 the network no longer moves (DLR at 100 and 1000 agree).
+_ALPHA_RANGE = (0.05, 1e3)
 
 
 def _alphas(text: str) -> List[float]:
