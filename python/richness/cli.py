@@ -1023,7 +1023,10 @@ def _fail(msg: str) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a usage error (one line, already printed), --help or --version
+        return e.code if isinstance(e.code, int) else 2
     # the library logs nowhere by default (NullHandler); the command line shows
     # warnings, and info with -v, on stderr
     handler = logging.StreamHandler(sys.stderr)
