@@ -183,21 +183,37 @@ def open_regular(path: str) -> BinaryIO:
         raise
 
 
-def memory_limit() -> float:
-    """Bytes this process can have: physical memory, or less under a limit on
-    its address space (as the core counts it)."""
-    limit = float(os.sysconf("SC_PHYS_PAGES")) * float(os.sysconf("SC_PAGE_SIZE"))
+def _proc_kib(path: str, field: str) -> float:
+    """A ``field: N kB`` line of a /proc file, in bytes (None where unreadable)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def available_memory() -> float:
+    """Bytes this process can still allocate: the memory the system reports
+    available (physical memory where it does not say), and under a limit on
+    the address space, what is left of it."""
+    avail = _proc_kib("/proc/meminfo", "MemAvailable")
+    if avail is None:
+        avail = float(os.sysconf("SC_PHYS_PAGES")) * float(os.sysconf("SC_PAGE_SIZE"))
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
-        limit = min(limit, float(soft))
-    return limit if limit > 0 else float("inf")
+        used = _proc_kib("/proc/self/status", "VmSize") or 0.0
+        avail = min(avail, float(soft) - used)
+    return max(avail, 0.0)
 
 
 def check_memory(need: float, what: str) -> None:
     """MemoryError naming ``what`` and its size when ``need`` bytes cannot fit."""
-    limit = memory_limit()
-    if need > limit:
-        raise MemoryError(f"{what} needs {need:.3g} bytes; this process can have at most {limit:.3g} bytes")
+    avail = available_memory()
+    if need > avail:
+        raise MemoryError(f"{what} needs {need:.3g} bytes; this process has {avail:.3g} bytes available")
 
 
 def state_bytes(widths: Dict[str, int]) -> int:
