@@ -526,6 +526,7 @@ def _head_weights(spec: Optional[str]):
     f.check_float("head weights")
     if len(f.shape) != 2:
         raise UserError(f"{f.label}: head weights must be 2-D (outputs, features), got shape {f.shape}")
+    _io.check_memory(2 * 8 * f.rows * f.shape[1], f"{f.label}: the head weights (read whole, as float64)")
     return np.array(f.chunk(0, f.rows), dtype=np.float64)
 
 
