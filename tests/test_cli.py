@@ -31,7 +31,10 @@ def run_json(argv, capsys):
 
 
 def run_error(argv, capsys):
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # a usage error found by argparse
+        code = e.code
     err = capsys.readouterr().err
     assert code == 2
     lines = err.strip().splitlines()
@@ -306,7 +309,8 @@ def test_eval_parquet_list_columns(tmp_path, capsys):
                                                             "--no-progress"], capsys)
 
 
-@pytest.mark.parametrize("suffix,module,package", [(".h5", "h5py", "h5py"), (".parquet", "pyarrow", "pyarrow")])
+@pytest.mark.parametrize("suffix,module,package", [(".h5", "h5py", "h5py"), (".parquet", "pyarrow", "pyarrow"),
+                                                    (".safetensors", "safetensors", "safetensors")])
 def test_missing_optional_reader_names_the_package(tmp_path, capsys, monkeypatch, suffix, module, package):
     (tmp_path / f"d{suffix}").write_bytes(b"x")
     monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError

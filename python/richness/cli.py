@@ -917,10 +917,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"richness: error: {message} (see {self.prog} --help)\n")
 
 
-def _integer(lo: int, hi: int, what: str):
-    def parse(text: str) -> int:
+def _number(convert, lo, hi, what: str):
+    """An argparse type: ``convert(text)`` within [lo, hi] (nan is refused)."""
+    def parse(text: str):
         try:
-            v = int(text)
+            v = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if not lo <= v <= hi:
@@ -929,16 +930,12 @@ def _integer(lo: int, hi: int, what: str):
     return parse
 
 
+def _integer(lo: int, hi: int, what: str):
+    return _number(int, lo, hi, what)
+
+
 def _real(lo: float, hi: float, what: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not lo <= v <= hi:  # also refuses nan
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
-        return v
-    return parse
+    return _number(float, lo, hi, what)
 
 
 # The sweep's alphas scale the targets by 1/alpha. Below about 0.03 the SGD
@@ -1024,10 +1021,7 @@ def _fail(msg: str) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # a usage error (one line, already printed), --help or --version
-        return e.code if isinstance(e.code, int) else 2
+    args = build_parser().parse_args(argv)  # a usage error: one line, SystemExit(2)
     # the library logs nowhere by default (NullHandler); the command line shows
     # warnings, and info with -v, on stderr
     handler = logging.StreamHandler(sys.stderr)
