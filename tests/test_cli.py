@@ -527,8 +527,10 @@ def test_non_regular_inputs_are_refused_without_reading(tmp_path):
     os.symlink("/dev/zero", tmp_path / "zero.npz")
     os.symlink("/dev/zero", tmp_path / "zero.npy")
     os.mkfifo(tmp_path / "fifo.npz")
+    os.symlink("/dev/zero", tmp_path / "zero.jsonl")
+    os.mkfifo(tmp_path / "fifo.csv")
     for argv in (["eval", "zero.npz"], ["eval", "zero.npy"], ["eval", "fifo.npz"], ["plot", "zero.npz"],
-                 ["plot", "fifo.npz"]):
+                 ["plot", "fifo.npz"], ["plot", "zero.jsonl"], ["plot", "fifo.csv"]):
         out = subprocess.run([sys.executable, "-m", "richness", *argv], capture_output=True, text=True,
                              timeout=60, cwd=tmp_path)
         assert out.returncode == 2, (argv, out.stderr)

@@ -534,7 +534,7 @@ def test_state_widths_outside_int64_and_boolean_class_counts_are_named():
     st = m.state_dict()
     st["n"] = np.uint64(2**64 - 1)
     fresh = richness.Moments()
-    with pytest.raises(ValueError, match=r"state entry 'n' is 18446744073709551615, outside \[-1, 2\*\*63 - 1\]"):
+    with pytest.raises(ValueError, match=r"state entry 'n' is 18446744073709551615, outside int64"):
         fresh.load_state_dict(st)
     assert fresh.n == 0
     for bad in (True, np.bool_(True), 2**63, 0):

@@ -119,8 +119,8 @@ def widths_of(state: dict) -> Dict[str, int]:
         v = state[key]
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"state entry {key!r} must be an integer, got {type(v).__name__}")
-        if not -1 <= int(v) <= 2**63 - 1:  # the core's counters are int64
-            raise ValueError(f"state entry {key!r} is {int(v)}, outside [-1, 2**63 - 1]")
+        if not -2**63 <= int(v) < 2**63:  # the core's counters are int64
+            raise ValueError(f"state entry {key!r} is {int(v)}, outside int64")
         out[key] = int(v)
     return out
 
