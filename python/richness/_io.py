@@ -16,7 +16,7 @@ import resource
 import secrets
 import stat
 import zipfile
-from typing import BinaryIO, Dict, NamedTuple, Tuple
+from typing import BinaryIO, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -183,7 +183,7 @@ def open_regular(path: str) -> BinaryIO:
         raise
 
 
-def _proc_kib(path: str, field: str) -> float:
+def _proc_kib(path: str, field: str) -> Optional[float]:
     """A ``field: N kB`` line of a /proc file, in bytes (None where unreadable)."""
     try:
         with open(path) as f:
