@@ -607,6 +607,19 @@ def test_plot_to_an_unwritable_place_is_one_line(tmp_path, capsys):
     assert "/proc/out" in line
 
 
+def test_unforeseen_failures_are_one_line_too(tmp_path, capsys, monkeypatch):
+    import richness.cli as cli
+
+    for exc, want in ((RuntimeError("a reader's own failure"),
+                       "RuntimeError: a reader's own failure (richness -v ... shows where)"),
+                      (MemoryError(), "out of memory"),
+                      (PermissionError(13, "Permission denied", "/x/out.png"), "/x/out.png: Permission denied")):
+        def broken(args, exc=exc):
+            raise exc
+        monkeypatch.setattr(cli, "info", broken)
+        assert run_error(["info"], capsys) == f"richness: error: {want}"
+
+
 def test_eval_refuses_to_overwrite_its_inputs(tmp_path, capsys):
     X, F, y, _ = data(n=60)
     bundle = tmp_path / "d.npz"

@@ -1034,7 +1034,7 @@ def main(argv: Optional[list] = None) -> int:
     except UserError as e:
         return _fail(str(e))
     except MemoryError as e:
-        return _fail(f"out of memory ({_reason(e)})" if not str(e) else str(e))
+        return _fail(str(e) or "out of memory")
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         return _fail(f"{where}{e.strerror or _reason(e)}")
@@ -1043,6 +1043,9 @@ def main(argv: Optional[list] = None) -> int:
     except KeyboardInterrupt:
         print("richness: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a failure nothing above foresaw: still one line; -v logs the traceback
+        log.info("traceback of the failure below", exc_info=True)
+        return _fail(f"{type(e).__name__}: {_reason(e)} (richness -v ... shows where)")
     finally:
         log.removeHandler(handler)
         log.setLevel(old_level)
