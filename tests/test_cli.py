@@ -520,6 +520,11 @@ def test_npz_member_claiming_more_than_deflate_can_produce_is_refused(tmp_path, 
     path.write_bytes(bytes(raw))
     line = run_error(["eval", str(path), "--no-progress"], capsys)
     assert "claims 2147483648 bytes from" in line and "more than deflate can produce" in line
+    # methods with no such bound (bzip2 expands far more) are not what numpy writes: refused
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_BZIP2) as z:
+        z.writestr("features.npy", _npy_bytes(X))
+    line = run_error(["eval", str(path), "--no-progress"], capsys)
+    assert "uses zip compression method 12; richness reads stored or deflated members" in line
 
 
 def test_non_regular_inputs_are_refused_without_reading(tmp_path):
