@@ -1,9 +1,12 @@
 """The command line: eval / plot / info / demo, against the n x n oracles."""
 
+import io
 import json
 import os
+import struct
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -28,7 +31,10 @@ def run_json(argv, capsys):
 
 
 def run_error(argv, capsys):
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # a usage error found by argparse
+        code = e.code
     err = capsys.readouterr().err
     assert code == 2
     lines = err.strip().splitlines()
@@ -303,7 +309,8 @@ def test_eval_parquet_list_columns(tmp_path, capsys):
                                                             "--no-progress"], capsys)
 
 
-@pytest.mark.parametrize("suffix,module,package", [(".h5", "h5py", "h5py"), (".parquet", "pyarrow", "pyarrow")])
+@pytest.mark.parametrize("suffix,module,package", [(".h5", "h5py", "h5py"), (".parquet", "pyarrow", "pyarrow"),
+                                                    (".safetensors", "safetensors", "safetensors")])
 def test_missing_optional_reader_names_the_package(tmp_path, capsys, monkeypatch, suffix, module, package):
     (tmp_path / f"d{suffix}").write_bytes(b"x")
     monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
@@ -473,3 +480,222 @@ def test_evaluate_emits_report_caveats_as_warnings():
         rep = richness.evaluate(model, [X[:20], X[20:]], progress=False)
     assert [str(w.message) for w in rec if w.category is richness.RichnessWarning] == rep.warnings
     assert rec[0].filename == __file__  # points at the caller's line
+
+
+# -- hostile and mistaken files: one bounded reader per format --------------------------------
+
+
+def _npy_bytes(a, shape=None):
+    """``a`` as .npy bytes, its header optionally claiming ``shape`` instead."""
+    b = io.BytesIO()
+    np.save(b, a)
+    raw = b.getvalue()
+    if shape is None:
+        return raw
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": np.lib.format.dtype_to_descr(a.dtype),
+                                               "fortran_order": False, "shape": shape})
+    return head.getvalue() + raw[len(raw) - a.nbytes:]
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_npz_member_claiming_more_rows_than_it_holds_is_refused(tmp_path, capsys, compression):
+    # the member holds 10 rows but claims 20: the next member's bytes would be read as its data
+    X = np.random.default_rng(0).normal(size=(10, 4))
+    with zipfile.ZipFile(tmp_path / "c.npz", "w", compression) as z:
+        z.writestr("features.npy", _npy_bytes(X, (20, 4)))
+        z.writestr("outputs.npy", _npy_bytes(np.random.default_rng(1).normal(size=(40, 3))))
+    line = run_error(["eval", str(tmp_path / "c.npz"), "--no-progress"], capsys)
+    assert "'features.npy' claims shape (20, 4) (640 bytes) but holds 320 bytes" in line
+
+
+def test_npz_member_claiming_more_than_deflate_can_produce_is_refused(tmp_path, capsys):
+    X = np.random.default_rng(0).normal(size=(10, 4))
+    path = tmp_path / "f.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("features.npy", _npy_bytes(X))
+    raw = bytearray(path.read_bytes())  # both directories now declare 2 GiB uncompressed
+    struct.pack_into("<I", raw, raw.rfind(b"PK\x01\x02") + 24, 2**31)
+    struct.pack_into("<I", raw, raw.find(b"PK\x03\x04") + 22, 2**31)
+    path.write_bytes(bytes(raw))
+    line = run_error(["eval", str(path), "--no-progress"], capsys)
+    assert "claims 2147483648 bytes from" in line and "more than deflate can produce" in line
+    # methods with no such bound (bzip2 expands far more) are not what numpy writes: refused
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_BZIP2) as z:
+        z.writestr("features.npy", _npy_bytes(X))
+    line = run_error(["eval", str(path), "--no-progress"], capsys)
+    assert "uses zip compression method 12; richness reads stored or deflated members" in line
+
+
+def test_non_regular_inputs_are_refused_without_reading(tmp_path):
+    # a symlink to /dev/zero is endless and a FIFO blocks for ever: both refused from stat
+    os.symlink("/dev/zero", tmp_path / "zero.npz")
+    os.symlink("/dev/zero", tmp_path / "zero.npy")
+    os.mkfifo(tmp_path / "fifo.npz")
+    os.symlink("/dev/zero", tmp_path / "zero.jsonl")
+    os.mkfifo(tmp_path / "fifo.csv")
+    for argv in (["eval", "zero.npz"], ["eval", "zero.npy"], ["eval", "fifo.npz"], ["plot", "zero.npz"],
+                 ["plot", "fifo.npz"], ["plot", "zero.jsonl"], ["plot", "fifo.csv"]):
+        out = subprocess.run([sys.executable, "-m", "richness", *argv], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+        assert out.returncode == 2, (argv, out.stderr)
+        kind = "a pipe" if "fifo" in argv[1] else "a character device"
+        assert out.stderr.strip() == f"richness: error: {argv[1]}: not a regular file ({kind}); give a file on disk"
+
+
+@pytest.mark.parametrize("header,why", [
+    ({"a": {"dtype": "F32", "shape": [4.5, 4], "data_offsets": [0, 64]}}, "floating point `4.5`"),
+    ({"a": [1, 2]}, "expected string or map"),
+    ([1, 2], "invalid type: sequence"),
+    ({"a": {"dtype": "F32", "shape": [4, 4], "data_offsets": [-8, 56]}}, "integer `-8`"),
+    ({"a": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]},
+      "b": {"dtype": "F32", "shape": [2, 4], "data_offsets": [0, 32]}}, "invalid offset"),
+    ({"a": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 80]}}, "offset for tensor"),
+])
+def test_malformed_safetensors_are_refused_by_the_library(tmp_path, capsys, header, why):
+    pytest.importorskip("safetensors")
+    payload = np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32).tobytes()
+    js = json.dumps(header).encode()
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(js)) + js + payload)
+    line = run_error(["eval", f"{tmp_path / 'm.safetensors'}:a", "--no-progress"], capsys)
+    assert "not a valid safetensors file" in line and why in line
+
+
+def test_impossible_or_empty_files_get_their_own_message(tmp_path, capsys):
+    X = np.random.default_rng(0).normal(size=(10, 4))
+    (tmp_path / "neg.npy").write_bytes(_npy_bytes(X, (-2, 4)))
+    assert "impossible shape (-2, 4)" in run_error(["eval", str(tmp_path / "neg.npy")], capsys)
+    with zipfile.ZipFile(tmp_path / "neg.npz", "w") as z:
+        z.writestr("features.npy", _npy_bytes(X, (4, -10)))
+    assert "impossible shape (4, -10)" in run_error(["eval", str(tmp_path / "neg.npz")], capsys)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    assert run_error(["eval", str(tmp_path / "empty.pt")], capsys).endswith("empty.pt: empty file (0 bytes)")
+    torch = pytest.importorskip("torch")
+    torch.save({"features": torch.empty(5, 3, device="meta")}, tmp_path / "meta.pt")
+    assert "a tensor on the meta device" in run_error(["eval", str(tmp_path / "meta.pt")], capsys)
+    torch.save({"features": torch.eye(5).to_sparse()}, tmp_path / "sparse.pt")
+    assert "sparse torch tensor" in run_error(["eval", str(tmp_path / "sparse.pt")], capsys)
+
+
+def test_a_state_too_large_for_memory_is_refused_before_reading(tmp_path, capsys):
+    # a sparse 16 MB file of 4 x 10^6 float32 features: the state would hold a 10^6 x 10^6 matrix
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<f4", "fortran_order": False, "shape": (4, 10**6)})
+    with open(tmp_path / "wide.npy", "wb") as f:
+        f.write(head.getvalue())
+        f.truncate(len(head.getvalue()) + 16 * 10**6)
+    line = run_error(["eval", str(tmp_path / "wide.npy"), "--no-progress"], capsys)
+    assert "the state at p=1000000 needs 8e+12 bytes" in line
+    X, F, y, _ = data(n=50)
+    np.save(tmp_path / "x.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    line = run_error(["eval", str(tmp_path / "x.npy"), "--labels", str(tmp_path / "y.npy"), "--num-classes",
+                      str(10**12), "--no-progress"], capsys)
+    assert f"with {10**12} classes needs {8 * 10**12 * 13:.3g} bytes" in line
+    line = run_error(["eval", str(tmp_path / "x.npy"), "--num-classes", str(2**63)], capsys)
+    assert "argument --num-classes: expected a positive number of classes" in line
+
+
+@pytest.mark.parametrize("alphas", ["abc", "inf", "nan", "1e-300", "0.01", "1,-1", "1e6"])
+def test_demo_alphas_outside_the_working_range_are_one_line(capsys, alphas):
+    line = run_error(["demo", "--alphas", alphas, "--no-plots"], capsys)
+    assert "argument --alphas: expected alphas in [0.05, 1000]" in line
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_plot_to_an_unwritable_place_is_one_line(tmp_path, capsys):
+    X, F, y, _ = data(n=60)
+    m = richness.Moments()
+    m.update(X, F)
+    m.save(tmp_path / "s.npz")
+    line = run_error(["plot", str(tmp_path / "s.npz"), "-o", "/proc/out"], capsys)
+    assert "/proc/out" in line
+
+
+def test_unforeseen_failures_are_one_line_too(tmp_path, capsys, monkeypatch):
+    import richness.cli as cli
+
+    for exc, want in ((RuntimeError("a reader's own failure"),
+                       "RuntimeError: a reader's own failure (richness -v ... shows where)"),
+                      (MemoryError(), "out of memory"),
+                      (PermissionError(13, "Permission denied", "/x/out.png"), "/x/out.png: Permission denied")):
+        def broken(args, exc=exc):
+            raise exc
+        monkeypatch.setattr(cli, "info", broken)
+        assert run_error(["info"], capsys) == f"richness: error: {want}"
+
+
+def test_eval_refuses_to_overwrite_its_inputs(tmp_path, capsys):
+    X, F, y, _ = data(n=60)
+    bundle = tmp_path / "d.npz"
+    np.savez(bundle, features=X, outputs=F, labels=y)
+    before = bundle.read_bytes()
+    os.link(bundle, tmp_path / "hard.npz")
+    for save in (["--save", str(bundle)], ["--save", str(tmp_path / "sub" / ".." / "d.npz")],
+                 ["--save", str(tmp_path / "hard.npz")],
+                 ["--test-features", str(tmp_path / "t.npy"), "--save-test", str(bundle)]):
+        np.save(tmp_path / "t.npy", X)
+        line = run_error(["eval", str(bundle), "--no-progress", *save], capsys)
+        assert "is an input file" in line and "saving would overwrite it" in line
+    assert bundle.read_bytes() == before
+    np.save(tmp_path / "t.npy", X)
+    line = run_error(["eval", str(bundle), "--no-progress", "--test-features", str(tmp_path / "t.npy"),
+                      "--save", str(tmp_path / "s.npz"), "--save-test", str(tmp_path / "s.npz")], capsys)
+    assert "--save and --save-test name the same file" in line
+    assert not (tmp_path / "s.npz").exists()
+
+
+def test_held_out_streams_the_training_set_lacks_are_errors(tmp_path, capsys):
+    X, F, y, _ = data(n=60)
+    np.save(tmp_path / "x.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    line = run_error(["eval", str(tmp_path / "x.npy"), "--test-features", str(tmp_path / "x.npy"),
+                      "--test-labels", str(tmp_path / "y.npy"), "--no-progress"], capsys)
+    assert "--test-labels" in line and "the training set has no labels (give --labels)" in line
+    line = run_error(["eval", str(tmp_path / "x.npy"), "--test-labels", str(tmp_path / "y.npy")], capsys)
+    assert line == "richness: error: --test-labels needs --test-features"
+
+
+def test_compressed_npz_is_streamed_and_matches_the_oracle(tmp_path, capsys):
+    X, F, y, _ = data(n=300)
+    np.savez_compressed(tmp_path / "c.npz", features=X, outputs=F, labels=y)
+    rep = run_json([str(tmp_path / "c.npz"), "--chunk", "37"], capsys)
+    assert abs(rep["dlr"] - dlr_naive(X, F)[0]) < 1e-10
+    assert abs(rep["nc1"] - nc1_naive(X, y)) < 1e-8
+    # column-major compressed arrays are read whole, with the same result
+    np.savez_compressed(tmp_path / "f.npz", features=np.asfortranarray(X), outputs=np.asfortranarray(F))
+    rep = run_json([str(tmp_path / "f.npz"), "--chunk", "37"], capsys)
+    assert abs(rep["dlr"] - dlr_naive(X, F)[0]) < 1e-10
+
+
+ZIP_BOMB = """
+import os, resource, sys, zipfile
+import numpy as np
+from richness.cli import main
+path = sys.argv[1]
+vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize")][0]
+resource.setrlimit(resource.RLIMIT_AS, (vm + 300_000_000, resource.RLIM_INFINITY))
+sys.exit(main(["eval", path, "--no-progress", "--json"]))
+"""
+
+
+def test_compressed_member_larger_than_memory_is_streamed(tmp_path):
+    # 1.5 M rows x 100 float32 (600 MB) compress to about 1 MB: a process limited to 300 MB more
+    # than it has reads it chunk by chunk (reading the member whole would need the 600 MB)
+    rng = np.random.default_rng(0)
+    block = rng.normal(size=(4, 100)).astype(np.float32)
+    rows, path = 1_500_000, tmp_path / "bomb.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open("features.npy", "w", force_zip64=True) as f:
+            head = io.BytesIO()
+            np.lib.format.write_array_header_1_0(head, {"descr": "<f4", "fortran_order": False,
+                                                       "shape": (rows, 100)})
+            f.write(head.getvalue())
+            piece = np.tile(block, (25_000, 1)).tobytes()
+            for _ in range(rows // 100_000):
+                f.write(piece)
+    assert path.stat().st_size < 5_000_000
+    out = subprocess.run([sys.executable, "-c", ZIP_BOMB, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["n"] == rows and rep["feature_rank"] == 3  # four repeated rows, centered: rank 3

@@ -157,3 +157,46 @@ def _race(batches):
             assert m.n == X.shape[0]
             Xc = X - X.mean(0)
             np.testing.assert_allclose(m.state_dict()["M"], Xc.T @ Xc, rtol=1e-12, atol=1e-12)
+
+
+# -- inputs whose values a conversion would silently change or cannot reach ---------------------
+
+
+def _unreadable_kinds():
+    """(what, make(dense array) -> the input, expected message)."""
+    out = [("numpy masked array", lambda a: np.ma.masked_array(a, mask=np.zeros(a.shape, bool)),
+            "numpy masked array; its mask would be ignored")]
+    try:
+        import scipy.sparse as sp
+
+        out.append(("scipy.sparse", lambda a: sp.csr_matrix(a.reshape(len(a), -1)),
+                    "scipy.sparse csr_matrix; pass a dense array"))
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        out.append(("meta tensor", lambda a: torch.tensor(a).to("meta"), "tensor on the meta device"))
+        out.append(("sparse tensor", lambda a: torch.tensor(a).to_sparse(), "sparse torch tensor"))
+    except ImportError:
+        pass
+    return out
+
+
+def test_unreadable_inputs_are_refused_and_change_nothing():
+    import pytest
+
+    rng = np.random.default_rng(1)
+    X, F = rng.normal(size=(30, P)), rng.normal(size=(30, C))
+    y = rng.integers(0, K, 30)
+    W = rng.normal(size=(C, P))
+    for what, make, why in _unreadable_kinds():
+        m = richness.Moments(num_classes=K)
+        m.update(X, F, labels=y)
+        before = m.state_dict()
+        for call in (lambda: m.update(make(X)), lambda: m.update(X, make(F)),
+                     lambda: m.update(X, F, labels=make(y)), lambda: m.compute(head=make(W))):
+            with pytest.raises(TypeError, match=why):
+                call()
+        after = m.state_dict()
+        assert all(np.array_equal(before[k], after[k]) for k in before), what

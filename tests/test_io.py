@@ -326,7 +326,7 @@ def test_every_payload_byte_flip_is_rejected(tmp_path):
 
 
 def test_directory_instead_of_file(tmp_path):
-    with pytest.raises(ValueError, match=r"cannot read"):
+    with pytest.raises(ValueError, match=r"not a regular file \(a directory\)"):
         richness.Moments.load(tmp_path)
 
 
@@ -358,7 +358,7 @@ def test_next_save_removes_temp_files_of_a_killed_save(tmp_path):
             f"m.save({str(path)!r})\n")
     subprocess.run([sys.executable, "-c", code], check=False)
     left = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
-    assert len(left) == 1 and left[0].startswith(".s.npz.richness-")
+    assert len(left) == 1 and left[0].startswith(".richness-")
     other = tmp_path / ".other.npz.richness-1-x.tmp"  # another target's: not ours to remove
     other.write_bytes(b"")
     m.save(path)
@@ -431,4 +431,112 @@ def test_saved_state_survives_kill_between_saves(tmp_path):
         X, F = rng.normal(size=(50, 8)), rng.normal(size=(50, 3))
         assert abs(m.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
     leftovers = [f for f in os.listdir(tmp_path) if f != "state.npz"]
-    assert all(f.startswith(".state.npz.richness-") for f in leftovers)  # only a temp file can remain
+    assert all(f.startswith(".richness-") for f in leftovers)  # only a temp file can remain
+
+
+# -- bounded reading and path handling ------------------------------------------------------
+
+NOT_REGULAR = """
+import resource, sys, time, richness
+vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize")][0]
+resource.setrlimit(resource.RLIMIT_AS, (vm + 200_000_000, resource.RLIM_INFINITY))
+t = time.time()
+try:
+    richness.Moments.load(sys.argv[1])
+except ValueError as e:
+    print(f"{time.time() - t:.3f}", e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo"])
+def test_load_refuses_endless_or_blocking_sources_at_once(tmp_path, kind):
+    # reading a symlink to /dev/zero never ends (and fills memory); opening a FIFO blocks for ever
+    path = tmp_path / "state.npz"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(kind, path)
+    out = subprocess.run([sys.executable, "-c", NOT_REGULAR, str(path)], capture_output=True, text=True, timeout=60)
+    seconds, msg = out.stdout.strip().split(" ", 1)
+    what = "a pipe" if kind == "fifo" else "a character device"
+    assert msg == f"{path}: not a regular file ({what}); give a file on disk" and float(seconds) < 1.0
+
+
+STATE_TOO_LARGE = """
+import resource, sys, richness
+vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize")][0]
+resource.setrlimit(resource.RLIMIT_AS, (vm + 100_000_000, resource.RLIM_INFINITY))
+try:
+    richness.Moments.load(sys.argv[1])
+except MemoryError as e:
+    print(e)
+"""
+
+
+def test_a_state_larger_than_memory_is_refused_with_its_size(tmp_path):
+    # p = 5,000: a 200 MB Gram of zeros compresses to 200 kB; under a limit of 100 MB more than
+    # the process has, loading refuses from the headers with the state's size
+    p = 5000
+    state = dict(richness._state.empty(), n=10, p=p)
+    for f in richness._state.FIELDS:
+        state[f.name] = np.zeros(richness._state.shape_of(f, state), f.dtype)
+    meta = {"format": "richness.moments", "version": 1, **{k: state[k] for k in richness._state.SCALARS},
+            "sha256": richness._io._digest(state, state)}
+    path = tmp_path / "big.npz"
+    np.savez_compressed(path, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                        **{k: state[k] for k in richness._state.FIELD_NAMES})
+    assert path.stat().st_size < 2_000_000
+    out = subprocess.run([sys.executable, "-c", STATE_TOO_LARGE, str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip().startswith(f"{path}: the state at p=5000 needs 2e+08 bytes; this process has "), \
+        out.stdout + out.stderr
+
+
+def test_state_member_claiming_more_than_it_holds_is_refused(tmp_path):
+    raw = saved_bytes(tmp_path)
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<f8", "fortran_order": False, "shape": (5, 6)})
+    old = members["mean.npy"]
+    members["mean.npy"] = head.getvalue() + old[len(old) - 40:]  # 5 floats held, 30 claimed
+    path = tmp_path / "s.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, b in members.items():
+            z.writestr(n, b)
+    with pytest.raises(ValueError, match=r"member 'mean.npy' claims shape \(5, 6\) \(240 bytes\) but holds 40"):
+        richness.Moments.load(path)
+
+
+def test_save_takes_any_legal_path_and_refuses_empty_ones(tmp_path, monkeypatch):
+    m, _, _ = filled()
+    longest = tmp_path / ("s" * 240 + ".npz")  # 244 characters: legal, under NAME_MAX = 255
+    m.save(longest)
+    assert states_equal(richness.Moments.load(longest).state_dict(), m.state_dict())
+    m.save(os.fsencode(tmp_path / "b.npz"))  # bytes
+    assert states_equal(richness.Moments.load(os.fsencode(tmp_path / "b.npz")).state_dict(), m.state_dict())
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    monkeypatch.chdir(sub)
+    for bad, err, why in (("", ValueError, "path is empty"), (b"", ValueError, "path is empty"),
+                          ("folder/", ValueError, "names a folder"), (".", ValueError, "names a folder"),
+                          (3, TypeError, "must be a str, bytes or os.PathLike, got int"),
+                          (None, TypeError, "got NoneType")):
+        with pytest.raises(err, match=why):
+            m.save(bad)
+        with pytest.raises((OSError, ValueError, TypeError)):
+            richness.Moments.load(bad)
+    assert os.listdir(sub) == [] and sorted(os.listdir(tmp_path)) == sorted([longest.name, "b.npz", "sub"])
+
+
+def test_state_widths_outside_int64_and_boolean_class_counts_are_named():
+    m, _, _ = filled()
+    st = m.state_dict()
+    st["n"] = np.uint64(2**64 - 1)
+    fresh = richness.Moments()
+    with pytest.raises(ValueError, match=r"state entry 'n' is 18446744073709551615, outside int64"):
+        fresh.load_state_dict(st)
+    assert fresh.n == 0
+    for bad in (True, np.bool_(True), 2**63, 0):
+        with pytest.raises(ValueError, match="num_classes must be a positive integer below 2"):
+            richness.Moments(num_classes=bad)

@@ -41,6 +41,27 @@ def _describe(x: Any) -> str:
     return f"{type(x).__name__} of shape {tuple(shape)}" if shape is not None else type(x).__name__
 
 
+def refuse_unreadable(x: Any, name: str) -> None:
+    """TypeError for inputs whose values an array conversion would silently
+    change or cannot reach: numpy masked arrays (the mask would be dropped),
+    scipy.sparse matrices (they convert to a 0-d object array), sparse torch
+    tensors and tensors on the meta device (no data)."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy masked array; its mask would be ignored. Pass the rows to use "
+                        "(x[~np.ma.getmaskarray(x).any(axis=1)].data) or x.filled(value)")
+    module = type(x).__module__
+    if module.startswith("scipy.sparse"):
+        raise TypeError(f"{name} is a scipy.sparse {type(x).__name__}; pass a dense array (x.toarray(), "
+                        "a block of rows at a time if it is large)")
+    if _is_torch(x) and hasattr(x, "layout"):
+        import torch
+
+        if x.layout != torch.strided:
+            raise TypeError(f"{name} is a sparse torch tensor ({x.layout}); pass x.to_dense()")
+        if x.device.type == "meta":
+            raise TypeError(f"{name} is a tensor on the meta device: it has a shape but no data")
+
+
 def _torch_view(x: Any, name: str, ndim_ok: tuple) -> Matrix:
     import torch
 
@@ -70,6 +91,7 @@ def _ndim_words(ndim_ok: tuple) -> str:
 def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
     """View ``x`` (numpy, torch, DLPack, or array-like) as a core Matrix."""
     ndim_ok = (1, 2) if allow_1d else (2,)
+    refuse_unreadable(x, name)
     if _is_torch(x) and hasattr(x, "data_ptr"):
         return _torch_view(x, name, ndim_ok)
     if not isinstance(x, np.ndarray):
@@ -114,6 +136,7 @@ def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
 
 def as_labels(y: Any) -> Matrix:
     """Labels: a 1-D vector of integers (int32/int64; other integer types widen)."""
+    refuse_unreadable(y, "labels")
     if _is_torch(y) and hasattr(y, "data_ptr"):
         if y.ndim != 1:
             raise ValueError(f"labels must be 1-D (n,), got a tensor of shape {tuple(y.shape)}")
@@ -183,6 +206,7 @@ def weights_of(head: Any) -> tuple:
 
 def to_numpy64(x: Any, name: str) -> np.ndarray:
     """A float64 numpy copy of any array-like (torch tensors on any device)."""
+    refuse_unreadable(x, name)
     if _is_torch(x) and hasattr(x, "detach"):
         if x.is_complex():  # .double() would drop the imaginary part
             raise ValueError(f"{name} must be real, got {x.dtype}")

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import os
-import tempfile
+import resource
+import secrets
+import stat
 import zipfile
+from typing import BinaryIO, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -44,25 +46,25 @@ def _umask() -> int:
     return mask
 
 
-def _temp_prefix(path: str) -> str:
-    # The target's name and this process's id: a save can tell its own
-    # leftovers (from a process that was killed) from a concurrent save's.
-    return f".{os.path.basename(path)}.richness-"
+# Temp files are named ``.richness-PID-RANDOM.tmp``: short, so that any legal
+# target name still leaves a legal temp name, and carrying the writer's process
+# id, so that a save can tell leftovers of a killed process from a concurrent
+# save's files.
+_TEMP_PREFIX = ".richness-"
+_TEMP_SUFFIX = ".tmp"
 
 
-def _remove_stale_temps(path: str) -> None:
-    """Remove temp files of earlier saves to ``path`` whose process is gone
-    (a save killed between writing and renaming leaves one behind)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    prefix = _temp_prefix(path)
+def _remove_stale_temps(folder: str) -> None:
+    """Remove temp files in ``folder`` whose writing process is gone (a save
+    killed between writing and renaming leaves one behind)."""
     try:
         names = os.listdir(folder)
     except OSError:
         return
     for name in names:
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
+        if not (name.startswith(_TEMP_PREFIX) and name.endswith(_TEMP_SUFFIX)):
             continue
-        pid = name[len(prefix):].split("-", 1)[0]
+        pid = name[len(_TEMP_PREFIX):].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
@@ -78,18 +80,42 @@ def _remove_stale_temps(path: str) -> None:
             pass
 
 
+def _mkstemp(folder: str) -> Tuple[int, str]:
+    while True:
+        tmp = os.path.join(folder, f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}{_TEMP_SUFFIX}")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600), tmp
+        except FileExistsError:
+            continue
+
+
+def file_path(path, what: str = "path") -> str:
+    """``path`` (str, bytes or os.PathLike) as a str; TypeError for other
+    types (an int would name a file descriptor), ValueError when empty."""
+    if isinstance(path, bool) or not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{what} must be a str, bytes or os.PathLike, got {type(path).__name__}")
+    out = os.fsdecode(path)
+    if not out:
+        raise ValueError(f"{what} is empty")
+    if "\0" in out:
+        raise ValueError(f"{what} contains a NUL character: {out!r}")
+    return out
+
+
 def save_state(state: dict, path: "os.PathLike | str") -> None:
     """Write ``state`` to ``path`` atomically: a temp file in the same folder,
     fsync, then rename over the target. A crash leaves the old file intact
     (and a temp file that the next save to the same path removes). The file
     gets the permissions ``open`` would give a new file under the umask."""
-    path = os.fspath(path)
+    path = file_path(path)
+    if path.endswith(os.sep) or os.path.basename(path) in (".", ".."):
+        raise ValueError(f"{path}: names a folder; give a file name")
     arrays = {k: np.asarray(state[k]) for k in FLOATS + INTS}
     meta = {"format": FORMAT, "version": VERSION, **{k: state[k] for k in SCALARS},
             "sha256": _digest(arrays, state)}
     folder = os.path.dirname(os.path.abspath(path))
-    _remove_stale_temps(path)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}-", suffix=".tmp", dir=folder)
+    _remove_stale_temps(folder)
+    fd, tmp = _mkstemp(folder)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600
         with os.fdopen(fd, "wb") as f:
@@ -113,67 +139,228 @@ def save_state(state: dict, path: "os.PathLike | str") -> None:
 
 _META_MAX = 1 << 20  # bytes; a real meta entry is a few hundred
 
+# -- bounded reading ----------------------------------------------------------
+#
+# Every reader of a file (Moments.load, the command line's array files) goes
+# through these: regular files only, sizes taken from the file's own directory
+# and headers and checked against each other before any data is read, and
+# allocations checked against the memory this process can have.
 
-def _member_headers(raw: bytes) -> dict:
-    """``{name: (shape, dtype)}`` of every .npy member, read from the headers
-    alone (no array data is read or allocated). A header that claims more
-    data than its member holds is rejected here."""
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"))
+# Deflate cannot expand more than 1032:1; a member that claims more is forged.
+_DEFLATE_RATIO = 1032
+
+
+def _not_regular(path: str, mode: int) -> ValueError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a plain file")
+    return ValueError(f"{path}: not a regular file ({kind}); give a file on disk")
+
+
+def check_regular(path: str) -> int:
+    """The size of ``path``, which must be a regular file (symlinks to one are
+    fine): a device, pipe or socket could be endless or block for ever."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode)
+    return st.st_size
+
+
+def open_regular(path: str) -> BinaryIO:
+    """Open ``path`` for reading if it is a regular file. Checked again on the
+    open descriptor (the path may have changed in between); opened
+    non-blocking so that a pipe cannot stall the open itself."""
+    check_regular(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _proc_kib(path: str, field: str) -> Optional[float]:
+    """A ``field: N kB`` line of a /proc file, in bytes (None where unreadable)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def available_memory() -> float:
+    """Bytes this process can still allocate: the memory the system reports
+    available (physical memory where it does not say), and under a limit on
+    the address space, what is left of it."""
+    avail = _proc_kib("/proc/meminfo", "MemAvailable")
+    if avail is None:
+        avail = float(os.sysconf("SC_PHYS_PAGES")) * float(os.sysconf("SC_PAGE_SIZE"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        used = _proc_kib("/proc/self/status", "VmSize") or 0.0
+        avail = min(avail, float(soft) - used)
+    return max(avail, 0.0)
+
+
+def check_memory(need: float, what: str) -> None:
+    """MemoryError naming ``what`` and its size when ``need`` bytes cannot fit."""
+    avail = available_memory()
+    if need > avail:
+        raise MemoryError(f"{what} needs {need:.3g} bytes; this process has {avail:.3g} bytes available")
+
+
+def state_bytes(widths: Dict[str, int]) -> int:
+    """Bytes of a state's arrays at these widths (Python ints: no overflow)."""
+    total = 0
+    for f in FIELDS:
+        count = 1
+        for s in shape_of(f, widths):
+            count *= s
+        total += count * np.dtype(f.dtype).itemsize
+    return total
+
+
+class NpyHeader(NamedTuple):
+    shape: Tuple[int, ...]
+    fortran: bool
+    dtype: np.dtype
+    header_bytes: int  # where the data starts, from the start of the .npy
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for s in self.shape:
+            count *= s
+        return count * self.dtype.itemsize
+
+
+def read_npy_header(f: BinaryIO, name: str) -> NpyHeader:
+    """The header of the .npy that starts at ``f``'s position (nothing after
+    it is read). Refuses object dtypes and negative or non-integer shapes."""
+    start = f.tell()
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    else:
+        raise ValueError(f"{name}: npy format version {version}; richness reads versions 1.0 and 2.0")
+    if dtype.hasobject:
+        raise ValueError(f"{name}: object arrays are not supported")
+    if not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ValueError(f"{name}: the header gives an impossible shape {shape}")
+    return NpyHeader(tuple(shape), bool(fortran), dtype, f.tell() - start)
+
+
+class NpzMember(NamedTuple):
+    info: zipfile.ZipInfo
+    header: NpyHeader
+
+
+def npz_members(zf: zipfile.ZipFile, label: str) -> Dict[str, NpzMember]:
+    """``{name: member}`` of an .npz archive, from the archive's directory and
+    each member's .npy header alone (no array data is read). A member whose
+    header claims more data than the directory says it holds, or that claims
+    more than its compression can produce, is refused here."""
     out = {}
-    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
-        for info in zf.infolist():
-            name = info.filename
-            if not name.endswith(".npy"):
-                raise ValueError(f"unexpected member {name!r}")
-            with zf.open(info) as f:
-                version = np.lib.format.read_magic(f)
-                if version == (1, 0):
-                    shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-                elif version == (2, 0):
-                    shape, _, dtype = np.lib.format.read_array_header_2_0(f)
-                else:
-                    raise ValueError(f"member {name!r} has npy format version {version}")
-                need = int(np.prod(shape, dtype=object)) * dtype.itemsize
-                if need > info.file_size:
-                    raise ValueError(f"member {name!r} claims shape {tuple(shape)} ({need} bytes) but holds "
-                                     f"{info.file_size} bytes")
-            out[name[:-4]] = (tuple(shape), dtype)
+    for info in zf.infolist():
+        name = info.filename
+        if not name.endswith(".npy"):
+            raise ValueError(f"{label}: unexpected member {name!r} (not a .npy array)")
+        if info.compress_type == zipfile.ZIP_DEFLATED:
+            if info.file_size > _DEFLATE_RATIO * info.compress_size + 1024:
+                raise ValueError(f"{label}: member {name!r} claims {info.file_size} bytes from "
+                                 f"{info.compress_size} compressed, more than deflate can produce")
+        elif info.compress_type != zipfile.ZIP_STORED:
+            raise ValueError(f"{label}: member {name!r} uses zip compression method {info.compress_type}; "
+                             "richness reads stored or deflated members (what numpy.savez writes)")
+        elif info.compress_size != info.file_size:
+            raise ValueError(f"{label}: member {name!r} is stored but its sizes differ "
+                             f"({info.compress_size} vs {info.file_size})")
+        with zf.open(info) as f:
+            header = read_npy_header(f, f"{label}: member {name!r}")
+        held = info.file_size - header.header_bytes
+        if header.nbytes > held:
+            raise ValueError(f"{label}: member {name!r} claims shape {header.shape} ({header.nbytes} bytes) but "
+                             f"holds {max(held, 0)} bytes")
+        out[name[:-4]] = NpzMember(info, header)
     return out
+
+
+def stored_data_offset(f: BinaryIO, member: NpzMember, size: int, label: str) -> int:
+    """File offset of an uncompressed member's array data, checked to lie
+    inside the member and the file."""
+    info = member.info
+    f.seek(info.header_offset)
+    head = f.read(30)
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        raise ValueError(f"{label}: corrupted zip entry for {info.filename!r}")
+    start = info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+    if start + info.compress_size > size:
+        raise ValueError(f"{label}: member {info.filename!r} runs past the end of the file (truncated)")
+    return start + member.header.header_bytes
+
+
+def read_member(zf: zipfile.ZipFile, member: NpzMember) -> np.ndarray:
+    """One whole member, allocated at the size its header declares (checked
+    by ``npz_members`` against the archive's directory)."""
+    with zf.open(member.info) as f:
+        return np.lib.format.read_array(f, allow_pickle=False)
 
 
 def load_state(path: "os.PathLike | str") -> dict:
     """Read and validate a file written by ``save_state``. Every array's shape
-    is checked against the widths the file declares before any data is read,
-    so a foreign or hostile archive cannot make it allocate."""
-    path = os.fspath(path)
+    is checked against the widths the file declares, and the whole state
+    against this process's memory, before any data is read, so a foreign or
+    hostile archive cannot make it allocate."""
+    path = file_path(path)
 
     def bad(why: str) -> ValueError:
         return ValueError(f"{path}: {why}")
 
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no such file", path) from None
-    except OSError as e:
-        raise bad(f"cannot read ({e.strerror})") from None
-    if raw[:6] == b"\x93NUMPY":
-        raise bad("a single .npy array, not a richness state (an .npz archive written by Moments.save)")
     # A damaged zip header can also read as an unsupported compression method or
     # zip version (NotImplementedError) or as an encrypted member (RuntimeError).
     damaged = (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile,
                NotImplementedError, RuntimeError)
     try:
-        headers = _member_headers(raw)
-    except damaged as e:
-        raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
-    if "meta" not in headers:
-        raise bad("not a richness state (no meta entry)")
-    meta_shape, meta_dtype = headers["meta"]
-    if meta_dtype != np.uint8 or len(meta_shape) != 1 or meta_shape[0] > _META_MAX:
-        raise bad(f"not a richness state (meta entry of shape {meta_shape}, dtype {meta_dtype})")
+        f = open_regular(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no such file", path) from None
+    except OSError as e:
+        raise bad(f"cannot read ({e.strerror or type(e).__name__})") from None
+    with f:
+        if f.read(6) == b"\x93NUMPY":
+            raise bad("a single .npy array, not a richness state (an .npz archive written by Moments.save)")
+        f.seek(0)
+        try:
+            zf = zipfile.ZipFile(f)
+        except damaged as e:
+            raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
+        with zf:
+            return _read_state(zf, path, bad, damaged)
+
+
+def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged) -> dict:
     try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            meta_raw = z["meta"]
+        members = npz_members(zf, path)
+    except damaged as e:
+        msg = str(e)
+        raise bad(f"not a richness state, or truncated or corrupted "
+                  f"({msg[len(path) + 2:] if msg.startswith(path) else msg})") from None
+    if "meta" not in members:
+        raise bad("not a richness state (no meta entry)")
+    meta_head = members["meta"].header
+    if meta_head.dtype != np.uint8 or len(meta_head.shape) != 1 or meta_head.shape[0] > _META_MAX:
+        raise bad(f"not a richness state (meta entry of shape {meta_head.shape}, dtype {meta_head.dtype})")
+    try:
+        meta_raw = read_member(zf, members["meta"])
     except damaged as e:
         raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
     try:
@@ -184,10 +371,10 @@ def load_state(path: "os.PathLike | str") -> dict:
         raise bad(f"not a richness state (format {meta.get('format') if isinstance(meta, dict) else None!r})")
     if meta.get("version") != VERSION:
         raise bad(f"unsupported state version {meta.get('version')!r}; this richness reads version {VERSION}")
-    missing = [k for k in SCALARS + ("sha256",) if k not in meta] + [k for k in FLOATS + INTS if k not in headers]
+    missing = [k for k in SCALARS + ("sha256",) if k not in meta] + [k for k in FLOATS + INTS if k not in members]
     if missing:
         raise bad(f"missing entries: {', '.join(missing)}")
-    extra = sorted(set(headers) - set(FLOATS + INTS) - {"meta"})
+    extra = sorted(set(members) - set(FLOATS + INTS) - {"meta"})
     if extra:
         raise bad(f"unexpected entries: {', '.join(extra)}")
     try:
@@ -195,16 +382,16 @@ def load_state(path: "os.PathLike | str") -> dict:
     except (TypeError, ValueError) as e:
         raise bad(f"not a valid richness state ({e})") from None
     for f in FIELDS:
-        shape, dtype = headers[f.name]
+        head = members[f.name].header
         want = shape_of(f, widths)
-        if shape != want:
-            raise bad(f"not a valid richness state (entry {f.name} has shape {shape}, but the file's widths "
+        if head.shape != want:
+            raise bad(f"not a valid richness state (entry {f.name} has shape {head.shape}, but the file's widths "
                       f"give {want})")
-        if dtype != np.dtype(f.dtype):
-            raise bad(f"entry {f.name} has dtype {dtype}, expected {np.dtype(f.dtype)}")
+        if head.dtype != np.dtype(f.dtype):
+            raise bad(f"entry {f.name} has dtype {head.dtype}, expected {np.dtype(f.dtype)}")
+    check_memory(state_bytes(widths), f"{path}: the state at p={widths['p']}")
     try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            data = {k: z[k] for k in FLOATS + INTS}
+        data = {k: read_member(zf, members[k]) for k in FLOATS + INTS}
     except damaged as e:
         raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
     if _digest(data, meta) != meta["sha256"]:

@@ -122,7 +122,7 @@ def _as_int(key: str, v: object) -> int:
         raise TypeError(f"state entry {key!r} must be an integer, got {type(v).__name__}")
     v = int(v)
     if not -INT64_MAX - 1 <= v <= INT64_MAX:
-        raise ValueError(f"state entry {key!r} is {v}, which overflows int64")
+        raise ValueError(f"state entry {key!r} is {v}, outside int64")
     return v
 
 

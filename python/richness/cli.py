@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from . import _io
 
 log = logging.getLogger("richness")
 
@@ -30,13 +31,29 @@ class UserError(Exception):
 
 # -- array files ----------------------------------------------------------------
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16,
-              "U32": np.uint32, "U64": np.uint64}
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
 _PAGE = mmap.PAGESIZE
+# Rows per chunk are capped so that one chunk of one stream stays under this.
+_CHUNK_BYTES = 1 << 28
+# Errors a reader raises on a damaged or hostile file.
+_UNREADABLE = (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError, RuntimeError, NotImplementedError,
+               zipfile.LargeZipFile)
 
 
 _SUFFIXES = ".npy, .npz, .safetensors, .pt, .h5/.hdf5 or .parquet"
+
+
+def _split_spec(spec: str):
+    """``FILE`` or ``FILE:KEY`` -> (path, key or None)."""
+    if not os.path.exists(spec) and ":" in spec:
+        path, key = spec.rsplit(":", 1)
+        return path, key
+    return spec, None
+
+
+def _reason(e: BaseException) -> str:
+    return str(e) or type(e).__name__
 
 
 def _optional(module: str, package: str, suffix: str):
@@ -53,18 +70,21 @@ class ArrayFile:
     """A 1-D or 2-D array in a ``.npy``, ``.npz``, ``.safetensors``, ``.pt``,
     ``.h5``/``.hdf5`` or ``.parquet`` file, read in row chunks.
 
-    ``.npy``/``.npz``/``.safetensors`` are memory-mapped; pages behind the
-    cursor are dropped (madvise/posix_fadvise DONTNEED): file-backed pages of a
-    mapping count in the resident set, so a plain memmap of a 5 GB file would
-    end up resident. ``.pt`` is loaded with ``torch.load(weights_only=True,
+    Only regular files are read, and every size is taken from the file's own
+    headers and directory and checked against each other before any data is
+    read. ``.npy`` and uncompressed ``.npz`` members are memory-mapped; pages
+    behind the cursor are dropped (madvise/posix_fadvise DONTNEED): file-backed
+    pages of a mapping count in the resident set, so a plain memmap of a 5 GB
+    file would end up resident. Compressed ``.npz`` members are decompressed
+    forward, chunk by chunk. ``.safetensors`` files are read through the
+    ``safetensors`` library (which validates the header and offsets), a chunk
+    of rows at a time. ``.pt`` is loaded with ``torch.load(weights_only=True,
     mmap=True)`` (no pickled code runs). HDF5 datasets are sliced per chunk
     (h5py); a Parquet column is read forward in record batches (pyarrow), one
     sample per row, vectors as list columns."""
 
     def __init__(self, spec: str, default_key: Optional[str] = None) -> None:
-        path, key = spec, None
-        if not os.path.exists(spec) and ":" in spec:
-            path, key = spec.rsplit(":", 1)
+        path, key = _split_spec(spec)
         self.path, self.key, self.default_key = path, key, default_key
         self.label = path if key is None else f"{path}:{key}"
         self.explicit_key = key is not None
@@ -72,6 +92,12 @@ class ArrayFile:
             raise UserError(f"{path}: no such file")
         if os.path.isdir(path):
             raise UserError(f"{path}: is a directory, expected a {_SUFFIXES} file")
+        try:
+            size = _io.check_regular(path)
+        except (OSError, ValueError) as e:
+            raise UserError(_reason(e) if str(e).startswith(path) else f"{path}: {_reason(e)}") from None
+        if size == 0:
+            raise UserError(f"{path}: empty file (0 bytes)")
         self.bf16 = False
         self.array: Optional[np.ndarray] = None
         self.names: List[str] = []  # the file's named arrays (empty for a one-array file)
@@ -85,7 +111,7 @@ class ArrayFile:
             if low.endswith(".npy"):
                 if key is not None:
                     raise UserError(f"{self.label}: a .npy file holds one array; drop ':{key}'")
-                self._open_npy(path, 0)
+                self._open_npy(path)
             elif low.endswith(".npz"):
                 self._open_npz(path)
             elif low.endswith(".safetensors"):
@@ -100,8 +126,11 @@ class ArrayFile:
                 raise UserError(f"{path}: unknown file type; use {_SUFFIXES}")
         except UserError:
             raise
-        except (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError, RuntimeError) as e:
-            raise UserError(f"{self.label}: cannot read ({e})") from None
+        except _UNREADABLE as e:
+            msg = _reason(e)
+            raise UserError(msg if msg.startswith(path) else f"{self.label}: cannot read ({msg})") from None
+        if not all(isinstance(s, int) and s >= 0 for s in self.shape):
+            raise UserError(f"{self.label}: the file gives an impossible shape {self.shape}")
         if len(self.shape) not in (1, 2):
             raise UserError(f"{self.label}: expected a 1-D or 2-D array, got shape {self.shape}")
 
@@ -123,78 +152,81 @@ class ArrayFile:
         return key
 
     # file formats
-    def _map(self, path: str, offset: int, dtype: np.dtype, shape: tuple, fortran: bool = False) -> None:
-        count = int(np.prod(shape)) if shape else 1
-        size = os.path.getsize(path)
-        if offset + count * dtype.itemsize > size:
+    def _map(self, f, offset: int, header: "_io.NpyHeader") -> None:
+        """Map the array whose data starts at ``offset`` of the open file ``f``."""
+        size = os.fstat(f.fileno()).st_size
+        if offset + header.nbytes > size:
             raise UserError(f"{self.label}: truncated file ({size} bytes, the header promises "
-                            f"{offset + count * dtype.itemsize})")
-        self.shape, self.dtype = tuple(int(s) for s in shape), dtype
-        if count == 0:
-            self.array = np.zeros(shape, dtype)
+                            f"{offset + header.nbytes})")
+        self.shape, self.dtype = header.shape, header.dtype
+        if header.nbytes == 0:
+            self.array = np.zeros(header.shape, header.dtype)
             return
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = os.dup(f.fileno())
         self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
         self._offset = offset
-        a = np.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
-        self.array = a.reshape(shape, order="F" if fortran else "C")
-        self.fortran = fortran
+        count = header.nbytes // header.dtype.itemsize
+        a = np.frombuffer(self._mm, dtype=header.dtype, count=count, offset=offset)
+        self.array = a.reshape(header.shape, order="F" if header.fortran else "C")
+        self.fortran = header.fortran
 
-    def _open_npy(self, path: str, base: int) -> None:
-        with open(path, "rb") as f:
-            f.seek(base)
+    def _open_npy(self, path: str) -> None:
+        with _io.open_regular(path) as f:
             try:
-                version = np.lib.format.read_magic(f)
-                shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
-                                         else np.lib.format.read_array_header_2_0(f))
+                header = _io.read_npy_header(f, self.label)
             except ValueError as e:
-                raise UserError(f"{self.label}: not a .npy array ({e})") from None
-            if dtype.hasobject:
-                raise UserError(f"{self.label}: object arrays are not supported")
-            self._map(path, f.tell(), dtype, shape, fortran)
+                msg = str(e)
+                raise UserError(msg if "impossible shape" in msg or "object arrays" in msg
+                                else f"{self.label}: not a .npy array ({msg})") from None
+            self._map(f, header.header_bytes, header)
 
     def _open_npz(self, path: str) -> None:
-        with zipfile.ZipFile(path) as z:
-            key = self._pick([n[:-4] for n in z.namelist() if n.endswith(".npy")], "array")
-            info = z.getinfo(key + ".npy")
-        if info.compress_type != zipfile.ZIP_STORED:
-            # compressed members cannot be mapped: read this one into memory
-            with np.load(path, allow_pickle=False) as z:
-                self.array = np.asarray(z[key])
-            self.shape, self.dtype = self.array.shape, self.array.dtype
-            return
-        with open(path, "rb") as f:
-            f.seek(info.header_offset)
-            head = f.read(30)
-            if head[:4] != b"PK\x03\x04":
-                raise UserError(f"{path}: corrupted zip entry for {key!r}")
-            nlen = int.from_bytes(head[26:28], "little")
-            elen = int.from_bytes(head[28:30], "little")
-        self._open_npy(path, info.header_offset + 30 + nlen + elen)
+        f = _io.open_regular(path)
+        try:
+            zf = zipfile.ZipFile(f)
+            members = _io.npz_members(zf, path)
+            member = members[self._pick(list(members), "array")]
+            if member.info.compress_type == zipfile.ZIP_STORED:
+                size = os.fstat(f.fileno()).st_size
+                self._map(f, _io.stored_data_offset(f, member, size, self.label), member.header)
+                return
+            header = member.header
+            self.shape, self.dtype = header.shape, header.dtype
+            if header.fortran and len(header.shape) == 2 and header.shape[1] > 1:
+                # column-major data cannot be read by rows: read it whole
+                _io.check_memory(header.nbytes, f"{self.label} (a compressed column-major array)")
+                self.array = _io.read_member(zf, member)
+                return
+            self._reader = _NpzRows(zf, member)
+            self._keep = f
+            f = None
+        finally:
+            if f is not None:
+                f.close()
 
     def _open_safetensors(self, path: str) -> None:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise UserError(f"{path}: truncated safetensors file")
-            n = int.from_bytes(raw, "little")
-            if n > 100_000_000 or n > os.path.getsize(path) - 8:
-                raise UserError(f"{path}: not a safetensors file (header length {n})")
+        st = _optional("safetensors", "safetensors", ".safetensors")
+        try:
             try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                raise UserError(f"{path}: not a safetensors file (bad header)") from None
-        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-        t = tensors[self._pick(list(tensors), "tensor")]
-        if t.get("dtype") not in _ST_DTYPES:
-            raise UserError(f"{self.label}: unsupported dtype {t.get('dtype')!r}")
-        self.bf16 = t["dtype"] == "BF16"
-        start, stop = t["data_offsets"]
-        dtype = np.dtype(_ST_DTYPES[t["dtype"]]).newbyteorder("<")
-        shape = tuple(t["shape"])
-        if int(np.prod(shape)) * dtype.itemsize != stop - start:
-            raise UserError(f"{self.label}: data offsets do not match shape {shape}")
-        self._map(path, 8 + n + start, dtype, shape)
+                handle = st.safe_open(path, framework="numpy", backend="pread")
+            except TypeError:  # a safetensors without the pread backend
+                handle = st.safe_open(path, framework="numpy")
+        except st.SafetensorError as e:
+            raise UserError(f"{path}: not a valid safetensors file ({_reason(e)})") from None
+        key = self._pick(list(handle.keys()), "tensor")
+        sl = handle.get_slice(key)
+        self.shape = tuple(int(s) for s in sl.get_shape())
+        kind = sl.get_dtype()
+        if kind == "BF16":  # numpy has no bfloat16: torch reads the bits, widened per chunk
+            torch = _optional("torch", "torch", "bfloat16 .safetensors")
+            self.bf16, self.dtype = True, np.dtype(np.uint16)
+            tsl = st.safe_open(path, framework="pt").get_slice(key)
+            self._reader = lambda a, b: tsl[a:b].view(torch.int16).numpy().view(np.uint16)
+            return
+        if kind not in _ST_DTYPES:
+            raise UserError(f"{self.label}: unsupported dtype {kind}")
+        self.dtype = np.dtype(_ST_DTYPES[kind])
+        self._reader = lambda a, b: sl[a:b]
 
     def _open_torch(self, path: str) -> None:
         torch = _optional("torch", "torch", ".pt")
@@ -220,6 +252,12 @@ class ArrayFile:
         else:
             raise UserError(f"{path}: holds a {type(obj).__name__}; expected a tensor or a dict of tensors")
         t = t.detach()
+        from ._adapt import refuse_unreadable
+
+        try:
+            refuse_unreadable(t, "it")
+        except TypeError as e:
+            raise UserError(f"{self.label}: {e}") from None
         if t.dtype == torch.bfloat16:  # numpy has no bfloat16: keep the bits, widened per chunk
             self.bf16 = True
             t = t.view(torch.int16)
@@ -276,8 +314,18 @@ class ArrayFile:
         if not (self.bf16 or self.dtype.kind == "f"):
             raise UserError(f"{self.label}: {what} must be floating point, got {self.dtype}")
 
+    def row_bytes(self) -> int:
+        """Bytes of one row as a chunk holds it (bfloat16 widens to float32)."""
+        width = self.shape[1] if len(self.shape) == 2 else 1
+        return width * (4 if self.bf16 else self.dtype.itemsize)
+
     def chunk(self, a: int, b: int) -> np.ndarray:
-        x = self._reader(a, b) if self._reader is not None else self.array[a:b]
+        try:
+            x = self._reader(a, b) if self._reader is not None else self.array[a:b]
+        except UserError:
+            raise
+        except _UNREADABLE as e:
+            raise UserError(f"{self.label}: rows {a}..{b - 1}: cannot read ({_reason(e)})") from None
         if self.bf16:  # bfloat16 bits -> float32
             x = (x.astype(np.uint32) << 16).view(np.float32)
         return x
@@ -301,6 +349,52 @@ class ArrayFile:
             except OSError:
                 pass
         self._released = end
+
+
+class _NpzRows:
+    """Rows a..b-1 of a compressed .npz member, decompressed forward (a chunk
+    before the cursor restarts). The member's size was checked against its
+    header, so a read never goes past it: a short member raises EOFError."""
+
+    def __init__(self, zf: zipfile.ZipFile, member: "_io.NpzMember") -> None:
+        self.zf, self.member = zf, member
+        h = member.header
+        self.row_shape = h.shape[1:]
+        width = 1
+        for s in self.row_shape:
+            width *= s
+        self.row_bytes = width * h.dtype.itemsize
+        self.f = None
+        self._restart()
+
+    def _restart(self) -> None:
+        if self.f is not None:
+            self.f.close()
+        self.f = self.zf.open(self.member.info)
+        self._read(self.member.header.header_bytes)
+        self.pos = 0
+
+    def _read(self, n: int) -> bytes:
+        parts, left = [], n
+        while left:
+            piece = self.f.read(min(left, 1 << 24))
+            if not piece:
+                raise EOFError(f"the member ends {left} bytes early")
+            parts.append(piece)
+            left -= len(piece)
+        return b"".join(parts)
+
+    def __call__(self, a: int, b: int) -> np.ndarray:
+        if a < self.pos:
+            self._restart()
+        while self.pos < a:  # skip forward without holding the skipped rows
+            step = max(1, min(a - self.pos, (1 << 24) // max(self.row_bytes, 1)))
+            self._read(step * self.row_bytes)
+            self.pos += step
+        data = self._read((b - a) * self.row_bytes)
+        self.pos = b
+        h = self.member.header
+        return np.frombuffer(data, dtype=h.dtype).reshape((b - a,) + self.row_shape)
 
 
 class _ParquetColumn:
@@ -390,6 +484,15 @@ def _stream(feats: ArrayFile, outs: Optional[ArrayFile], labels: Optional[ArrayF
         m = Moments(num_classes, precision=precision)
     except ValueError as e:
         raise UserError(str(e)) from None
+    streams = [f for f in (feats, outs, labels, targets) if f is not None]
+    # rows per chunk: at most _CHUNK_BYTES per stream, whatever the width
+    chunk = max(1, min(chunk, _CHUNK_BYTES // max(max(f.row_bytes() for f in streams), 1)))
+    # the state (and one chunk of every stream) must fit before anything is read
+    widths = {"p": _width(feats), "c": _width(outs) if outs else -1, "t": _width(targets) if targets else -1,
+              "k": num_classes or -1}
+    _io.check_memory(_io.state_bytes(widths) + chunk * sum(f.row_bytes() for f in streams),
+                     f"{feats.label}: the state at p={widths['p']}"
+                     + (f" with {num_classes} classes" if num_classes else ""))
     bar = _bar(feats.rows, progress, desc)
     try:
         for a in range(0, feats.rows, chunk):
@@ -398,7 +501,7 @@ def _stream(feats: ArrayFile, outs: Optional[ArrayFile], labels: Optional[ArrayF
                     targets.chunk(a, b) if targets else None]
             try:
                 m.update(*args)
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, MemoryError) as e:
                 msg = str(e)
                 src = feats
                 for word, f in (("labels", labels), ("outputs", outs), ("targets", targets)):
@@ -423,18 +526,23 @@ def _head_weights(spec: Optional[str]):
     f.check_float("head weights")
     if len(f.shape) != 2:
         raise UserError(f"{f.label}: head weights must be 2-D (outputs, features), got shape {f.shape}")
+    _io.check_memory(2 * 8 * f.rows * f.shape[1], f"{f.label}: the head weights (read whole, as float64)")
     return np.array(f.chunk(0, f.rows), dtype=np.float64)
 
 
 def eval_cmd(args: argparse.Namespace) -> int:
-    if args.chunk < 1:
-        raise UserError(f"--chunk must be a positive number of rows, got {args.chunk}")
+    _check_eval_args(args)
     feats = ArrayFile(args.features, default_key="features")
     # a bundle (FILE without :KEY) also supplies its outputs, labels and targets
     bundle = None if feats.explicit_key else feats
     outs = _open(args.outputs, bundle, "outputs")
     labels = _open(args.labels, bundle, "labels")
     targets = _open(args.targets, bundle, "targets")
+    if args.test_features is not None:
+        for given, train, what in ((args.test_outputs, outs, "outputs"), (args.test_labels, labels, "labels"),
+                                   (args.test_targets, targets, "targets")):
+            if given is not None and train is None:
+                raise UserError(f"--test-{what} {given}: the training set has no {what} (give --{what})")
     for f, what in ((feats, "features"), (outs, "outputs"), (labels, "labels"), (targets, "targets")):
         if f is not None:
             log.info("%s: %s, shape %s, %s", what, f.label, f.shape, "bfloat16" if f.bf16 else f.dtype)
@@ -486,6 +594,34 @@ def eval_cmd(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"{'held-out state' if state is test else 'state'} saved to {path}")
     return 0
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links
+    except OSError:
+        return False
+
+
+def _check_eval_args(args: argparse.Namespace) -> None:
+    """Refuse what would silently do something else than asked, before any data is read."""
+    if args.test_features is None:
+        for opt in ("test_outputs", "test_labels", "test_targets"):
+            if getattr(args, opt) is not None:
+                raise UserError(f"--{opt.replace('_', '-')} needs --test-features")
+    inputs = [_split_spec(spec)[0] for spec in (args.features, args.outputs, args.labels, args.targets, args.head,
+                                                args.test_features, args.test_outputs, args.test_labels,
+                                                args.test_targets) if spec is not None]
+    saves = [(opt, path) for opt, path in (("--save", args.save), ("--save-test", args.save_test)) if path]
+    for opt, path in saves:
+        for src in inputs:
+            if _same_file(path, src):
+                raise UserError(f"{opt} {path}: is an input file ({src}); saving would overwrite it")
+    if len(saves) == 2 and _same_file(args.save, args.save_test):
+        raise UserError(f"--save and --save-test name the same file ({args.save}); the held-out state would "
+                        "overwrite the training state")
 
 
 def _width(f: ArrayFile) -> int:
@@ -691,14 +827,7 @@ def demo(args: argparse.Namespace) -> int:
     from . import Moments
 
     t0 = time.time()
-    if args.steps < 1:
-        raise UserError(f"--steps must be positive, got {args.steps}")
-    if args.epochs < 1:
-        raise UserError(f"--epochs must be positive, got {args.epochs}")
-    alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else []
-    for a in alphas:
-        if not a > 0:
-            raise UserError(f"--alphas: every alpha must be positive, got {a}")
+    alphas = args.alphas
     progress = not args.no_progress
     data = _load_digits(args.seed) or _synthetic(args.seed)
     X, y, source = data
@@ -781,20 +910,65 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error as one ``richness: error:`` line, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"richness: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(convert, lo, hi, what: str):
+    """An argparse type: ``convert(text)`` within [lo, hi] (nan is refused)."""
+    def parse(text: str):
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return v
+    return parse
+
+
+def _integer(lo: int, hi: int, what: str):
+    return _number(int, lo, hi, what)
+
+
+def _real(lo: float, hi: float, what: str):
+    return _number(float, lo, hi, what)
+
+
+# The sweep's alphas scale the targets by 1/alpha. Below about 0.03 the SGD
+# step (lr 0.05) on targets that large kills every ReLU (alpha 0.01: constant
+# features); above 1000 the network no longer moves (DLR at 100 and 1000 agree).
+_ALPHA_RANGE = (0.05, 1e3)
+
+
+def _alphas(text: str) -> List[float]:
+    one = _real(*_ALPHA_RANGE, f"alphas in [{_ALPHA_RANGE[0]:g}, {_ALPHA_RANGE[1]:g}]")
+    return [one(a.strip()) for a in text.split(",")] if text.strip() else []
+
+
+_INT64_MAX = 2**63 - 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="richness", description="Measure how rich or lazy training was (DLR).")
+    p = _Parser(prog="richness", description="Measure how rich or lazy training was (DLR).")
     p.add_argument("--version", action="version", version=f"richness {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="also log what is read and done (to stderr)")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="rich vs lazy networks on built-in data, a target-downscaled sweep, plots")
-    d.add_argument("--epochs", type=int, default=20, help="epochs of the rich/lazy classifiers")
-    d.add_argument("--steps", type=int, default=400, help="full-batch steps per network of the alpha sweep")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--alphas", default="0.1,0.3,1,10",
-                   help="comma-separated target scales of the sweep ('' to skip it)")
+    d.add_argument("--epochs", type=_integer(1, 10**6, "a positive number of epochs"), default=20,
+                   help="epochs of the rich/lazy classifiers")
+    d.add_argument("--steps", type=_integer(1, 10**8, "a positive number of steps"), default=400,
+                   help="full-batch steps per network of the alpha sweep")
+    d.add_argument("--seed", type=_integer(0, _INT64_MAX, "a non-negative integer"), default=0)
+    d.add_argument("--alphas", type=_alphas, default="0.1,0.3,1,10",
+                   help=f"comma-separated target scales of the sweep, each in [{_ALPHA_RANGE[0]:g}, "
+                        f"{_ALPHA_RANGE[1]:g}] ('' to skip it)")
     d.add_argument("--out", default="richness-demo", help="folder for the plots (default richness-demo/)")
     d.add_argument("--no-plots", action="store_true")
     d.add_argument("--no-progress", action="store_true", help="no progress bars (tqdm)")
@@ -814,11 +988,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--test-outputs")
     e.add_argument("--test-labels")
     e.add_argument("--test-targets")
-    e.add_argument("--num-classes", type=int, default=None)
+    e.add_argument("--num-classes", type=_integer(1, _INT64_MAX, "a positive number of classes"), default=None)
     e.add_argument("--precision", choices=["fp64", "fp32"], default=None,
                    help="precision of the products (default: fp64 for float64 files, else fp32)")
-    e.add_argument("--rtol", type=float, default=None, help="eigenvalue cut (default by precision)")
-    e.add_argument("--chunk", type=int, default=8192, help="rows per chunk (default 8192)")
+    e.add_argument("--rtol", type=_real(0.0, 1.0, "a relative cut in [0, 1]"), default=None,
+                   help="eigenvalue cut (default by precision)")
+    e.add_argument("--chunk", type=_integer(1, _INT64_MAX, "a positive number of rows"), default=8192,
+                   help="rows per chunk (default 8192)")
     e.add_argument("--json", action="store_true", help="print the report as one JSON object")
     e.add_argument("--save", help="write the training state (.npz) for `richness plot` or later merges")
     e.add_argument("--save-test", help="write the held-out state (.npz)")
@@ -838,8 +1014,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fail(msg: str) -> int:
+    """One line on stderr, exit code 2."""
+    print(f"richness: error: {' '.join(msg.split())}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # a usage error: one line, SystemExit(2)
     # the library logs nowhere by default (NullHandler); the command line shows
     # warnings, and info with -v, on stderr
     handler = logging.StreamHandler(sys.stderr)
@@ -850,11 +1032,20 @@ def main(argv: Optional[list] = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"richness: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
+    except MemoryError as e:
+        return _fail(str(e) or "out of memory")
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"{where}{e.strerror or _reason(e)}")
+    except (ValueError, TypeError) as e:  # the library's refusal of an input
+        return _fail(_reason(e))
     except KeyboardInterrupt:
         print("richness: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a failure nothing above foresaw: still one line; -v logs the traceback
+        log.info("traceback of the failure below", exc_info=True)
+        return _fail(f"{type(e).__name__}: {_reason(e)} (richness -v ... shows where)")
     finally:
         log.removeHandler(handler)
         log.setLevel(old_level)

@@ -9,12 +9,14 @@ training steps from ``Monitor`` records. Both write PNG and SVG.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from . import _io
 from ._report import Report
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
@@ -106,7 +108,8 @@ def read_log(path: "str | os.PathLike") -> List[Dict[str, Any]]:
     path = os.fspath(path)
     recs = []
     try:
-        with open(path, newline="") as f:
+        # regular files only: a device or a pipe could be endless or block for ever
+        with io.TextIOWrapper(_io.open_regular(path), newline="") as f:
             if path.endswith(".csv"):
                 for i, row in enumerate(csv.DictReader(f), start=2):
                     try:
