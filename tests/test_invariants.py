@@ -166,7 +166,7 @@ IMPOSSIBLE = {
                           r"must hold integers"),
     "uint64 count beyond int64": (_counts(lambda c, n: np.array([2**64 - 1] + [0] * (len(c) - 1), np.uint64)),
                                   ValueError, r"count beyond 2\*\*63 - 1"),
-    "n beyond int64": (_set("n", np.uint64(2**63)), ValueError, r"'n' is 9223372036854775808, which overflows"),
+    "n beyond int64": (_set("n", np.uint64(2**63)), ValueError, r"'n' is 9223372036854775808, outside int64"),
     "n negative": (_set("n", -200), ValueError, r"n is negative \(-200\)"),
     "no samples but values": (_set("n", 0), ValueError, r"n=0 samples but nonzero mean, M, out_mean"),
     "a class of no samples with a sum": (_emptied_class, ValueError, r"class 3 has no samples but a nonzero"),
