@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable
 
+from ._hooks import hook_forward
+
 
 def _grad_enabled() -> bool:
     import torch
@@ -17,7 +19,7 @@ class _PendingCapture:
 
     def __init__(self, module: Any, mon: Any) -> None:
         self.mon = mon
-        self.handle = module.register_forward_hook(self._hook)
+        self.handle = hook_forward(module, self._hook)
 
     def _hook(self, mod, args, out) -> None:
         mon = self.mon

@@ -20,6 +20,7 @@ back into it before the next batch.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 import weakref
@@ -38,6 +39,7 @@ except ImportError as _e:  # pragma: no cover - exercised only without the extra
 
 from . import _adapt, _state
 from . import finish as _finish
+from ._hooks import hook_forward
 from ._moments import Moments
 from ._report import Report
 
@@ -69,24 +71,25 @@ def _padded(sync_fn: Callable) -> Callable:
 
 class _Capture:
     """Forward hook on the head: keeps its latest input (the features) for the
-    next ``update`` without ``features=``. Holds the metric weakly; a copied or
-    pickled hook (with a deep-copied or saved model) captures nothing."""
+    next ``update`` without ``features=``. Holds the metric weakly (the head
+    must not keep it alive); registered as a ``ModelHook``, so a deep-copied or
+    saved model's copy of it captures nothing."""
 
     def __init__(self, metric: "DLR") -> None:
-        self.ref: Optional[Callable] = weakref.ref(metric)
+        self.ref = weakref.ref(metric)
 
     def __call__(self, module: Any, args: tuple, out: Any) -> None:
-        metric = self.ref() if self.ref is not None else None
+        metric = self.ref()
         if metric is not None and args and isinstance(args[0], torch.Tensor):
             metric.__dict__["_captured"] = args[0].detach()
 
-    def __getstate__(self) -> dict:
-        return {"ref": None}
 
-    def __deepcopy__(self, memo: dict) -> "_Capture":
-        new = _Capture.__new__(_Capture)
-        new.ref = None
-        return new
+def _kept(obj: Any, memo: dict) -> Any:
+    """``obj`` in a deep copy that keeps it by reference, unless the same deep
+    copy has already copied it (then its copy): see ``DLR.__deepcopy__``."""
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_kept(o, memo) for o in obj)
+    return memo.get(id(obj), obj)
 
 
 class DLR(Metric):
@@ -135,6 +138,9 @@ class DLR(Metric):
                                                    or isinstance(head, torch.nn.Linear))
         if self._uses_weights:
             _adapt.weights_of(head)  # a bad head fails here, not at the end of an epoch
+            # compute() reads the head's current weights besides the states,
+            # and they change between updates: a cached value would be stale
+            self.compute_with_cache = False
         empty = _state.empty(num_classes)
         for f in _state.FIELDS:
             self.add_state(f.name, torch.zeros(_state.shape_of(f, empty), dtype=_TORCH_DTYPE[f.dtype],
@@ -250,7 +256,7 @@ class DLR(Metric):
         self.__dict__["_captured"] = None
         self._drop()
 
-    def _batch(self, preds: Any, target: Any, features: Any) -> dict:
+    def _batch(self, preds: Any = None, target: Any = None, features: Any = None) -> dict:
         if features is None:
             features = self._captured
             if features is None:
@@ -419,11 +425,27 @@ class DLR(Metric):
         super().__setstate__(state)
         self._watch_head()
 
+    def __deepcopy__(self, memo: dict) -> "DLR":
+        # The head belongs to the model: ``clone()`` (a deep copy, also of a
+        # MetricCollection) keeps the same head, so a validation clone reads
+        # the live model's weights and its hook fires on the model's
+        # forwards. Only when the head itself is copied by the same deep copy
+        # (a model deep-copied with the metric as a submodule, the head
+        # reached first) does the copy follow the copied head.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        state = self.__getstate__()
+        head = state.pop("head", None)
+        state = copy.deepcopy(state, memo)
+        state["head"] = _kept(head, memo)
+        new.__setstate__(state)
+        return new
+
     # -- the head hook ----------------------------------------------------------
 
     def _watch_head(self) -> None:
         if isinstance(self.head, torch.nn.Module):
-            self.__dict__["_hook"] = self.head.register_forward_hook(_Capture(self))
+            self.__dict__["_hook"] = hook_forward(self.head, _Capture(self))
 
     def __del__(self) -> None:
         hook = self.__dict__.get("_hook")
