@@ -261,3 +261,85 @@ def test_plot_bounds():
     fig, ax = a.plot()
     assert fig is not None
     assert DLR.plot_lower_bound == 0.0 and DLR.plot_upper_bound == 1.0
+
+
+# -- the torchmetrics idioms with a head: forward, clones, live weights ---------------
+
+def _head_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 16), nn.Tanh()).double(), nn.Linear(16, 3).double()
+
+
+def _linear_oracle(H, fc):
+    W, b = fc.weight.detach().numpy(), fc.bias.detach().numpy()
+    return dlr_naive(H, H @ W.T + b)[0]
+
+
+def test_forward_with_a_head_takes_preds_and_target_alone_also_in_a_collection():
+    from torchmetrics import MetricCollection
+    from torchmetrics.classification import MulticlassAccuracy
+
+    X, F, y = data()
+    body, fc = _head_model()
+    m = DLR(head=fc)
+    coll = MetricCollection({"acc": MulticlassAccuracy(num_classes=3), "dlr": DLR(head=fc)})
+    seen = []
+    for i in range(0, 280, 70):
+        with torch.no_grad():
+            h = body(t(X[i:i + 70]))
+            logits = fc(h)  # both metrics' hooks keep h
+        val = m(logits, t(y[i:i + 70]))  # the torchmetrics idiom: metric(preds, target)
+        out = coll(logits, t(y[i:i + 70]))
+        want = _linear_oracle(h.numpy(), fc)
+        assert abs(float(val) - want) < 1e-10 and abs(float(out["dlr"]) - want) < 1e-10
+        seen.append(h.numpy())
+    H = np.vstack(seen)
+    assert abs(float(m.compute()) - _linear_oracle(H, fc)) < 1e-10
+    assert abs(float(coll.compute()["dlr"]) - _linear_oracle(H, fc)) < 1e-10
+    # a streamed-outputs metric: preds and features= through forward as through update
+    free = DLR()
+    val = free(t(F[:70]), t(y[:70]), features=t(X[:70]))
+    assert abs(float(val) - dlr_naive(X[:70], F[:70])[0]) < 1e-10
+
+
+def test_clone_keeps_the_head_so_a_validation_clone_measures_the_live_model():
+    from torchmetrics import MetricCollection
+
+    X, F, y = data()
+    body, fc = _head_model()
+    train = MetricCollection({"dlr": DLR(head=fc)}, prefix="train_")
+    val = train.clone(prefix="val_")
+    single = train["dlr"].clone()
+    assert val["dlr"].head is fc and single.head is fc
+    opt = torch.optim.SGD(list(body.parameters()) + list(fc.parameters()), lr=0.5)
+    for i in range(0, 140, 70):  # training changes the weights after the clone was made
+        logits = fc(body(t(X[i:i + 70])))
+        train.update(logits.detach(), t(y[i:i + 70]))
+        nn.functional.cross_entropy(logits, t(y[i:i + 70])).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():  # validation: the clones' hooks fire on the live model's forwards
+        h = body(t(X[140:]))
+        logits = fc(h)
+    val.update(logits, t(y[140:]))
+    single.update(logits, t(y[140:]))
+    want = _linear_oracle(h.numpy(), fc)  # the weights now, not those at clone time
+    assert abs(float(val.compute()["val_dlr"]) - want) < 1e-10
+    assert abs(float(single.compute()) - want) < 1e-10
+
+
+def test_compute_follows_the_heads_current_weights():
+    X, F, y = data()
+    body, fc = _head_model()
+    m = DLR(head=fc)
+    with torch.no_grad():
+        h = body(t(X))
+        m.update(fc(h), t(y))
+    H = h.numpy()
+    before = float(m.compute())
+    assert abs(before - _linear_oracle(H, fc)) < 1e-10
+    with torch.no_grad():  # an optimizer step, in place
+        fc.weight[1:].mul_(0.0)
+    after = float(m.compute())
+    assert abs(after - _linear_oracle(H, fc)) < 1e-10 and abs(after - before) > 1e-3
+    assert abs(float(m.report().dlr) - after) < 1e-12
