@@ -343,3 +343,51 @@ def test_compute_follows_the_heads_current_weights():
     after = float(m.compute())
     assert abs(after - _linear_oracle(H, fc)) < 1e-10 and abs(after - before) > 1e-3
     assert abs(float(m.report().dlr) - after) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(20, 40, 3), (12, 40, 16), (60, 20, 3)],
+                         ids=["n<p, C<n: Gram route", "n<p, C>n: sample space", "n>p: batch state"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("with_head", [False, True])
+def test_forward_batch_value_on_every_route(shape, dtype, with_head):
+    n, p, c = shape
+    rng = np.random.default_rng(5)
+    X = (rng.normal(size=(3 * n, p)) * np.linspace(0.5, 2.0, p) + 4.0).astype(dtype)
+    fc = nn.Linear(p, c).double()
+    W, b = fc.weight.detach().numpy(), fc.bias.detach().numpy()
+    F = (X.astype(np.float64) @ rng.normal(size=(p, c)) + rng.normal(size=(3 * n, c))).astype(dtype)
+    y = rng.integers(0, 3, 3 * n)
+    m, ref = (DLR(head=fc), DLR(head=fc)) if with_head else (DLR(), DLR())
+    tol = 1e-10 if dtype == "float64" else 2e-5
+    for i in range(0, 3 * n, n):
+        x64 = X[i:i + n].astype(np.float64)
+        want = dlr_naive(x64, x64 @ W.T + b if with_head else F[i:i + n].astype(np.float64))[0]
+        val = m(t(F[i:i + n]), t(y[i:i + n]), features=t(X[i:i + n]))
+        ref.update(t(F[i:i + n]), t(y[i:i + n]), features=t(X[i:i + n]))
+        assert val.dtype == torch.float64 and abs(float(val) - want) < tol
+        sm, sr = states(m), states(ref)
+        if n < p:  # the Gram route adds the batch by update itself
+            assert same_states(sm, sr)
+        else:  # the batch's own state, merged: equal up to rounding
+            assert all(torch.allclose(sm[k].double(), sr[k].double(), rtol=1e-12, atol=1e-9) for k in sm)
+    X64 = X.astype(np.float64)
+    want = dlr_naive(X64, X64 @ W.T + b if with_head else F.astype(np.float64))[0]
+    assert abs(float(m.compute()) - want) < tol
+
+
+def test_forward_bad_batch_and_constant_features():
+    X, F, y = data(n=40, p=60)
+    a = DLR()
+    a(t(F[:20]), t(y[:20]), features=t(X[:20]))
+    before = states(a)
+    with pytest.raises(ValueError):
+        a(t(F[20:30]), t(y[20:30]), features=t(X[20:30, :50]))  # other feature width
+    with pytest.raises(ValueError):
+        a(t(F[20:30]), t(y[20:26]), features=t(X[20:30]))  # labels of another length
+    fc = nn.Linear(50, 3).double()
+    h = DLR(head=fc)
+    with pytest.raises(ValueError, match="input columns"):
+        h(t(F[:20]), features=t(X[:20]))  # the head does not fit the features
+    assert same_states(before, states(a)) and int(h.widths[0]) == 0
+    with pytest.warns(UserWarning, match="undefined"):
+        assert torch.isnan(a(t(F[20:30]), t(y[20:30]), features=t(np.ones((10, 60)))))

@@ -150,11 +150,7 @@ class Moments(Lockable):
         if len(devices) > 1:
             raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
         backend = self._sink(batch.features.device)
-        precision = self.precision
-        if precision is None:
-            floats = [m.dtype for m in (batch.features, batch.outputs, batch.targets) if m is not None]
-            precision = "fp64" if all(d == _adapt.F64 for d in floats) else "fp32"
-        backend.update(batch, precision)
+        backend.update(batch, batch_precision(self.precision, batch))
 
     def merge(self, other: "Moments") -> None:
         """Add another state (Chan et al. pairwise merge; exact up to rounding)."""
@@ -294,6 +290,15 @@ class Moments(Lockable):
             return "Moments(empty)"
         groups = "" if self._groups is None else f", groups={self._groups}"
         return f"Moments(n={self.n}, p={self._backend.widths()['p']}, device={self._device!r}{groups})"
+
+
+def batch_precision(precision: Optional[str], batch: Batch) -> str:
+    """The product precision of one batch: ``precision``, or by default
+    ``"fp64"`` when every float input is float64, else ``"fp32"``."""
+    if precision is not None:
+        return precision
+    floats = [m.dtype for m in (batch.features, batch.outputs, batch.targets) if m is not None]
+    return "fp64" if all(d == _adapt.F64 for d in floats) else "fp32"
 
 
 def dlr(features: Any, outputs: Any = None, *, head: Any = None, rtol: Optional[float] = None) -> float:
