@@ -108,16 +108,13 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 
-class Net(nn.Module):
-    """Module-level, so that torch.save pickles it by reference."""
+from tiny_models import MLP  # noqa: E402  (module-level: torch.save pickles it by reference)
 
-    def __init__(self, d=6, h=12, c=3):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(d, h), nn.Tanh())
-        self.fc = nn.Linear(h, c)
 
-    def forward(self, x):
-        return self.fc(self.body(x))
+def Net():
+    """In eval mode (no dropout: the oracle recomputes the head's input);
+    the Monitor still captures its forwards run with gradients."""
+    return MLP(6, 12, 3).eval()
 
 
 def saved(model):
@@ -159,7 +156,7 @@ def test_model_with_a_monitor_copies_and_the_copy_is_not_monitored(how, head, wh
             out.sum().backward()
             mon.step(labels=y)
         (rec,) = mon.history
-    assert type(twin) is Net and twin is not net
+    assert type(twin) is MLP and twin is not net
     H, F = head_rows(net, [x for x, _ in xs[:2]])
     assert rec["n"] == 80 and abs(rec["dlr"] - dlr_naive(H, F)[0]) < 1e-10
     assert abs(rec["nc1"] - nc1_naive(H, np.concatenate([y.numpy() for _, y in xs[:2]]))) < 1e-8 * rec["nc1"]
@@ -218,7 +215,7 @@ class WithMetrics(nn.Module):
 
         from richness.torchmetrics import DLR
 
-        self.net = Net()
+        self.net = Net()  # eval mode: no dropout
         self.metrics = MetricCollection({"dlr": DLR(head=self.net.fc)})
 
     def forward(self, x):
