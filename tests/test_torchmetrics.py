@@ -391,3 +391,21 @@ def test_forward_bad_batch_and_constant_features():
     assert same_states(before, states(a)) and int(h.widths[0]) == 0
     with pytest.warns(UserWarning, match="undefined"):
         assert torch.isnan(a(t(F[20:30]), t(y[20:30]), features=t(np.ones((10, 60)))))
+
+
+def test_dtype_requests_leave_states_and_values_float64():
+    """As documented: set_dtype, .double(), .float(), .half() (also through a
+    model holding the metric) change neither the states nor the values."""
+    X, F, y = data()
+    model = nn.Module()
+    model.metric = DLR()
+    feed(model.metric, X[:140], F[:140], y[:140])
+    before = states(model.metric)
+    for request in (lambda mod: mod.half(), lambda mod: mod.float(), lambda mod: mod.double(),
+                    lambda mod: mod.metric.set_dtype(torch.float16)):
+        request(model)
+        assert same_states(before, states(model.metric))
+    val = model.metric(t(F[140:210]), t(y[140:210]), features=t(X[140:210]).half())
+    assert val.dtype == torch.float64 and model.metric.M.dtype == torch.float64
+    want = dlr_naive(X[140:210].astype(np.float16).astype(np.float64), F[140:210])[0]
+    assert abs(float(val) - want) < 1e-5
