@@ -62,10 +62,9 @@ def norm(a) -> float:
     (entries above 1e154) nor underflow (below 1e-154).
 
     On numpy arrays the sum of squares is numpy's own loop (``einsum``), not
-    ``linalg.norm``: that calls a threaded BLAS dot, and on every per-batch
-    finishing (the torchmetrics ``forward``) its thread pool woke beside the
-    core's and torch's and slowed the next update several-fold
-    (benchmarks/bench_torchmetrics.py)."""
+    ``linalg.norm``: that calls a threaded BLAS dot, whose thread pool wakes
+    beside the core's and torch's on every per-batch finishing and slows the
+    next update several-fold (benchmarks/RESULTS.md, torchmetrics metric)."""
     xp = ns(a)
     scale = float(xp.abs(a).max()) if a.shape[0] else 0.0
     if not (scale > 0.0 and math.isfinite(scale)):
