@@ -1252,3 +1252,30 @@ def test_threads_share_one_object(emu):
         assert not errors, errors
         X, F, y = (np.concatenate([b[i] for b in data]) for i in range(3))
         assert_close(gpu.get_state(), oracle(X, F, y=y, k=4), 1e-12, what="threads vs oracle")
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_device_moments_copies_and_pickles_through_its_state(emu, monkeypatch, how):
+    """A CUDA Moments copies through its state dict into a new device
+    accumulator (the emulated one here): equal, independent, staging kept."""
+    import copy
+    import pickle
+
+    import richness
+    from richness import _backend
+
+    monkeypatch.setattr(_backend, "_cuda_core", lambda num_classes, device: emu.mod.CudaMoments(num_classes, 0))
+    X, F, T, y = problem(n=300, k=5, seed=21)
+    cpu = richness.Moments(5)
+    cpu.update(X[:200], F[:200], y[:200], T[:200])
+    m = richness.Moments(5, device="cuda:0", stack_rows=64)
+    m.load_state_dict(cpu.state_dict())
+    before = m.state_dict()
+    dup = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda o: pickle.loads(pickle.dumps(o))}[how](m)
+    core, orig_core = dup._backend.core, m._backend.core
+    assert dup.device == "cuda:0" and type(core) is type(orig_core) and core is not orig_core
+    assert core.stack_rows == 64 and dup.num_classes == 5
+    assert_equal_states(dup.state_dict(), before)
+    core.update(marg(X[200:]), marg(F[200:]), marg(y[200:]), marg(T[200:]), precision="fp64")
+    assert_equal_states(m.state_dict(), before)  # the original is untouched
+    assert_close(dup.state_dict(), oracle(X, F, T, y, 5), 1e-12, what="copy after more rows")

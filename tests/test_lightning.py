@@ -32,11 +32,21 @@ def batches(steps=4, bs=40, d=6, c=3, seed=0):
              torch.randint(0, c, (bs,), generator=g)) for _ in range(steps)]
 
 
-def record_head(module, store):
-    def hook(mod, args, out):
+class _Record:
+    """The test's own hook on the head: (input, output) of every forward with
+    gradients. A class, so that a model carrying it still pickles (a copied
+    model records into its copy of the list)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __call__(self, mod, args, out):
         if torch.is_grad_enabled():
-            store.append((args[0].detach().clone().numpy(), out.detach().clone().numpy()))
-    return module.register_forward_hook(hook)
+            self.store.append((args[0].detach().clone().numpy(), out.detach().clone().numpy()))
+
+
+def record_head(module, store):
+    return module.register_forward_hook(_Record(store))
 
 
 # -- Monitor: step base and the idle-head warning --------------------------------
@@ -95,7 +105,7 @@ def _lightning():
     return pl
 
 
-def _module(pl, direct_forward=True, metrics=None):
+def _module(pl, direct_forward=True, metrics=None, log_forward=False):
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
@@ -111,7 +121,9 @@ def _module(pl, direct_forward=True, metrics=None):
             out = self(x) if direct_forward else self.net.fc(self.net.body(x))
             loss = nn.functional.cross_entropy(out, y)
             self.log("loss", loss)
-            if self.metrics is not None:
+            if self.metrics is not None and log_forward:  # the batch values, through forward
+                self.log_dict(self.metrics(out.detach(), y))
+            elif self.metrics is not None:
                 self.metrics.update(out.detach(), y)
             return loss
 
@@ -236,3 +248,64 @@ def test_metric_collection_in_a_lightning_run():
     X = np.vstack([x.numpy() for x, _ in batches()])
     # the body's input (the data) against the logits each step produced
     assert abs(float(got["dlr_streamed"]) - dlr_naive(X, F)[0]) < 1e-10
+
+
+def test_metric_collection_forward_logged_with_log_dict():
+    pl = _lightning()
+    pytest.importorskip("torchmetrics")
+    from torchmetrics import MetricCollection
+
+    from richness.torchmetrics import DLR
+
+    module = _module(pl, metrics=lambda net: MetricCollection({"dlr": DLR(head=net.fc)}), log_forward=True)
+    seen = []
+    record_head(module.net.fc, seen)
+    trainer, logger = _fit(pl, module, [])
+    logged = {step: m["dlr"] for step, m in logger.rows if "dlr" in m}
+    # each step's value: the batch's features against the head's weights of that forward
+    assert sorted(logged) == [0, 1, 2, 3]
+    for step in range(4):
+        assert abs(logged[step] - _window_dlr(seen, step)) < 1e-10
+    assert abs(float(module.metrics.compute()["dlr"]) - dlr_naive(
+        np.vstack([h for h, _ in seen]),
+        np.vstack([h for h, _ in seen]) @ module.net.fc.weight.detach().numpy().T
+        + module.net.fc.bias.detach().numpy())[0]) < 1e-10
+
+
+def test_callback_models_copy_and_save_mid_run_and_the_copy_is_not_monitored():
+    """EMA/SWA idioms inside a run: the module deep-copied and torch.saved
+    whole while the callback's Monitor is attached; the copies' forwards
+    (with gradients, inside the window) never reach its window."""
+    import copy
+    import io
+
+    pl = _lightning()
+    from richness.lightning import RichnessCallback
+
+    module = _module(pl)
+    seen = []
+    record_head(module.net.fc, seen)
+    copies = []
+
+    class Ema(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            buf = io.BytesIO()
+            torch.save(pl_module, buf)
+            buf.seek(0)
+            for twin in (copy.deepcopy(pl_module), torch.load(buf, weights_only=False)):
+                twin(batch[0] + 1.0).sum().backward()
+                copies.append(twin)
+
+    # torch.save pickles the class by name: give the test's local class one
+    cls = type(module)
+    cls.__qualname__ = cls.__name__ = "_SavedModule"
+    globals()["_SavedModule"] = cls
+    cb = RichnessCallback(every=2, window=2)
+    _fit(pl, module, [Ema(), cb])  # Ema runs first: its copies' forwards fall inside the window
+    hist = cb.monitor.history
+    assert len(copies) == 8 and len(seen) == 4 and [r["step"] for r in hist] == [1, 3]
+    for rec, pair in zip(hist, ((0, 1), (2, 3))):
+        assert rec["n"] == 80 and abs(rec["dlr"] - _window_dlr(seen, *pair)) < 1e-10
+    with torch.no_grad():  # the copies are whole models
+        x = batches()[0][0]
+        assert all(torch.equal(c(x), copies[0](x)) for c in copies[:2])

@@ -261,3 +261,151 @@ def test_plot_bounds():
     fig, ax = a.plot()
     assert fig is not None
     assert DLR.plot_lower_bound == 0.0 and DLR.plot_upper_bound == 1.0
+
+
+# -- the torchmetrics idioms with a head: forward, clones, live weights ---------------
+
+def _head_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 16), nn.Tanh()).double(), nn.Linear(16, 3).double()
+
+
+def _linear_oracle(H, fc):
+    W, b = fc.weight.detach().numpy(), fc.bias.detach().numpy()
+    return dlr_naive(H, H @ W.T + b)[0]
+
+
+def test_forward_with_a_head_takes_preds_and_target_alone_also_in_a_collection():
+    from torchmetrics import MetricCollection
+    from torchmetrics.classification import MulticlassAccuracy
+
+    X, F, y = data()
+    body, fc = _head_model()
+    m = DLR(head=fc)
+    coll = MetricCollection({"acc": MulticlassAccuracy(num_classes=3), "dlr": DLR(head=fc)})
+    seen = []
+    for i in range(0, 280, 70):
+        with torch.no_grad():
+            h = body(t(X[i:i + 70]))
+            logits = fc(h)  # both metrics' hooks keep h
+        val = m(logits, t(y[i:i + 70]))  # the torchmetrics idiom: metric(preds, target)
+        out = coll(logits, t(y[i:i + 70]))
+        want = _linear_oracle(h.numpy(), fc)
+        assert abs(float(val) - want) < 1e-10 and abs(float(out["dlr"]) - want) < 1e-10
+        seen.append(h.numpy())
+    H = np.vstack(seen)
+    assert abs(float(m.compute()) - _linear_oracle(H, fc)) < 1e-10
+    assert abs(float(coll.compute()["dlr"]) - _linear_oracle(H, fc)) < 1e-10
+    # a streamed-outputs metric: preds and features= through forward as through update
+    free = DLR()
+    val = free(t(F[:70]), t(y[:70]), features=t(X[:70]))
+    assert abs(float(val) - dlr_naive(X[:70], F[:70])[0]) < 1e-10
+
+
+def test_clone_keeps_the_head_so_a_validation_clone_measures_the_live_model():
+    from torchmetrics import MetricCollection
+
+    X, F, y = data()
+    body, fc = _head_model()
+    train = MetricCollection({"dlr": DLR(head=fc)}, prefix="train_")
+    val = train.clone(prefix="val_")
+    single = train["dlr"].clone()
+    assert val["dlr"].head is fc and single.head is fc
+    opt = torch.optim.SGD(list(body.parameters()) + list(fc.parameters()), lr=0.5)
+    for i in range(0, 140, 70):  # training changes the weights after the clone was made
+        logits = fc(body(t(X[i:i + 70])))
+        train.update(logits.detach(), t(y[i:i + 70]))
+        nn.functional.cross_entropy(logits, t(y[i:i + 70])).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():  # validation: the clones' hooks fire on the live model's forwards
+        h = body(t(X[140:]))
+        logits = fc(h)
+    val.update(logits, t(y[140:]))
+    single.update(logits, t(y[140:]))
+    want = _linear_oracle(h.numpy(), fc)  # the weights now, not those at clone time
+    assert abs(float(val.compute()["val_dlr"]) - want) < 1e-10
+    assert abs(float(single.compute()) - want) < 1e-10
+
+
+def test_compute_follows_the_heads_current_weights():
+    X, F, y = data()
+    body, fc = _head_model()
+    m = DLR(head=fc)
+    with torch.no_grad():
+        h = body(t(X))
+        m.update(fc(h), t(y))
+    H = h.numpy()
+    before = float(m.compute())
+    assert abs(before - _linear_oracle(H, fc)) < 1e-10
+    with torch.no_grad():  # an optimizer step, in place
+        fc.weight[1:].mul_(0.0)
+    after = float(m.compute())
+    assert abs(after - _linear_oracle(H, fc)) < 1e-10 and abs(after - before) > 1e-3
+    assert abs(float(m.report().dlr) - after) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(20, 40, 3), (12, 40, 16), (60, 20, 3)],
+                         ids=["n<p, C<n: Gram route", "n<p, C>n: sample space", "n>p: batch state"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("with_head", [False, True])
+def test_forward_batch_value_on_every_route(shape, dtype, with_head):
+    n, p, c = shape
+    rng = np.random.default_rng(5)
+    X = (rng.normal(size=(3 * n, p)) * np.linspace(0.5, 2.0, p) + 4.0).astype(dtype)
+    fc = nn.Linear(p, c).double()
+    W, b = fc.weight.detach().numpy(), fc.bias.detach().numpy()
+    F = (X.astype(np.float64) @ rng.normal(size=(p, c)) + rng.normal(size=(3 * n, c))).astype(dtype)
+    y = rng.integers(0, 3, 3 * n)
+    m, ref = (DLR(head=fc), DLR(head=fc)) if with_head else (DLR(), DLR())
+    tol = 1e-10 if dtype == "float64" else 2e-5
+    for i in range(0, 3 * n, n):
+        x64 = X[i:i + n].astype(np.float64)
+        want = dlr_naive(x64, x64 @ W.T + b if with_head else F[i:i + n].astype(np.float64))[0]
+        val = m(t(F[i:i + n]), t(y[i:i + n]), features=t(X[i:i + n]))
+        ref.update(t(F[i:i + n]), t(y[i:i + n]), features=t(X[i:i + n]))
+        assert val.dtype == torch.float64 and abs(float(val) - want) < tol
+        sm, sr = states(m), states(ref)
+        if n < p:  # the Gram route adds the batch by update itself
+            assert same_states(sm, sr)
+        else:  # the batch's own state, merged: equal up to rounding
+            assert all(torch.allclose(sm[k].double(), sr[k].double(), rtol=1e-12, atol=1e-9) for k in sm)
+    X64 = X.astype(np.float64)
+    want = dlr_naive(X64, X64 @ W.T + b if with_head else F.astype(np.float64))[0]
+    assert abs(float(m.compute()) - want) < tol
+
+
+def test_forward_bad_batch_and_constant_features():
+    X, F, y = data(n=40, p=60)
+    a = DLR()
+    a(t(F[:20]), t(y[:20]), features=t(X[:20]))
+    before = states(a)
+    with pytest.raises(ValueError):
+        a(t(F[20:30]), t(y[20:30]), features=t(X[20:30, :50]))  # other feature width
+    with pytest.raises(ValueError):
+        a(t(F[20:30]), t(y[20:26]), features=t(X[20:30]))  # labels of another length
+    fc = nn.Linear(50, 3).double()
+    h = DLR(head=fc)
+    with pytest.raises(ValueError, match="input columns"):
+        h(t(F[:20]), features=t(X[:20]))  # the head does not fit the features
+    assert same_states(before, states(a)) and int(h.widths[0]) == 0
+    with pytest.warns(UserWarning, match="undefined"):
+        assert torch.isnan(a(t(F[20:30]), t(y[20:30]), features=t(np.ones((10, 60)))))
+
+
+def test_dtype_requests_leave_states_and_values_float64():
+    """As documented: set_dtype, .double(), .float(), .half() (also through a
+    model holding the metric) change neither the states nor the values."""
+    X, F, y = data()
+    model = nn.Module()
+    model.metric = DLR()
+    feed(model.metric, X[:140], F[:140], y[:140])
+    before = states(model.metric)
+    for request in (lambda mod: mod.half(), lambda mod: mod.float(), lambda mod: mod.double(),
+                    lambda mod: mod.metric.set_dtype(torch.float16)):
+        request(model)
+        assert same_states(before, states(model.metric))
+    val = model.metric(t(F[140:210]), t(y[140:210]), features=t(X[140:210]).half())
+    assert val.dtype == torch.float64 and model.metric.M.dtype == torch.float64
+    want = dlr_naive(X[140:210].astype(np.float16).astype(np.float64), F[140:210])[0]
+    assert abs(float(val) - want) < 1e-5

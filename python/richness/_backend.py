@@ -136,10 +136,23 @@ class CoreBackend:
     def whole(self) -> "CoreBackend":
         return self
 
+    # A compiled accumulator does not pickle: copies and pickles go through
+    # the state dict (``_state``), exact, and a new accumulator on the same
+    # device (CUDA: the state passes through the host).
+    def __getstate__(self) -> dict:
+        return {"device": self.device, "num_classes": self._num_classes, "stack_rows": self.stack_rows,
+                "state": self.to_state()}
+
+    def __setstate__(self, st: dict) -> None:
+        self.__init__(st["device"], st["num_classes"], st["stack_rows"])
+        self.from_state(st["state"])
+
 
 class Lockable:
     """An object with a ``threading.Lock`` in ``_lock`` that still pickles and
-    copies (the lock is not copied; the copy gets a new one)."""
+    copies (the lock is not copied; the copy gets a new one). What it holds
+    must pickle too: a backend's compiled accumulator does so through its
+    state dict (``CoreBackend.__getstate__``)."""
 
     _lock: threading.Lock
 

@@ -77,6 +77,39 @@ def output_tensors(out: Any) -> List[Any]:
     return res
 
 
+class ModelHook:
+    """A forward hook that richness puts on a user's model, calling ``fn``.
+
+    Models are deep-copied (EMA, SWA) and pickled whole (``torch.save``) with
+    the hooks in their modules' dicts. A copy or an unpickled copy of this
+    hook calls nothing: a copied model's forwards never reach the original's
+    monitor or metric, and what ``fn`` holds (a Monitor, its sinks) is never
+    copied or pickled."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Optional[Callable] = None) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> None:  # (mod, args[, out]): pre-hooks and forward hooks
+        if self.fn is not None:
+            self.fn(*args)
+
+    def __copy__(self) -> "ModelHook":
+        return ModelHook()
+
+    def __deepcopy__(self, memo: dict) -> "ModelHook":
+        return ModelHook()
+
+    def __reduce__(self) -> tuple:
+        return (ModelHook, ())
+
+
+def hook_forward(module: Any, fn: Callable) -> Any:
+    """Register ``fn`` as a forward hook of ``module`` (a ``ModelHook``); returns the handle."""
+    return module.register_forward_hook(ModelHook(fn))
+
+
 class HeadFinder:
     """Hooks on every ``nn.Linear`` for one forward pass; afterwards names the
     last one whose output object is (one of) the model's output(s).
@@ -94,7 +127,7 @@ class HeadFinder:
         self.handles = []
         for name, mod in model.named_modules():
             if isinstance(mod, nn.Linear):
-                self.handles.append(mod.register_forward_hook(self._hook(name)))
+                self.handles.append(hook_forward(mod, self._hook(name)))
 
     def _hook(self, name: str):
         def hook(mod, args, out):
@@ -137,7 +170,7 @@ class Capture:
     def __init__(self, module: Any, active: Callable[[], bool] = lambda: True) -> None:
         self.inp = self.out = None
         self.active = active
-        self.handle = module.register_forward_hook(self._hook)
+        self.handle = hook_forward(module, self._hook)
 
     def _hook(self, mod, args, out):
         if self.active():

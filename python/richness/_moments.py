@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import threading
 from typing import Any, Optional
@@ -62,6 +64,9 @@ class Moments(Lockable):
     a ``Report`` without touching the state. Invalid input raises and leaves
     the state exactly as it was.
 
+    ``copy.copy``, ``copy.deepcopy`` and ``pickle`` give an equal, independent
+    ``Moments`` (through the state dict; a CUDA one is rebuilt on its device).
+
     One ``Moments`` may be updated, merged and read from several threads at
     once: each call holds its backend's lock (the GIL is released while it
     waits and computes) and sees whole batches only.
@@ -111,6 +116,12 @@ class Moments(Lockable):
     def _make_backend(self, device: str) -> CoreBackend:
         return CoreBackend(device, self.num_classes, self.stack_rows)
 
+    def _new_backend(self, device: str):
+        if self._groups is None:
+            return self._make_backend(device)
+        # a bound method, not a closure: the backend pickles and copies with its Moments
+        return GroupedBackend(functools.partial(self._make_backend, device), self._groups, self._group_seed)
+
     @property
     def device(self) -> Optional[str]:
         """Where the state lives: ``"cpu"``, ``"cuda:N"``, or None before the first batch."""
@@ -119,10 +130,7 @@ class Moments(Lockable):
     def _create(self, device: str) -> None:
         if device == "cpu" and self.stack_rows:  # before anything changes
             raise ValueError(STACK_CPU)
-        if self._groups is None:
-            backend = self._make_backend(device)
-        else:
-            backend = GroupedBackend(lambda: self._make_backend(device), self._groups, self._group_seed)
+        backend = self._new_backend(device)
         self._device = device
         self._backend = backend
 
@@ -155,11 +163,7 @@ class Moments(Lockable):
         if len(devices) > 1:
             raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
         backend = self._sink(batch.features.device)
-        precision = self.precision
-        if precision is None:
-            floats = [m.dtype for m in (batch.features, batch.outputs, batch.targets) if m is not None]
-            precision = "fp64" if all(d == _adapt.F64 for d in floats) else "fp32"
-        backend.update(batch, precision)
+        backend.update(batch, batch_precision(self.precision, batch))
 
     def merge(self, other: "Moments") -> None:
         """Add another state (Chan et al. pairwise merge; exact up to rounding)."""
@@ -273,10 +277,7 @@ class Moments(Lockable):
         w = _state.widths_of(state)
         self._check_num_classes([state])
         device = self._device or "cpu"
-        if self._groups is None:
-            backend = self._make_backend(device)
-        else:
-            backend = GroupedBackend(lambda: self._make_backend(device), self._groups, self._group_seed)
+        backend = self._new_backend(device)
         backend.from_state(state)  # validates in the core; raises before anything changes
         self._backend = backend
         self._device = device
@@ -298,11 +299,25 @@ class Moments(Lockable):
             raise ValueError(f"{os.fspath(path)}: not a valid richness state ({e})") from None
         return m
 
+    def __copy__(self) -> "Moments":
+        # A Moments is a value: a shallow copy that shared the accumulator
+        # with the original would not be a copy of the data at all.
+        return copy.deepcopy(self)
+
     def __repr__(self) -> str:
         if self._backend is None or self.n == 0:
             return "Moments(empty)"
         groups = "" if self._groups is None else f", groups={self._groups}"
         return f"Moments(n={self.n}, p={self._backend.widths()['p']}, device={self._device!r}{groups})"
+
+
+def batch_precision(precision: Optional[str], batch: Batch) -> str:
+    """The product precision of one batch: ``precision``, or by default
+    ``"fp64"`` when every float input is float64, else ``"fp32"``."""
+    if precision is not None:
+        return precision
+    floats = [m.dtype for m in (batch.features, batch.outputs, batch.targets) if m is not None]
+    return "fp64" if all(d == _adapt.F64 for d in floats) else "fp32"
 
 
 def dlr(features: Any, outputs: Any = None, *, head: Any = None, rtol: Optional[float] = None) -> float:

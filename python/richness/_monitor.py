@@ -33,7 +33,7 @@ import numpy as np
 
 from ._batches import check_tokens, label_kwargs, select_rows
 from ._evaluate import collect
-from ._hooks import HeadFinder, resolve_head
+from ._hooks import HeadFinder, hook_forward, resolve_head
 from ._monitor_capture import (_grad_enabled, _ModelForwards, _PendingCapture, _probe_batches,  # noqa: F401
                                _StepBuffer)
 from ._monitor_onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group,  # noqa: F401
@@ -166,7 +166,7 @@ class Monitor:
                 self._capture = _PendingCapture(self._head, self)
             else:
                 self._finder = HeadFinder(model)
-                self._model_hook = model.register_forward_hook(self._on_model_output)
+                self._model_hook = hook_forward(model, self._on_model_output)
         # Restored by close(). One core worker below 2^30 multiply-adds (the
         # default window's update, 1,280 x 512^2, is 3.4e8): right after a
         # training step torch's OpenMP threads are still spinning, and a second

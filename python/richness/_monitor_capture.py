@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List
 
+from ._hooks import ModelHook, hook_forward
+
 
 def _grad_enabled() -> bool:
     import torch
@@ -18,7 +20,7 @@ class _PendingCapture:
 
     def __init__(self, module: Any, mon: Any) -> None:
         self.mon = mon
-        self.handle = module.register_forward_hook(self._hook)
+        self.handle = hook_forward(module, self._hook)
 
     def _hook(self, mod, args, out) -> None:
         mon = self.mon
@@ -45,9 +47,10 @@ class _ModelForwards:
         self.frames: List[list] = []  # one per model forward in progress: [returned, captures]
         # The "returned" hook runs only when the forward returned; the
         # always-called one after it, returned or raised: it closes the frame.
-        self.handles = [model.register_forward_pre_hook(self._begin),
-                        model.register_forward_hook(self._returned),
-                        model.register_forward_hook(self._end, always_call=True)]
+        # ModelHook: a copied or unpickled model carries inert hooks.
+        self.handles = [model.register_forward_pre_hook(ModelHook(self._begin)),
+                        model.register_forward_hook(ModelHook(self._returned)),
+                        model.register_forward_hook(ModelHook(self._end), always_call=True)]
 
     def add(self, capture: tuple) -> None:
         if self.frames:

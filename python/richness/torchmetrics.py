@@ -20,6 +20,7 @@ back into it before the next batch.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 import weakref
@@ -38,6 +39,7 @@ except ImportError as _e:  # pragma: no cover - exercised only without the extra
 
 from . import _adapt, _state
 from . import finish as _finish
+from ._hooks import hook_forward
 from ._moments import Moments
 from ._report import Report
 
@@ -69,24 +71,32 @@ def _padded(sync_fn: Callable) -> Callable:
 
 class _Capture:
     """Forward hook on the head: keeps its latest input (the features) for the
-    next ``update`` without ``features=``. Holds the metric weakly; a copied or
-    pickled hook (with a deep-copied or saved model) captures nothing."""
+    next ``update`` without ``features=``. Holds the metric weakly (the head
+    must not keep it alive); registered as a ``ModelHook``, so a deep-copied or
+    saved model's copy of it captures nothing."""
 
     def __init__(self, metric: "DLR") -> None:
-        self.ref: Optional[Callable] = weakref.ref(metric)
+        self.ref = weakref.ref(metric)
 
     def __call__(self, module: Any, args: tuple, out: Any) -> None:
-        metric = self.ref() if self.ref is not None else None
+        metric = self.ref()
         if metric is not None and args and isinstance(args[0], torch.Tensor):
             metric.__dict__["_captured"] = args[0].detach()
 
-    def __getstate__(self) -> dict:
-        return {"ref": None}
 
-    def __deepcopy__(self, memo: dict) -> "_Capture":
-        new = _Capture.__new__(_Capture)
-        new.ref = None
-        return new
+def _host(x: Any) -> np.ndarray:
+    """A CPU tensor (or array) as numpy, viewed where numpy has its dtype."""
+    if isinstance(x, torch.Tensor):
+        return x.numpy() if x.dtype in (torch.float32, torch.float64, torch.float16) else x.double().numpy()
+    return np.asarray(x)
+
+
+def _kept(obj: Any, memo: dict) -> Any:
+    """``obj`` in a deep copy that keeps it by reference, unless the same deep
+    copy has already copied it (then its copy): see ``DLR.__deepcopy__``."""
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_kept(o, memo) for o in obj)
+    return memo.get(id(obj), obj)
 
 
 class DLR(Metric):
@@ -108,12 +118,28 @@ class DLR(Metric):
     ``update(preds, target=None, features=None)``: ``preds`` the outputs
     (logits, not probabilities), ``target`` integer labels (or float
     regression targets), ``features`` the penultimate activations (n, p).
-    ``forward`` returns the batch's DLR and adds the batch. ``compute()`` returns
-    a float64 scalar tensor (nan with a warning while DLR is undefined: fewer
-    than 2 samples, constant features or outputs) and never changes the state;
-    ``report()`` gives the full ``richness.Report``. Under DDP the ranks'
-    states merge exactly in float64. Inputs must be on the metric's device
-    (``.to(device)``).
+    ``forward`` (``metric(preds, target)``, also in a ``MetricCollection``)
+    takes the same arguments, returns the batch's DLR and adds the batch.
+    ``compute()`` returns a float64 scalar tensor (nan with a warning while
+    DLR is undefined: fewer than 2 samples, constant features or outputs) and
+    never changes the state; with a linear head it is not cached, since it
+    reads the head's current weights. ``report()`` gives the full
+    ``richness.Report``. Under DDP the ranks' states merge exactly in
+    float64. Inputs must be on the metric's device (``.to(device)``).
+
+    Dtypes: the states are float64 sums (and int64 widths) and the values
+    float64 tensors whatever ``set_dtype``, ``.double()``, ``.float()`` or
+    ``.half()`` ask (a model's ``.double()`` reaching the metric changes
+    nothing); device moves are followed. The products' precision is the
+    ``precision`` argument, by default by the inputs' dtype (``Moments``).
+
+    Copies: ``clone()`` (and ``MetricCollection.clone``) keeps the same head
+    module, so a validation clone reads the live model and its hook fires on
+    the model's forwards. A model holding the metric pickles with it, the
+    copy's metric on the copy's head; so does a deep copy when the model's
+    modules list the head before the metric (else the copy's metric keeps
+    the original head). A copied model's forwards never reach the original's
+    metric.
     """
 
     is_differentiable = False
@@ -135,13 +161,16 @@ class DLR(Metric):
                                                    or isinstance(head, torch.nn.Linear))
         if self._uses_weights:
             _adapt.weights_of(head)  # a bad head fails here, not at the end of an epoch
+            # compute() reads the head's current weights besides the states,
+            # and they change between updates: a cached value would be stale
+            self.compute_with_cache = False
         empty = _state.empty(num_classes)
         for f in _state.FIELDS:
             self.add_state(f.name, torch.zeros(_state.shape_of(f, empty), dtype=_TORCH_DTYPE[f.dtype],
                                                device=self.device), dist_reduce_fx=None)
         self.add_state("widths", self._widths_tensor(empty, self.device), dist_reduce_fx=None)
         self.__dict__.update(_acc=None, _acc_ok=False, _pending=None, _captured=None, _hook=None,
-                             _ok_before_sync=False)
+                             _ok_before_sync=False, _gram=None)
         self._watch_head()
 
     # -- the accumulator and the state tensors ----------------------------------
@@ -250,7 +279,7 @@ class DLR(Metric):
         self.__dict__["_captured"] = None
         self._drop()
 
-    def _batch(self, preds: Any, target: Any, features: Any) -> dict:
+    def _batch(self, preds: Any = None, target: Any = None, features: Any = None) -> dict:
         if features is None:
             features = self._captured
             if features is None:
@@ -279,12 +308,28 @@ class DLR(Metric):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The DLR of this batch alone (no spectrum), and the batch added to
-        the state: one product, then one merge."""
+        the state; takes what ``update`` takes.
+
+        A CPU batch with fewer rows than features (a training batch against
+        a wide penultimate layer) is added by ``update`` itself, and its own
+        DLR comes from its n x n Gram (docs/MATH.md, per-batch sample-space
+        form): n^2 p / 2 multiply-adds against the update's n p^2 / 2, and
+        no second p x p state to fill, export and merge. Otherwise the batch
+        is accumulated on its own (one product), finished, and merged."""
         if self._is_synced:
             raise TorchMetricsUserError("The Metric shouldn't be synced when performing ``forward``. "
                                         "HINT: Did you forget to call ``unsync`` ?.")
+        args_in = self._batch(*args, **kwargs)
+        feats = _adapt.as_matrix(args_in["features"], "features")
+        if (feats.device == "cpu" and 2 <= feats.rows < feats.cols
+                and not (self.dist_sync_on_step and self.distributed_available_fn())):
+            W = self._weights({"p": feats.cols, "M": None}) if self._uses_weights else None
+            self.update(*args, **kwargs)  # validates: a bad batch raises here and changes nothing
+            value = self._gram_value(feats, args_in, W)
+            self._forward_cache = value
+            return value
         batch = self._new_moments()
-        batch.update(**self._batch(*args, **kwargs))
+        batch.update(**args_in)
         self.__dict__["_captured"] = None
         seen = batch
         if self.dist_sync_on_step and self.distributed_available_fn():
@@ -300,6 +345,56 @@ class DLR(Metric):
         self._forward_cache = value
         return value
 
+    def _gram_value(self, feats: Any, args: dict, W: Any) -> Any:
+        """DLR of one CPU batch of n < p rows from its n x n Gram G = Xc Xc^T
+        (the core's ``centered_grams``: float64 means, centering before
+        narrowing, one product in the batch's product precision):
+        ||M||_F = ||G||_F, and with the centered outputs Fc (the head's on the
+        features, or the streamed ones), A = Fc^T Fc and Q = B^T B = Fc^T G Fc
+        (C x C; with C > n, Fc Fc^T and G in sample space), as the Monitor's
+        one-batch windows finish them.
+
+        Besides the core's product, everything here is O(n^2 C) and runs in
+        numpy's own loops (``einsum``), single-threaded: a threaded BLAS or
+        torch product this small only wakes a thread pool beside the core's
+        and the training's, which costs more than the product on a busy CPU
+        (benchmarks/bench_torchmetrics.py)."""
+        from . import _core
+        from ._backend import Batch
+        from ._moments import batch_precision
+
+        n = feats.rows
+        streams = {k: _adapt.as_matrix(args[k], k, allow_1d=True) for k in ("outputs", "targets") if k in args}
+        precision = batch_precision(self.precision, Batch(feats, streams.get("outputs"), None, streams.get("targets")))
+        dtype = np.float64 if precision == "fp64" else np.float32
+        G = self.__dict__.get("_gram")
+        if G is None or G.shape[0] != n or G.dtype != dtype:
+            G = np.empty((n, n), dtype=dtype)  # kept: a fresh buffer page-faults on every batch
+            self.__dict__["_gram"] = G
+        norm_m = np.empty(1)
+        _core.centered_grams(feats.arg(), n, precision, G.ctypes.data, norm_m.ctypes.data)
+        if W is not None:  # the head's outputs, less the bias (centered away)
+            F = np.einsum("ij,kj->ik", _host(feats.owner), W, dtype=np.float64)
+        else:
+            F = _host(streams["outputs"].owner).astype(np.float64)
+        Fc = F - F.mean(axis=0)
+        if Fc.shape[1] <= n:
+            A = np.einsum("ki,kj->ij", Fc, Fc)
+            Q = np.einsum("ki,kj->ij", Fc, np.einsum("ij,jk->ik", G, Fc.astype(dtype)).astype(np.float64))
+            divide = True
+        else:
+            A, Q, divide = np.einsum("ik,jk->ij", Fc, Fc), G.astype(np.float64), False
+        rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[precision]
+        a, terms = _finish.span_of_grams(A, Q, rtol, divide=divide)
+        dlr, _ = _finish.dlr_values(float(norm_m[0]), a, terms, rtol)
+        if math.isnan(float(dlr)):
+            return self._undefined("constant features or outputs")
+        return torch.tensor(float(dlr), dtype=torch.float64, device=self.device)
+
+    def _undefined(self, why: str) -> Any:
+        warnings.warn(f"DLR is undefined for the samples added ({why}); returning nan", UserWarning, stacklevel=4)
+        return torch.tensor(math.nan, dtype=torch.float64, device=self.device)
+
     def _value(self, st: dict) -> Any:
         """DLR of a state dict as a float64 scalar tensor on the metric's device;
         nan with a warning where it is undefined."""
@@ -314,8 +409,7 @@ class DLR(Metric):
         try:
             dlr, _ = _finish.dlr_of_state(st, W, rtol)
         except ValueError as e:  # constant features or outputs
-            warnings.warn(f"DLR is undefined for the samples added ({e}); returning nan", UserWarning, stacklevel=3)
-            return torch.tensor(math.nan, dtype=torch.float64, device=self.device)
+            return self._undefined(str(e))
         return torch.tensor(dlr, dtype=torch.float64, device=self.device)
 
     def _weights(self, st: dict) -> Any:
@@ -324,7 +418,7 @@ class DLR(Metric):
         W = _adapt.weights_of(self.head)[0]
         if W.shape[1] != int(st["p"]):
             raise ValueError(f"head weight has {W.shape[1]} input columns but the features have {st['p']}")
-        if not isinstance(st["M"], np.ndarray):
+        if st["M"] is not None and not isinstance(st["M"], np.ndarray):
             W = torch.as_tensor(W, device=st["M"].device)
         return W
 
@@ -412,18 +506,34 @@ class DLR(Metric):
     def __getstate__(self) -> dict:
         self._present()
         st = super().__getstate__()
-        st.update(_acc=None, _acc_ok=False, _pending=None, _captured=None, _hook=None)
+        st.update(_acc=None, _acc_ok=False, _pending=None, _captured=None, _hook=None, _gram=None)
         return st
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._watch_head()
 
+    def __deepcopy__(self, memo: dict) -> "DLR":
+        # The head belongs to the model: ``clone()`` (a deep copy, also of a
+        # MetricCollection) keeps the same head, so a validation clone reads
+        # the live model's weights and its hook fires on the model's
+        # forwards. Only when the head itself is copied by the same deep copy
+        # (a model deep-copied with the metric as a submodule, the head
+        # reached first) does the copy follow the copied head.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        state = self.__getstate__()
+        head = state.pop("head", None)
+        state = copy.deepcopy(state, memo)
+        state["head"] = _kept(head, memo)
+        new.__setstate__(state)
+        return new
+
     # -- the head hook ----------------------------------------------------------
 
     def _watch_head(self) -> None:
         if isinstance(self.head, torch.nn.Module):
-            self.__dict__["_hook"] = self.head.register_forward_hook(_Capture(self))
+            self.__dict__["_hook"] = hook_forward(self.head, _Capture(self))
 
     def __del__(self) -> None:
         hook = self.__dict__.get("_hook")

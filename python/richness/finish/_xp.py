@@ -59,12 +59,21 @@ def host(a):
 
 def norm(a) -> float:
     """Frobenius norm, scaled first so that the squares neither overflow
-    (entries above 1e154) nor underflow (below 1e-154)."""
+    (entries above 1e154) nor underflow (below 1e-154).
+
+    On numpy arrays the sum of squares is numpy's own loop (``einsum``), not
+    ``linalg.norm``: that calls a threaded BLAS dot, whose thread pool wakes
+    beside the core's and torch's on every per-batch finishing and slows the
+    next update several-fold (benchmarks/RESULTS.md, torchmetrics metric)."""
     xp = ns(a)
     scale = float(xp.abs(a).max()) if a.shape[0] else 0.0
     if not (scale > 0.0 and math.isfinite(scale)):
         return scale
-    return scale * float(xp.linalg.norm(a / scale))
+    b = a / scale
+    if xp is np:
+        flat = b.reshape(-1)
+        return scale * math.sqrt(float(np.einsum("i,i->", flat, flat)))
+    return scale * float(xp.linalg.norm(b))
 
 
 def eigh_desc(S) -> tuple:
