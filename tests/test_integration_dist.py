@@ -1,8 +1,8 @@
 """torch.distributed: 2 gloo processes on the CPU against one process.
 
 One spawn runs every check (Moments.all_reduce in float64 and float32, a rank
-with no samples and ranks with different label ranges, evaluate(distributed=True)
-with a DistributedSampler, and the torchmetrics DLR under DDP sync); rank 0
+with no samples and ranks with different label ranges, evaluate (distributed=True
+and the default) with a DistributedSampler, and the torchmetrics DLR under DDP sync); rank 0
 writes what it measured to a JSON file the test then compares.
 """
 
@@ -100,6 +100,8 @@ def _worker(rank, world, port, out_path):
         loader = torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler)
         rep = richness.evaluate(model, loader, progress=False, distributed=True)
         res["evaluate"] = {"dlr": rep.dlr, "n": rep.n, "nc1": rep.nc1}
+        rep = richness.evaluate(model, loader, progress=False)  # the default: merged inside a process group
+        res["evaluate_default"] = {"dlr": rep.dlr, "n": rep.n, "nc1": rep.nc1}
         # Monitor(distributed=True): each rank's window merged at emission
         torch.manual_seed(5)
         net = _model()
@@ -196,10 +198,10 @@ def test_evaluate_distributed_sampler(dist_results):
         H = model[1](model[0](torch.tensor(X))).numpy()
         Fm = model(torch.tensor(X)).numpy()
     want, _ = dlr_naive(H, Fm)
-    got = dist_results["evaluate"]
-    assert got["n"] == N
-    assert abs(got["dlr"] - want) < 1e-10
-    assert abs(got["nc1"] - nc1_naive(H, y)) < 1e-8 * max(1.0, nc1_naive(H, y))
+    for got in (dist_results["evaluate"], dist_results["evaluate_default"]):
+        assert got["n"] == N
+        assert abs(got["dlr"] - want) < 1e-10
+        assert abs(got["nc1"] - nc1_naive(H, y)) < 1e-8 * max(1.0, nc1_naive(H, y))
 
 
 def test_monitor_distributed_window(dist_results):
