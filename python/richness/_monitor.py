@@ -68,7 +68,10 @@ class Monitor:
             effective dimension.
         log: where records go: a ``.csv`` or ``.jsonl`` path (appended), a
             callable taking the record dict, a TensorBoard ``SummaryWriter``
-            (``add_scalar("richness/dlr", ...)``), or a list of these.
+            (``add_scalar("richness/dlr", ...)``), ``"wandb"`` (the active
+            W&B run, or pass the run object; values against the step metric
+            ``richness/step``), ``"mlflow"`` (MLflow's active run, at each
+            record's step), or a list of these.
         precision: precision of the products (``Moments``); default by dtype.
         tokens: token selection for 3-D head inputs (see ``richness.evaluate``).
         batch_fn: adapts probe-loader batches (see ``richness.evaluate``).

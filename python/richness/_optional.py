@@ -17,3 +17,19 @@ def require_tqdm(what: str):
         raise ImportError(f'{what} with progress=True needs tqdm: pip install "richness[demo]" '
                           "(or pass progress=False)") from None
     return tqdm
+
+
+def require_wandb(what: str):
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError(f'{what} needs Weights & Biases: pip install "richness[wandb]"') from None
+    return wandb
+
+
+def require_mlflow(what: str):
+    try:
+        import mlflow
+    except ImportError:
+        raise ImportError(f'{what} needs MLflow: pip install "richness[mlflow]"') from None
+    return mlflow
