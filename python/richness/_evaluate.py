@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
 from ._moments import Moments
 from ._report import Report
 # richness.Monitor imports several of these names from this module: keep them here
-from ._batches import (TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs, layer_rows,
-                       select_rows, shift_for_next_token, split_batch, to_device)
+from ._batches import (UNSHIFTED, TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs,
+                       labels_are_inputs, layer_rows, select_rows, shift_for_next_token, split_batch, to_device)
 from ._hooks import Capture, HeadFinder, resolve_head, resolve_layers
 from ._optional import require_torch, require_tqdm
 from ._threads import BlasThreads
@@ -98,6 +98,8 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
                 finder = HeadFinder(model)
             for batch in loader:
                 inputs, labels, amask = split_batch(batch, batch_fn)
+                if with_labels is None and not shift_labels and labels_are_inputs(inputs, labels):
+                    warnings.warn(UNSHIFTED.format(fix="pass shift_labels=True"), UserWarning, stacklevel=3)
                 inputs = to_device(inputs, dev)
                 out = call_model(model, inputs)
                 if finder is not None:
