@@ -376,12 +376,23 @@ class Monitor:
     # -- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove the hooks, close log files, restore the BLAS thread count."""
+        """Remove the hooks, close log files, restore the BLAS thread count.
+        Warns when the run emitted no record (it ended before ``every`` steps,
+        or its head never ran): the log files are then empty."""
+        self._close(warn_empty=True)
+
+    def _close(self, warn_empty: bool) -> None:
         if self._closed:
             return
         self._closed = True
         try:
             self.flush()  # queued records, and those still on their way from the GPU
+            if warn_empty and not self.history:
+                why = (f"records come every {self.every} steps (every={self.every}): use a smaller every= for a "
+                       "short run" if self.steps < self.every else "no window had features (see the warning "
+                       "about the head)")
+                warnings.warn(f"richness.Monitor closed after {self.steps} steps without a record, nothing was "
+                              f"logged; {why}", UserWarning, stacklevel=3)
         finally:
             self._pending = []
             self._one_batch.group = self._window_route.buf = None
@@ -399,7 +410,7 @@ class Monitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self._close(warn_empty=exc[0] is None)  # an exception in the loop says enough by itself
 
     def __repr__(self) -> str:
         mode = "probe" if self.probe is not None else f"window={self.window}"
