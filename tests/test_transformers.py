@@ -217,6 +217,14 @@ def test_trainer_causal_lm_labels_are_shifted(tmp_path):
     assert abs(got[2]["richness/nc1"] - nc1_naive(H, y)) < 1e-7 * nc1_naive(H, y)
 
 
+def test_trainer_callback_warns_when_told_not_to_shift_labels_that_equal_the_inputs(tmp_path):
+    model, head, batches = gpt2()
+    rows = [{"input_ids": b["input_ids"][i], "attention_mask": b["attention_mask"][i], "labels": b["input_ids"][i]}
+            for b in batches for i in range(v_len(b))]
+    with pytest.warns(UserWarning, match=r"labels equal the input_ids.*RichnessCallback\(shift_labels=True\)"):
+        train(tmp_path, model, head, rows, steps=1, bs=8, accumulate=1, every=1, shift_labels=False)
+
+
 def test_callback_needs_the_trainer():
     from richness.transformers import RichnessCallback
 
