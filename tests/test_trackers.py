@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-nn = torch.nn
 
 import richness  # noqa: E402
 from reference import dlr_naive, nc1_naive  # noqa: E402
+from test_monitor import train_with_monitor  # noqa: E402
 from tiny_models import make  # noqa: E402
 
 EVERY, WINDOW, STEPS, BS = 2, 2, 4, 40
@@ -23,28 +23,17 @@ EVERY, WINDOW, STEPS, BS = 2, 2, 4, 40
 
 def train(log):
     """STEPS SGD steps under a Monitor(every=2, window=2) sending to ``log``; the oracle's
-    DLR and NC1 of each window, from the head's input and output grabbed by a hook here."""
-    model, X, y = make(n=STEPS * BS, seed=3, dtype=torch.float64)
-    model.drop.p = 0.0
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    grabbed = []
-    h = model.fc.register_forward_hook(lambda m, a, o: grabbed.append((a[0].detach().numpy().copy(),
-                                                                        o.detach().numpy().copy())))
-    want = {}
-    with richness.Monitor(model, every=EVERY, window=WINDOW, log=log) as mon:
-        for i in range(STEPS):
-            xb, yb = X[i * BS:(i + 1) * BS], y[i * BS:(i + 1) * BS]
-            loss = nn.functional.cross_entropy(model(xb), yb)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            mon.step(labels=yb)
-            if (i + 1) % EVERY == 0:
-                H = np.concatenate([g[0] for g in grabbed[-WINDOW:]])
-                F = np.concatenate([g[1] for g in grabbed[-WINDOW:]])
-                labels = y[(i + 1 - WINDOW) * BS:(i + 1) * BS].numpy()
-                want[i + 1] = (dlr_naive(H, F)[0], nc1_naive(H, labels), H.shape[0])
-    h.remove()
+    DLR and NC1 of each window, from the head's input and output grabbed by a hook."""
+    window, want = [], {}
+
+    def check(step, HF, yb, rec, model):
+        window.append((HF[0].double().numpy(), HF[1].double().numpy(), yb.numpy()))
+        if step % EVERY == 0:
+            H, F, labels = (np.concatenate([w[i] for w in window[-WINDOW:]]) for i in range(3))
+            want[step] = (dlr_naive(H, F)[0], nc1_naive(H, labels), H.shape[0])
+
+    *_, mon = train_with_monitor({"every": EVERY, "window": WINDOW, "log": log}, steps=STEPS, bs=BS, seed=3,
+                                 record_window=check)
     assert [r["step"] for r in mon.history] == sorted(want)
     return want
 
@@ -99,11 +88,11 @@ def test_wandb_offline_run_receives_the_records(tmp_path, monkeypatch, how):
     assert [r["richness/step"] for r in rows] == sorted(want)
     for r in rows:
         dlr, nc1, n = want[r["richness/step"]]
-        assert abs(r["richness/dlr"] - dlr) < 1e-10
-        assert abs(r["richness/nc1"] - nc1) < 1e-8 * nc1
+        assert abs(r["richness/dlr"] - dlr) < 1e-5  # float32 products
+        assert abs(r["richness/nc1"] - nc1) < 1e-3 * nc1
         assert r["richness/n"] == n
     last = want[max(want)]
-    assert abs(summary["richness/dlr"] - last[0]) < 1e-10
+    assert abs(summary["richness/dlr"] - last[0]) < 1e-5
 
 
 def test_wandb_without_an_active_run_is_a_clear_error():
@@ -133,8 +122,8 @@ def test_mlflow_file_store_receives_the_records(tmp_path, monkeypatch):
         mlflow.set_tracking_uri(None)
     assert sorted(dlr) == sorted(want)
     for step, (d, c, size) in want.items():
-        assert abs(dlr[step] - d) < 1e-10
-        assert abs(nc1[step] - c) < 1e-8 * c
+        assert abs(dlr[step] - d) < 1e-5  # float32 products
+        assert abs(nc1[step] - c) < 1e-3 * c
         assert n[step] == size
     # the other sink of the list got the same records
     logged = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
