@@ -7,6 +7,7 @@ hook captured during training.
 import glob
 import json
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -128,3 +129,11 @@ def test_mlflow_file_store_receives_the_records(tmp_path, monkeypatch):
     # the other sink of the list got the same records
     logged = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [r["dlr"] for r in logged] == [dlr[r["step"]] for r in logged]
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_a_missing_tracker_names_its_extra(monkeypatch, tracker):
+    monkeypatch.setitem(sys.modules, tracker, None)  # import fails as if not installed
+    model, _, _ = make()
+    with pytest.raises(ImportError, match=rf'pip install "richness\[{tracker}\]"'):
+        richness.Monitor(model, log=tracker)

@@ -1,13 +1,18 @@
-"""Imports of optional dependencies (torch, tqdm) that fail naming the pip extra to install."""
+"""Imports of optional dependencies (torch, tqdm, wandb, mlflow) that fail naming the pip extra to install."""
+
+import importlib
+
+
+def _require(module: str, what: str, name: str, extra: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f'{what} needs {name}: pip install "richness[{extra}]"') from None
 
 
 def require_torch(what: str):
     """Import torch or fail with the extra to install."""
-    try:
-        import torch
-    except ImportError:
-        raise ImportError(f'{what} needs PyTorch: pip install "richness[torch]"') from None
-    return torch
+    return _require("torch", what, "PyTorch", "torch")
 
 
 def require_tqdm(what: str):
@@ -20,16 +25,8 @@ def require_tqdm(what: str):
 
 
 def require_wandb(what: str):
-    try:
-        import wandb
-    except ImportError:
-        raise ImportError(f'{what} needs Weights & Biases: pip install "richness[wandb]"') from None
-    return wandb
+    return _require("wandb", what, "Weights & Biases", "wandb")
 
 
 def require_mlflow(what: str):
-    try:
-        import mlflow
-    except ImportError:
-        raise ImportError(f'{what} needs MLflow: pip install "richness[mlflow]"') from None
-    return mlflow
+    return _require("mlflow", what, "MLflow", "mlflow")
