@@ -201,8 +201,10 @@ def test_trainer_causal_lm_labels_are_shifted(tmp_path):
     model, head, batches = gpt2()
     rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(v_len(b))]
     # fp64 products: float32 products would cut a small logit eigenvalue (rtol 1e-5)
-    trainer, spy, forwards, cb = train(tmp_path, model, head, rows, steps=2, bs=8, accumulate=1, every=2, window=2,
+    # two micro-batches a step, padded differently: each forward's positions follow its own mask
+    trainer, spy, forwards, cb = train(tmp_path, model, head, rows, steps=2, bs=4, accumulate=2, every=2, window=2,
                                        precision="fp64")
+    assert len(forwards) == 4
     assert cb._shift  # GPT2LMHeadModel is one of the Trainer's causal LMs
     got = logged(spy.logs)
     assert sorted(got) == [2]
