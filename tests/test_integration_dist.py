@@ -1,8 +1,8 @@
 """torch.distributed: 2 gloo processes on the CPU against one process.
 
 One spawn runs every check (Moments.all_reduce in float64 and float32, a rank
-with no samples and ranks with different label ranges, evaluate (distributed=True
-and the default) with a DistributedSampler, and the torchmetrics DLR under DDP sync); rank 0
+with no samples and ranks with different label ranges, evaluate(distributed=True)
+with a DistributedSampler, and the torchmetrics DLR under DDP sync); rank 0
 writes what it measured to a JSON file the test then compares.
 """
 
