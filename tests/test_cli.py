@@ -115,6 +115,24 @@ def test_save_then_plot_state_and_log(tmp_path, capsys):
     assert "DLR (0 = rich, 1 = lazy)" in (tmp_path / "run_richness.svg").read_text()
 
 
+def test_eval_prints_dlr_beside_its_isotropic_reference(tmp_path, capsys):
+    # a fully lazy case: isotropic random features, outputs a random linear map of them.
+    # Its DLR at this n is well below 1; against the isotropic reference it reads as lazy.
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(200, 40))
+    F = X @ rng.normal(size=(40, 10))
+    np.savez(tmp_path / "lazy.npz", features=X, outputs=F)
+    rep = run_json([str(tmp_path / "lazy.npz")], capsys)
+    assert main(["eval", str(tmp_path / "lazy.npz"), "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    want = dlr_naive(X, F)[0]
+    line = [ln for ln in out if "isotropic reference" in ln]
+    assert line == [f"DLR {want:.4f}   isotropic reference {rep['dlr_isotropic']:.4f}   "
+                    f"DLR/iso {want / rep['dlr_isotropic']:.3f}"]
+    assert want < 0.8 and abs(want / rep["dlr_isotropic"] - 1) < 0.05
+    assert any(ln.startswith("how to read: DLR/iso near 1 = as lazy as isotropic") for ln in out)
+
+
 def test_monitor_csv_log_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     log = tmp_path / "m.csv"
@@ -330,6 +348,18 @@ def test_save_to_a_missing_folder_keeps_the_report(tmp_path, capsys):
     assert f"DLR {dlr_naive(X, F)[0]:.4f}" in cap.out  # the report came first
     assert cap.err.strip().splitlines() == [f"richness: error: {bad}: cannot write the state (No such file or "
                                             "directory)"]
+
+
+def test_plot_into_a_missing_folder_is_an_error_like_save(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    X, F, y, _ = data(n=200)
+    m = richness.Moments()
+    m.update(X, F, labels=y)
+    m.save(tmp_path / "s.npz")
+    bad = str(tmp_path / "nodir" / "fig")
+    line = run_error(["plot", str(tmp_path / "s.npz"), "-o", bad], capsys)
+    assert line == f"richness: error: {bad}: cannot write the plots (No such file or directory)"
+    assert not (tmp_path / "nodir").exists()
 
 
 def test_missing_bundle_says_no_such_file(tmp_path, capsys):

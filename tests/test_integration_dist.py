@@ -122,6 +122,8 @@ def _worker(rank, world, port, out_path):
         loader = torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler)
         rep = richness.evaluate(model, loader, progress=False, distributed=True)
         res["evaluate"] = {"dlr": rep.dlr, "n": rep.n, "nc1": rep.nc1}
+        rep = richness.evaluate(model, loader, progress=False)  # the default: merged inside a process group
+        res["evaluate_default"] = {"dlr": rep.dlr, "n": rep.n, "nc1": rep.nc1}
         # Monitor(distributed=True): each rank's window merged at emission
         torch.manual_seed(5)
         net = _model()
@@ -233,10 +235,10 @@ def test_evaluate_distributed_sampler(dist_results):
         H = model[1](model[0](torch.tensor(X))).numpy()
         Fm = model(torch.tensor(X)).numpy()
     want, _ = dlr_naive(H, Fm)
-    got = dist_results["evaluate"]
-    assert got["n"] == N
-    assert abs(got["dlr"] - want) < 1e-10
-    assert abs(got["nc1"] - nc1_naive(H, y)) < 1e-8 * max(1.0, nc1_naive(H, y))
+    for got in (dist_results["evaluate"], dist_results["evaluate_default"]):
+        assert got["n"] == N
+        assert abs(got["dlr"] - want) < 1e-10
+        assert abs(got["nc1"] - nc1_naive(H, y)) < 1e-8 * max(1.0, nc1_naive(H, y))
 
 
 def test_monitor_distributed_window(dist_results):

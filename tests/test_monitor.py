@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -133,6 +134,29 @@ def test_monitor_rejects_bad_settings():
     with pytest.raises(ValueError, match="no submodule"):
         richness.Monitor(model, head="fc2")
     assert hook_count(model) == 0
+
+
+def test_monitor_close_warns_when_no_record_was_emitted(tmp_path):
+    model, X, y = make(n=64, dtype=torch.float32)
+    log = tmp_path / "short.jsonl"
+    mon = richness.Monitor(model, every=10, log=str(log))
+    for _ in range(3):  # the run ends before the first emission
+        model(X[:8])
+        mon.step(labels=y[:8])
+    with pytest.warns(UserWarning, match=r"closed after 3 steps without a record.*every=10"):
+        mon.close()
+    assert log.read_text() == ""
+    # a run that emitted closes quietly; an exception leaving the block is not covered up
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with richness.Monitor(model, every=2) as mon:
+            for _ in range(2):
+                model(X[:8])
+                mon.step(labels=y[:8])
+        assert len(mon.history) == 1
+        with pytest.raises(KeyError):
+            with richness.Monitor(model, every=10):
+                raise KeyError("the training loop failed")
 
 
 def test_monitor_default_window_is_idle_most_steps():

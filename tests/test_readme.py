@@ -1,17 +1,19 @@
 """README.md's Python examples run as written, so they cannot drift from the API.
 
-Each ```python block is executed statement by statement in a namespace holding
-small generated data under the names the examples use (features, outputs, W,
-b, batches, model, loader, ...). A statement whose lines carry ``# needs: X``
-runs only where X is available (a GPU, an initialised torch.distributed,
-tensorboard, lightning). Beyond "it runs", the first block's values are
-checked against the float64 n x n reference.
+Each example block runs, statement by statement, after the setup block shown
+above it (``# setup`` on its first line), in a fresh namespace: exactly the text
+a reader pastes, no names injected. A statement whose lines carry
+``# needs: X`` (or a block whose first line does) runs only where X is
+available (a GPU, an initialised torch.distributed, tensorboard, lightning,
+wandb, mlflow, transformers). Beyond "it runs", the values are checked against
+the float64 n x n reference.
 """
 
 import ast
 import importlib.util
 import os
 import re
+import sys
 import warnings
 
 import numpy as np
@@ -21,7 +23,6 @@ torch = pytest.importorskip("torch")
 
 import richness  # noqa: E402
 from reference import dlr_naive  # noqa: E402
-from tiny_models import MLP, TinyLM  # noqa: E402
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 NEEDS = re.compile(r"#\s*needs:\s*([A-Za-z_]+(?:\.[A-Za-z_]+)*)")
@@ -41,8 +42,12 @@ def available(what: str) -> bool:
 
 
 def run_block(src: str, ns: dict) -> list:
-    """Execute ``src`` statement by statement in ``ns``; returns the statements skipped."""
+    """Execute ``src`` statement by statement in ``ns``; returns the statements skipped.
+    A ``# needs: X`` on the block's first line holds for the whole block."""
     lines = src.splitlines()
+    block_needs = NEEDS.findall(lines[0]) if lines else []
+    if any(not available(n) for n in block_needs):
+        return [src]
     skipped = []
     for stmt in ast.parse(src).body:
         text = "\n".join(lines[stmt.lineno - 1:stmt.end_lineno])
@@ -54,31 +59,53 @@ def run_block(src: str, ns: dict) -> list:
     return skipped
 
 
-def numpy_namespace():
-    rng = np.random.default_rng(0)
-    n, p, C = 400, 12, 3
-    features = rng.normal(size=(n, p)) @ rng.normal(size=(p, p)) + 2.0
-    W, b = rng.normal(size=(C, p)), rng.normal(size=C)
-    outputs = features @ W.T + b + 0.5 * np.tanh(features[:, :C])
-    labels = rng.integers(0, 10, n)
-    batches = [(features[i:i + 40], outputs[i:i + 40], labels[i:i + 40]) for i in range(0, n, 40)]
-    other = richness.Moments(num_classes=10)
-    other.update(features[:50], outputs=outputs[:50], labels=labels[:50])
-    x_test = rng.normal(size=(100, p)) @ rng.normal(size=(p, p))
-    return {"features": features, "outputs": outputs, "W": W, "b": b, "batches": batches, "other": other,
-            "x_test": x_test, "f_test": x_test @ W.T + b, "y_test": rng.integers(0, 10, 100)}
+def sections():
+    """``(setup, example)`` pairs: each example with the setup block shown above it (a block
+    whose first line is ``# setup``), or with none."""
+    out, setup = [], None
+    for block in python_blocks():
+        if block.startswith("# setup"):
+            setup = block
+            continue
+        out.append((setup, block))
+        setup = None
+    return out
+
+
+def run_section(i: int) -> tuple:
+    """Run section i's setup, then its example, in a fresh namespace, as a reader would paste them."""
+    setup, example = sections()[i]
+    ns: dict = {"__name__": "__readme__"}
+    if setup is not None:
+        assert run_block(setup, ns) == []
+    return ns, run_block(example, ns)
+
+
+@pytest.fixture
+def trackers_offline(tmp_path, monkeypatch):
+    """The examples' W&B run offline and MLflow's store in a temporary folder."""
+    monkeypatch.chdir(tmp_path)  # the examples write state.npz, richness.jsonl, depth.png here
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    yield tmp_path
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()  # stops W&B's service process
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(None)
 
 
 def test_readme_has_the_examples():
-    blocks = python_blocks()
-    assert len(blocks) == 2
-    assert "richness.dlr(features, outputs)" in blocks[0] and "richness.evaluate(model" in blocks[1]
+    secs = sections()
+    assert len(secs) == 3 and all(setup is not None for setup, _ in secs[:2]) and secs[2][0] is None
+    assert "richness.dlr(features, outputs)" in secs[0][1] and "richness.evaluate(model" in secs[1][1]
+    assert "RichnessCallback(trainer" in secs[2][1]
 
 
-def test_first_block_runs_and_agrees_with_the_reference(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the example saves state.npz in the working directory
-    ns = numpy_namespace()
-    skipped = run_block(python_blocks()[0], ns)
+def test_first_block_runs_and_agrees_with_the_reference(trackers_offline):
+    ns, skipped = run_section(0)
     assert skipped == []
     want, _ = dlr_naive(ns["features"], ns["outputs"])
     assert abs(richness.dlr(ns["features"], ns["outputs"]) - want) < 1e-10
@@ -89,47 +116,16 @@ def test_first_block_runs_and_agrees_with_the_reference(tmp_path, monkeypatch):
     assert ns["r"].dlr_stderr is not None and ns["r"].dlr_stderr > 0
 
 
-class _Net(torch.nn.Module):
-    """A small network with the layer names the README's examples hook."""
-
-    def __init__(self, d=12, h=16, c=10):
-        super().__init__()
-        self.layer1 = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.ReLU())
-        self.layer2 = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.ReLU())
-        self.layer3 = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh())
-        self.layer4 = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.ReLU())
-        self.fc = torch.nn.Linear(h, c)
-
-    def forward(self, x):
-        return self.fc(self.layer4(self.layer3(self.layer2(self.layer1(x)))))
-
-
-def torch_namespace():
-    g = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    X, y = torch.randn(256, 12, generator=g), torch.randint(0, 10, (256,), generator=g)
-    model = _Net()
-    ds = torch.utils.data.TensorDataset(X, y)
-    lm = TinyLM()
-    ids = torch.randint(0, 11, (24, 7), generator=g)
-    lm_loader = [{"input_ids": ids[i:i + 8], "labels": ids[i:i + 8]} for i in range(0, 24, 8)]
-    h = model.layer4(model.layer3(model.layer2(model.layer1(X[:64])))).detach()
-    return {"model": model, "loader": torch.utils.data.DataLoader(ds, batch_size=32),
-            "val_loader": torch.utils.data.DataLoader(ds, batch_size=64), "lm": lm, "lm_loader": lm_loader,
-            "criterion": torch.nn.CrossEntropyLoss(), "opt": torch.optim.SGD(model.parameters(), lr=1e-2),
-            "x_val": X[:64], "y_val": y[:64], "h": h, "logits": model.fc(h).detach(), "labels": y[:64]}
-
-
-def test_second_block_runs(tmp_path, monkeypatch):
+def test_second_block_runs(trackers_offline):
     pytest.importorskip("torchmetrics")
-    monkeypatch.chdir(tmp_path)
-    ns = torch_namespace()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # finite-n caveats of the tiny data, Lightning's notices
-        skipped = run_block(python_blocks()[1], ns)
-    # only what needs a GPU, a process group, tensorboard or lightning may be left out
+        ns, skipped = run_section(1)
+    # only what needs a GPU, a process group, tensorboard, lightning, wandb or mlflow may be left out
     for text in skipped:
         assert NEEDS.search(text), text
+    for tracker in ("wandb", "mlflow"):
+        assert not available(tracker) or not any(f"needs: {tracker}" in t for t in skipped)
     assert not torch.cuda.is_available() or not any("cuda" in t for t in skipped)
     report = ns["report"]
     assert set(report.layers) == {"layer2", "layer3", "layer4"}
@@ -137,5 +133,18 @@ def test_second_block_runs(tmp_path, monkeypatch):
     assert os.path.exists("richness.jsonl") and os.path.exists("depth.png")
     # the metric saw the example's (logits, labels, features=h) twice: update, then forward
     H, F = ns["h"].double().numpy(), ns["logits"].double().numpy()
-    want, _ = dlr_naive(np.concatenate([H, H]), np.concatenate([F, F]))
+    # float32 inputs: fp32 products and their eigenvalue cut, rtol 1e-5 (README, Precision)
+    want, _ = dlr_naive(np.concatenate([H, H]), np.concatenate([F, F]), rtol=1e-5)
     assert abs(float(ns["metric"].compute()) - want) < 1e-6
+
+
+def test_hugging_face_block_runs(trackers_offline):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # finite-n caveats of the tiny data
+        ns, skipped = run_section(2)
+    assert skipped == []
+    logged = [e for e in ns["trainer"].state.log_history if "richness/dlr" in e]
+    assert [e["step"] for e in logged] == [2, 4]
+    assert all(0.0 <= e["richness/dlr"] <= 1.0 and e["richness/nc1"] > 0 for e in logged)

@@ -187,11 +187,7 @@ def shift_for_next_token(feats: Any, outs: Any, labels: Any, attention_mask: Any
                          f"{tuple(labels.shape)}")
     if labels.is_floating_point():
         raise ValueError("shift_labels=True needs integer token labels, got floating point")
-    nxt = labels[:, 1:].to(feats.device)
-    keep = nxt >= 0
-    if attention_mask is not None and tuple(attention_mask.shape) == (b, T):
-        pad = attention_mask.to(feats.device).bool()
-        keep = keep & pad[:, :-1] & pad[:, 1:]
+    nxt, keep = next_token_labels(labels.to(feats.device), attention_mask)
     o = outs[:, :-1] if isinstance(outs, torch.Tensor) and outs.ndim == 3 else outs
     if isinstance(tokens, torch.Tensor) and tokens.ndim >= 1 and tokens.shape[-1] == T:
         tokens = tokens[..., :-1]
@@ -202,6 +198,33 @@ def shift_for_next_token(feats: Any, outs: Any, labels: Any, attention_mask: Any
             mask = _f(batch)
             return mask[..., :-1] if mask.shape[-1] == T else mask
     return feats[:, :-1], o, nxt, keep, tokens
+
+
+def next_token_labels(labels: Any, attention_mask: Any = None) -> Tuple[Any, Any]:
+    """``(labels[:, 1:], keep)`` of causal-LM labels ``(b, T)``: position i's class is
+    token i + 1; ``keep`` (b, T - 1) drops negative labels (HF's ignore index -100) and
+    positions where this or the next token is padding (``attention_mask``)."""
+    nxt = labels[:, 1:]
+    keep = nxt >= 0
+    if attention_mask is not None and tuple(attention_mask.shape) == tuple(labels.shape):
+        pad = attention_mask.to(labels.device).bool()
+        keep = keep & pad[:, :-1] & pad[:, 1:]
+    return nxt, keep
+
+
+def labels_are_inputs(inputs: Any, labels: Any) -> bool:
+    """Whether per-token labels are the ``input_ids`` themselves: a causal LM's labels
+    in Hugging Face's convention, shifted inside the model (so used unshifted, position
+    i would be labelled with its own token)."""
+    import torch
+
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+    return (isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.ndim == 2
+            and labels.shape == ids.shape and bool(torch.equal(labels.to(ids.device), ids)))
+
+
+UNSHIFTED = ("the labels equal the input_ids (a causal LM's labels, which the model shifts inside): used "
+             "unshifted, each position is labelled with its own token; {fix}")
 
 
 def label_kwargs(labels: Any, n: int, device: Any) -> dict:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
 from ._moments import Moments
 from ._report import Report
 # richness.Monitor imports several of these names from this module: keep them here
-from ._batches import (TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs, layer_rows,
-                       select_rows, shift_for_next_token, split_batch, to_device)
+from ._batches import (UNSHIFTED, TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs,
+                       labels_are_inputs, layer_rows, select_rows, shift_for_next_token, split_batch, to_device)
 from ._hooks import Capture, HeadFinder, resolve_head, resolve_layers
 from ._optional import require_torch, require_tqdm
 from ._threads import BlasThreads
@@ -98,6 +98,8 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
                 finder = HeadFinder(model)
             for batch in loader:
                 inputs, labels, amask = split_batch(batch, batch_fn)
+                if with_labels is None and not shift_labels and labels_are_inputs(inputs, labels):
+                    warnings.warn(UNSHIFTED.format(fix="pass shift_labels=True"), UserWarning, stacklevel=3)
                 inputs = to_device(inputs, dev)
                 out = call_model(model, inputs)
                 if finder is not None:
@@ -150,9 +152,24 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
     return moments, head_mod
 
 
+def _merge_ranks(distributed: Optional[bool]) -> bool:
+    """``evaluate(distributed=...)``: None = whether a process group is initialised."""
+    if distributed is not None and not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be True, False or None, got {type(distributed).__name__}")
+    torch = require_torch("richness.evaluate")
+    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed is None:
+        return initialised
+    if distributed and not initialised:
+        raise RuntimeError("evaluate(distributed=True) needs an initialised torch.distributed process group "
+                           "(torch.distributed.init_process_group); the default distributed=None merges only "
+                           "when there is one")
+    return distributed
+
+
 def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Optional[Iterable] = None,
              device: Any = None, precision: Optional[str] = None, progress: bool = True,
-             batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all", distributed: bool = False,
+             batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all", distributed: Optional[bool] = None,
              rtol: Optional[float] = None, layers: Optional[Sequence] = None, shift_labels: bool = False) -> Report:
     """DLR, spectrum, curves and NC1 of ``model`` on the samples of ``loader``.
 
@@ -183,7 +200,10 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
             dropped. Default False: labels are used as given, unshifted.
         distributed: merge the states of all ranks (``torch.distributed``; e.g.
             ``DistributedSampler``-sharded loaders) before finishing: every rank
-            gets the global report.
+            gets the global report. Default None: merge when a process group is
+            initialised (torchrun, ``accelerate launch``, an ``Accelerator`` with
+            several processes) and stay local otherwise, so one script serves
+            both; True requires a process group, False never merges.
         rtol: eigenvalue cut (default by precision, docs/MATH.md, rank cut).
         layers: modules (dotted names or submodules) whose activations are also
             measured, in the same pass, against the span of the model's outputs:
@@ -195,6 +215,7 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
     exception; the core's BLAS uses at most ``torch.get_num_threads()``
     threads (one for small batches; see ``BlasThreads``).
     """
+    distributed = _merge_ranks(distributed)
     moments, head_mod = collect(model, loader, head=head, device=device, precision=precision, progress=progress,
                                 batch_fn=batch_fn, tokens=tokens, allow_empty=distributed, layers=layers,
                                 shift_labels=shift_labels)

@@ -69,7 +69,10 @@ class Monitor:
             effective dimension.
         log: where records go: a ``.csv`` or ``.jsonl`` path (appended), a
             callable taking the record dict, a TensorBoard ``SummaryWriter``
-            (``add_scalar("richness/dlr", ...)``), or a list of these.
+            (``add_scalar("richness/dlr", ...)``), ``"wandb"`` (the active
+            W&B run, or pass the run object; values against the step metric
+            ``richness/step``), ``"mlflow"`` (MLflow's active run, at each
+            record's step), or a list of these.
         precision: precision of the products (``Moments``); default by dtype.
         tokens: token selection for 3-D head inputs (see ``richness.evaluate``).
         batch_fn: adapts probe-loader batches (see ``richness.evaluate``).
@@ -446,12 +449,23 @@ class Monitor:
     # -- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove the hooks, close log files, restore the BLAS thread count."""
+        """Remove the hooks, close log files, restore the BLAS thread count.
+        Warns when the run emitted no record (it ended before ``every`` steps,
+        or its head never ran): the log files are then empty."""
+        self._close(warn_empty=True)
+
+    def _close(self, warn_empty: bool) -> None:
         if self._closed:
             return
         self._closed = True
         try:
             self.flush()  # queued records, and those still on their way from the GPU
+            if warn_empty and not self.history:
+                why = (f"records come every {self.every} steps (every={self.every}): use a smaller every= for a "
+                       "short run" if self.steps < self.every else "no window had features (see the warning "
+                       "about the head)")
+                warnings.warn(f"richness.Monitor closed after {self.steps} steps without a record, nothing was "
+                              f"logged; {why}", UserWarning, stacklevel=3)
         finally:
             self._pending = []
             self._one_batch.group = self._window_route.buf = None
@@ -471,7 +485,7 @@ class Monitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self._close(warn_empty=exc[0] is None)  # an exception in the loop says enough by itself
 
     def __repr__(self) -> str:
         mode = "probe" if self.probe is not None else f"window={self.window}"

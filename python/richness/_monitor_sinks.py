@@ -1,4 +1,5 @@
-"""Where Monitor records go: CSV and JSONL files, TensorBoard writers, callables."""
+"""Where Monitor records go: CSV and JSONL files, TensorBoard writers,
+Weights & Biases and MLflow runs, callables."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import json
 import os
 from typing import Any, Callable
 
+from ._optional import require_mlflow, require_wandb
+
 FIELDS = ("step", "mode", "n", "dlr", "rank", "nc1", "effective_dim", "time")
+# the numbers a record sends to a tracker (Lightning's loggers, Hugging Face's Trainer, W&B, MLflow)
+SCALARS = ("dlr", "nc1", "effective_dim", "rank", "n")
+
+
+def scalars(rec: dict, prefix: str) -> dict:
+    """``{f"{prefix}/dlr": value, ...}`` for the record's numbers that are set."""
+    return {f"{prefix}/{k}": float(rec[k]) for k in SCALARS if rec.get(k) is not None}
 
 
 class _CsvSink:
@@ -53,6 +63,51 @@ class _TensorBoardSink:
         pass
 
 
+class _WandbSink:
+    """A W&B run (``wandb.run`` for ``log="wandb"``). The values are logged against their own
+    step metric ``{prefix}/step`` (``define_metric``), not W&B's global step: a training loop that
+    logs its own values at its own rate cannot make W&B drop these as out of order."""
+
+    def __init__(self, run: Any, prefix: str) -> None:
+        if run is None:
+            wandb = require_wandb("Monitor(log='wandb')")
+            run = wandb.run
+            if run is None:
+                raise ValueError("Monitor(log='wandb') needs an active W&B run: call wandb.init(...) first "
+                                 "(or pass the run object as log=)")
+        self.run, self.prefix = run, prefix
+        run.define_metric(f"{prefix}/step")
+        run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/step")
+
+    def __call__(self, rec: dict) -> None:
+        values = scalars(rec, self.prefix)
+        if values:
+            self.run.log({**values, f"{self.prefix}/step": rec["step"]})
+
+    def close(self) -> None:
+        pass  # the run belongs to the caller: wandb.finish() is theirs to call
+
+
+class _MlflowSink:
+    """MLflow's active run (``mlflow.log_metrics``; MLflow starts a run if none is active),
+    each value at the record's step."""
+
+    def __init__(self, prefix: str) -> None:
+        self.mlflow, self.prefix = require_mlflow("Monitor(log='mlflow')"), prefix
+
+    def __call__(self, rec: dict) -> None:
+        values = scalars(rec, self.prefix)
+        if values:
+            self.mlflow.log_metrics(values, step=int(rec["step"]))
+
+    def close(self) -> None:
+        pass  # the run belongs to the caller
+
+
+def _is_wandb_run(obj: Any) -> bool:
+    return type(obj).__module__.startswith("wandb.") and hasattr(obj, "log") and hasattr(obj, "define_metric")
+
+
 class _CallbackSink:
     def __init__(self, fn: Callable[[dict], Any]) -> None:
         self.fn = fn
@@ -69,16 +124,22 @@ def _make_sinks(log: Any, prefix: str) -> list:
         return []
     if isinstance(log, (list, tuple)):
         return [s for item in log for s in _make_sinks(item, prefix)]
+    if isinstance(log, str) and log == "wandb":
+        return [_WandbSink(None, prefix)]
+    if isinstance(log, str) and log == "mlflow":
+        return [_MlflowSink(prefix)]
+    if _is_wandb_run(log):
+        return [_WandbSink(log, prefix)]
     if isinstance(log, (str, os.PathLike)):
         path = os.fspath(log)
         if path.endswith(".csv"):
             return [_CsvSink(path)]
         if path.endswith(".jsonl") or path.endswith(".json"):
             return [_JsonlSink(path)]
-        raise ValueError(f"log file {path!r}: use a .csv or .jsonl name")
+        raise ValueError(f"log file {path!r}: use a .csv or .jsonl name (or 'wandb', 'mlflow')")
     if hasattr(log, "add_scalar"):
         return [_TensorBoardSink(log, prefix)]
     if callable(log):
         return [_CallbackSink(log)]
-    raise TypeError(f"log must be a .csv/.jsonl path, a callable, a SummaryWriter or a list of them, "
-                    f"got {type(log).__name__}")
+    raise TypeError("log must be a .csv/.jsonl path, 'wandb', 'mlflow', a W&B run, a callable, a SummaryWriter "
+                    f"or a list of them, got {type(log).__name__}")

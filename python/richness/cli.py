@@ -583,6 +583,7 @@ def eval_cmd(args: argparse.Namespace) -> int:
             log.warning("warning: %s", w)
     else:
         print(rep)
+        _print_reference(rep)
         _print_curves(rep)
         sys.stdout.flush()
     for path, state in ((args.save, m), (args.save_test, test)):
@@ -628,6 +629,17 @@ def _width(f: ArrayFile) -> int:
     return f.shape[1] if len(f.shape) == 2 else 1
 
 
+def _print_reference(rep) -> None:
+    """DLR beside the lazy end it is read against: isotropic features of the same n, active
+    features and logit rank (a fully lazy random network at small n prints DLR well below 1)."""
+    if rep.dlr is None or rep.dlr_isotropic is None:
+        return
+    ratio = "n/a" if rep.dlr_normalized is None else f"{rep.dlr_normalized:.3f}"
+    print(f"DLR {rep.dlr:.4f}   isotropic reference {rep.dlr_isotropic:.4f}   DLR/iso {ratio}")
+    print("how to read: DLR/iso near 1 = as lazy as isotropic (random) features at this n, p and rank; "
+          "near 0 = rich (docs/READING_DLR.md)")
+
+
 def _print_curves(rep) -> None:
     k = rep.rank or 10
     k = min(k, rep.eigenvalues.shape[0])
@@ -651,6 +663,9 @@ def plot_cmd(args: argparse.Namespace) -> int:
     if not os.path.exists(path):
         raise UserError(f"{path}: no such file")
     out = args.output or os.path.splitext(path)[0] + "_richness"
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):  # as --save: nothing creates folders on the user's behalf
+        raise UserError(f"{out}: cannot write the plots (No such file or directory)")
     low = path.lower()
     try:
         if low.endswith((".jsonl", ".json", ".csv")):

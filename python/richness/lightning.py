@@ -28,8 +28,7 @@ except ImportError:  # pragma: no cover - the older package name
                           f"(or pytorch_lightning) ({_e})") from None
 
 from ._monitor import Monitor
-
-_LOGGED = ("dlr", "nc1", "effective_dim", "rank", "n")
+from ._monitor_sinks import scalars
 
 
 def pair_labels(batch: Any) -> Any:
@@ -83,7 +82,7 @@ class RichnessCallback(Callback):
         trainer = self._trainer
         if trainer is None or not trainer.is_global_zero:
             return
-        metrics = {f"{self.prefix}/{k}": float(rec[k]) for k in _LOGGED if rec.get(k) is not None}
+        metrics = scalars(rec, self.prefix)
         if metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=rec["step"])
