@@ -21,6 +21,7 @@ from richness import _io, _state
 from reference import dlr_naive
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "state_v1.npz")
+SCHEMA = _state.FIELDS
 
 
 def seeded_data():
@@ -63,7 +64,7 @@ def with_field(monkeypatch, field, version=2):
     """The schema with ``field`` appended and the format version bumped, as a
     release that adds a field would have it (Python lists only: the core keeps
     its own, so these tests stay at the loader)."""
-    fields = _state.FIELDS + (field,)
+    fields = SCHEMA + (field,)
     for mod, names in ((_state, ("FIELDS", "FIELD_NAMES", "FLOAT_FIELDS", "INT_FIELDS")),
                        (_io, ("FIELDS", None, "FLOATS", "INTS"))):
         values = (fields, tuple(f.name for f in fields), tuple(f.name for f in fields if f.dtype == np.float64),
@@ -118,6 +119,25 @@ def test_an_upgrade_registered_for_version_1_maps_the_older_file(monkeypatch):
     st = _state.checked(_io.load_state(FIXTURE))
     assert_matches_reference(st)
     np.testing.assert_allclose(st["total"], seeded_data()[0].sum(0), rtol=1e-12)
+
+
+def test_a_torchmetrics_state_dict_from_before_a_field_gets_it_by_the_same_rule(monkeypatch):
+    torch = pytest.importorskip("torch")
+    tm = pytest.importorskip("richness.torchmetrics")
+    X, F, y = (torch.from_numpy(a) for a in seeded_data())
+    old = tm.DLR()
+    old.persistent(True)
+    old.update(F, y, features=X)
+    sd = old.state_dict()
+    with_field(monkeypatch, _state.Field("D", ("p", "c"), fill=_state.zeros))
+    new = tm.DLR()
+    new.persistent(True)
+    new.load_state_dict(dict(sd))
+    assert tuple(new.D.shape) == (3, 2) and new.D.dtype == torch.float64 and not new.D.any()
+    np.testing.assert_allclose(new.M.numpy(), expected()["M"], rtol=1e-12)
+    with_field(monkeypatch, _state.Field("D", ("p", "c"), fill=None))
+    with pytest.raises(ValueError, match=r"state is missing entries: D$"):
+        tm.DLR().load_state_dict(dict(sd))
 
 
 def with_version(raw, version):
