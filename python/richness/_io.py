@@ -4,6 +4,14 @@ Layout: one array per state entry plus ``meta``, a UTF-8 JSON document with
 the format name, version, scalar fields and a SHA-256 over every array's
 bytes. Loading checks all of it, so a truncated, corrupted or foreign file
 is rejected with a message naming the file and the problem.
+
+Versions: a file records the ``VERSION`` that wrote it. A file of a newer
+version is refused, naming both versions; members the schema does not know
+are refused, never ignored. An older file still loads: a field it predates
+is filled by the field's ``fill`` rule (``_state.Field``; the same rule
+completes an older ``state_dict`` in ``load_state_dict``), and a change no
+fill rule can express registers ``UPGRADES[v]``, which turns a version-``v``
+state into version ``v + 1``'s. A field with neither is refused by name.
 """
 
 from __future__ import annotations
@@ -25,14 +33,15 @@ from ._state import FLOAT_FIELDS as FLOATS
 from ._state import INT_FIELDS as INTS
 
 FORMAT = "richness.moments"
-VERSION = 1
+VERSION = 1  # bumped by every change of the schema (docs/ARCHITECTURE.md, "Adding things")
+UPGRADES: dict = {}  # version v -> function(state of version v) -> state of version v + 1
 
 
 def _digest(arrays: dict, scalars: dict) -> str:
     """SHA-256 over the scalar fields and every array (key, shape, bytes)."""
     h = hashlib.sha256()
     h.update(json.dumps({k: scalars[k] for k in SCALARS}, sort_keys=True).encode())
-    for key in FLOATS + INTS:
+    for key in arrays:  # in the order written (the schema's when it was written)
         a = np.ascontiguousarray(arrays[key])
         h.update(key.encode())
         h.update(str(a.shape).encode())
@@ -369,19 +378,25 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged) -> dict:
         raise bad("corrupted metadata") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise bad(f"not a richness state (format {meta.get('format') if isinstance(meta, dict) else None!r})")
-    if meta.get("version") != VERSION:
-        raise bad(f"unsupported state version {meta.get('version')!r}; this richness reads version {VERSION}")
-    missing = [k for k in SCALARS + ("sha256",) if k not in meta] + [k for k in FLOATS + INTS if k not in members]
+    version = meta.get("version")
+    known = isinstance(version, int) and not isinstance(version, bool)
+    if not (known and 1 <= version <= VERSION):
+        newer = " (written by a newer richness: update richness to read it)" if known and version > VERSION else ""
+        raise bad(f"unsupported state version {version!r}{newer}; this richness reads versions 1 to {VERSION}")
+    # An upgraded file's members are the upgrades' to map; the result is checked on loading (load_state_dict).
+    upgraded = any(v in UPGRADES for v in range(version, VERSION))
+    missing = [k for k in SCALARS + ("sha256",) if k not in meta] + [
+        f.name for f in FIELDS if f.name not in members and f.fill is None and not upgraded]
     if missing:
         raise bad(f"missing entries: {', '.join(missing)}")
     extra = sorted(set(members) - set(FLOATS + INTS) - {"meta"})
-    if extra:
+    if extra and not upgraded:
         raise bad(f"unexpected entries: {', '.join(extra)}")
     try:
         widths = widths_of(meta)
     except (TypeError, ValueError) as e:
         raise bad(f"not a valid richness state ({e})") from None
-    for f in FIELDS:
+    for f in (f for f in FIELDS if f.name in members and not upgraded):
         head = members[f.name].header
         want = shape_of(f, widths)
         if head.shape != want:
@@ -391,11 +406,13 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged) -> dict:
             raise bad(f"entry {f.name} has dtype {head.dtype}, expected {np.dtype(f.dtype)}")
     check_memory(state_bytes(widths), f"{path}: the state at p={widths['p']}")
     try:
-        data = {k: read_member(zf, members[k]) for k in FLOATS + INTS}
+        data = {k: read_member(zf, m) for k, m in members.items() if k != "meta"}  # in the order written
     except damaged as e:
         raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
     if _digest(data, meta) != meta["sha256"]:
         raise bad("checksum mismatch: the file is corrupted")
     state = {k: meta[k] for k in SCALARS}
     state.update(data)
+    for v in range(version, VERSION):
+        state = UPGRADES[v](state) if v in UPGRADES else state
     return state

@@ -289,8 +289,10 @@ class Moments(Lockable):
 
     @classmethod
     def load(cls, path: "os.PathLike | str", *, device: Optional[str] = None) -> "Moments":
-        """Read a state written by ``save``; rejects truncated, corrupted or
-        foreign files and unknown versions with a ValueError naming the file."""
+        """Read a state written by ``save``, by this richness or an older one
+        (docs/ARCHITECTURE.md, "Adding things"); rejects truncated, corrupted or
+        foreign files and files of a newer richness with a ValueError naming
+        the file."""
         state = _io.load_state(path)
         m = cls(device=device or "cpu")
         try:  # the archive is intact; its entries may still not form a valid state

@@ -48,6 +48,17 @@ _STATES = _FIELDS + ("widths",)
 _TORCH_DTYPE = {np.float64: torch.float64, np.int64: torch.int64}
 
 
+def _from_tensors(tensors: Dict[str, Any], prefix: str = "") -> dict:
+    """A numpy state dict from DLR state tensors under ``prefix``: ``widths``
+    and the fields present (``_state.checked`` fills or refuses the others)."""
+    vals = torch.as_tensor(tensors[prefix + "widths"]).tolist()
+    st = dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]), precision=_state.PRECISIONS[vals[-1]])
+    for f in _state.FIELDS:
+        if prefix + f.name in tensors:
+            st[f.name] = torch.as_tensor(tensors[prefix + f.name]).detach().cpu().numpy()
+    return st
+
+
 def _padded(sync_fn: Callable) -> Callable:
     """``sync_fn`` (an all-gather returning one tensor per rank), with every
     rank's tensor zero-padded to the largest shape: torchmetrics stacks the
@@ -471,10 +482,7 @@ class DLR(Metric):
             missing = [k for k in _STATES if k not in incoming_state]
             if missing:
                 raise ValueError(f"incoming DLR state is missing {', '.join(missing)}")
-            vals = torch.as_tensor(incoming_state["widths"]).tolist()
-            other = dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]), precision=_state.PRECISIONS[vals[-1]])
-            for f in _state.FIELDS:
-                other[f.name] = torch.as_tensor(incoming_state[f.name]).detach().cpu().numpy()
+            other = _from_tensors(incoming_state)
             _state.validate(other)
         else:
             raise ValueError(f"Expected incoming state to be a dict or an instance of Metric but got "
@@ -489,6 +497,16 @@ class DLR(Metric):
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         self._present()
         return super().state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        # A state dict saved before a field existed gets it by the field's fill rule, or is refused
+        # naming it: the policy of saved states (docs/ARCHITECTURE.md, "Adding things").
+        lacking = [f.name for f in _state.FIELDS if prefix + f.name not in state_dict]
+        if lacking and prefix + "widths" in state_dict:
+            filled = _state.checked(_from_tensors(state_dict, prefix))
+            for name in lacking:
+                state_dict[prefix + name] = torch.from_numpy(filled[name])
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _apply(self, fn: Callable, exclude_state: Any = ()) -> Any:
         self._present()
