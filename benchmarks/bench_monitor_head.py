@@ -30,7 +30,7 @@ import time
 import torch
 
 import richness
-from richness import _monitor
+from richness.monitor import monitor as _monitor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from reference import dlr_naive, nc1_naive  # noqa: E402

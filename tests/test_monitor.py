@@ -262,7 +262,7 @@ def _one_batch_records(lag, sizes, dtype=torch.float64, seed=0, labels=True):
 def gram_route(request, monkeypatch):
     """The one-batch Monitor path's Gram: through the core (CPU buffers) or
     through torch (GPU buffers; run here on the CPU)."""
-    from richness import _monitor
+    from richness.monitor import monitor as _monitor
 
     monkeypatch.setattr(_monitor, "CORE_GRAMS", request.param == "core")
     return request.param
@@ -289,7 +289,7 @@ def test_monitor_one_batch_products_stay_ieee_under_a_loop_allowing_tf32(gram_ro
     assert seen and set(seen) == {"highest"}
     assert after == "medium"
     # the GPU buffers' branch, through the same legacy API: TF32 off inside, back on after
-    from richness._monitor import _ieee_matmul
+    from richness.monitor.monitor import _ieee_matmul
 
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
@@ -312,7 +312,7 @@ def test_monitor_one_batch_products_stay_ieee_with_the_per_backend_api():
         pytest.skip("torch < 2.9 has no per-backend float32 precision (covered by the legacy test)")
     script = textwrap.dedent("""
         import json, torch, richness
-        from richness import _monitor
+        from richness.monitor import monitor as _monitor
         _monitor.CORE_GRAMS = False
         mm = torch.backends.mkldnn.matmul
         mm.fp32_precision = "bf16"
@@ -419,7 +419,7 @@ def test_monitor_one_batch_more_classes_than_samples(gram_route, monkeypatch):
     # 1,000 classes (the head's outputs), batches of 16: NC1 uses each step's own classes, renumbered
     # 0..15, so the per-step matrices are 16 x 16, not 1,000 x 1,000; values equal the oracle's, and
     # a step with a label outside the head's classes gets no NC1.
-    from richness import _monitor
+    from richness.monitor import monitor as _monitor
 
     widths = []
     real = _monitor._BatchGroup.reduce

@@ -14,8 +14,8 @@ import scipy_openblas32 as _openblas  # noqa: F401
 from ._core import blas_info
 from ._moments import Moments, dlr
 from ._report import Report
-from ._evaluate import RichnessWarning, evaluate
-from ._monitor import Monitor
+from .model.evaluate import RichnessWarning, evaluate
+from .monitor import Monitor
 
 try:
     from importlib.metadata import PackageNotFoundError as _NotFound, version as _version

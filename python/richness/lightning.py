@@ -27,8 +27,8 @@ except ImportError:  # pragma: no cover - the older package name
         raise ImportError("richness.lightning needs Lightning: pip install lightning "
                           f"(or pytorch_lightning) ({_e})") from None
 
-from ._monitor import Monitor
-from ._monitor_sinks import scalars
+from .monitor.monitor import Monitor
+from .monitor.sinks import scalars
 
 
 def pair_labels(batch: Any) -> Any:

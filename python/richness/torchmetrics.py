@@ -39,7 +39,7 @@ except ImportError as _e:  # pragma: no cover - exercised only without the extra
 
 from . import _adapt, _state
 from . import finish as _finish
-from ._hooks import hook_forward
+from .model.hooks import hook_forward
 from ._moments import Moments
 from ._report import Report
 

@@ -36,9 +36,9 @@ except ImportError as _e:
     raise ImportError(f"richness.transformers needs transformers: pip install transformers accelerate ({_e})") \
         from None
 
-from ._batches import UNSHIFTED, labels_are_inputs, next_token_labels
-from ._monitor import Monitor
-from ._monitor_sinks import scalars
+from .model.batches import UNSHIFTED, labels_are_inputs, next_token_labels
+from .monitor.monitor import Monitor
+from .monitor.sinks import scalars
 
 
 def is_causal_lm(model: Any) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List
 
-from ._hooks import ModelHook, hook_forward
+from ..model.hooks import ModelHook, hook_forward
 
 
 def _grad_enabled() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ._optional import require_torch
+from .._optional import require_torch
 
 
 def _module_line(name: str, mod: Any) -> str:

@@ -14,14 +14,14 @@ import logging
 import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
 
-from ._moments import Moments
-from ._report import Report
+from .._moments import Moments
+from .._report import Report
 # richness.Monitor imports several of these names from this module: keep them here
-from ._batches import (UNSHIFTED, TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs,
+from .batches import (UNSHIFTED, TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs,
                        labels_are_inputs, layer_rows, select_rows, shift_for_next_token, split_batch, to_device)
-from ._hooks import Capture, HeadFinder, resolve_head, resolve_layers
-from ._optional import require_torch, require_tqdm
-from ._threads import BlasThreads
+from .hooks import Capture, HeadFinder, resolve_head, resolve_layers
+from .._optional import require_torch, require_tqdm
+from .threads import BlasThreads
 
 log = logging.getLogger("richness")
 

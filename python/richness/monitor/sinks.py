@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any, Callable
 
-from ._optional import require_mlflow, require_wandb
+from .._optional import require_mlflow, require_wandb
 
 FIELDS = ("step", "mode", "n", "dlr", "rank", "nc1", "effective_dim", "time")
 # the numbers a record sends to a tracker (Lightning's loggers, Hugging Face's Trainer, W&B, MLflow)

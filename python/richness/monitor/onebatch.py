@@ -7,10 +7,10 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 
-from . import _adapt, _core
-from ._monitor_capture import _StepBuffer
-from ._threads import BlasThreads
-from .finish import DEFAULT_RTOL, dlr_values, nc1_from_grams, span_of_grams
+from .. import _adapt, _core
+from .capture import _StepBuffer
+from ..model.threads import BlasThreads
+from ..finish import DEFAULT_RTOL, dlr_values, nc1_from_grams, span_of_grams
 
 
 @contextlib.contextmanager

@@ -31,17 +31,17 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from ._batches import check_tokens, label_kwargs, select_rows
-from ._evaluate import collect
-from ._hooks import HeadFinder, hook_forward, resolve_head
-from ._monitor_capture import (_grad_enabled, _ModelForwards, _PendingCapture, _probe_batches,  # noqa: F401
+from ..model.batches import check_tokens, label_kwargs, select_rows
+from ..model.evaluate import collect
+from ..model.hooks import HeadFinder, hook_forward, resolve_head
+from .capture import (_grad_enabled, _ModelForwards, _PendingCapture, _probe_batches,  # noqa: F401
                                _StepBuffer)
-from ._monitor_onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group,  # noqa: F401
+from .onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group,  # noqa: F401
                                OneBatchRoute)
-from ._monitor_sinks import FIELDS, _make_sinks  # noqa: F401
-from ._monitor_window import WindowRoute
-from ._optional import require_torch
-from ._threads import BlasThreads
+from .sinks import FIELDS, _make_sinks  # noqa: F401
+from .window import WindowRoute
+from .._optional import require_torch
+from ..model.threads import BlasThreads
 
 
 def _num(v: Any) -> Optional[float]:

@@ -6,10 +6,10 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ._moments import Moments
-from ._monitor_capture import _StepBuffer
-from ._threads import BlasThreads
-from .finish import DEFAULT_RTOL, NC1_RELIABLE, dlr_of_state, nc1
+from .._moments import Moments
+from .capture import _StepBuffer
+from ..model.threads import BlasThreads
+from ..finish import DEFAULT_RTOL, NC1_RELIABLE, dlr_of_state, nc1
 
 
 class WindowRoute:
