@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -49,6 +50,58 @@ inline std::vector<std::string> precision_names() {
       RICHNESS_PRECISIONS(RICHNESS_LIST)
 #undef RICHNESS_LIST
   };
+}
+
+// A constructor's num_classes: -1 (the classes grow with the labels) or a
+// count from 1 to 2**63 - 1. Anything else is refused by name and range
+// rather than left to pybind11's "incompatible constructor arguments".
+inline int64_t num_classes_of(const py::handle& v) {
+  auto refuse = [&]() {
+    throw std::invalid_argument("num_classes must be an integer from 1 to 2**63 - 1 (or None), got " +
+                                py::repr(v).cast<std::string>());
+  };
+  if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) refuse();
+  py::int_ i = py::reinterpret_steal<py::int_>(PyNumber_Index(v.ptr()));
+  if (!i) throw py::error_already_set();
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow != 0 || (n < 1 && n != -1)) refuse();
+  return (int64_t)n;
+}
+
+// Completes a new Python object around `obj` inside the constructor call,
+// where pybind11 turns a std::bad_alloc into MemoryError. Left to pybind11,
+// the instance would be registered after the constructor returned, outside
+// its exception handling, and an allocation failure there (under a memory
+// limit) would end the process. On failure obj is deleted here and the
+// object holds nothing. Use with py::detail::is_new_style_constructor().
+template <typename T>
+void adopt(py::detail::value_and_holder& v_h, std::unique_ptr<T> obj) {
+  v_h.value_ptr() = obj.get();
+  try {
+    v_h.type->init_instance(v_h.inst, &obj);  // registers the instance, then moves obj into its holder
+  } catch (...) {
+    v_h.value_ptr() = nullptr;
+    throw;
+  }
+}
+
+// pybind11's tp_new uses the memory tp_alloc returns without checking it, so
+// a Python out of memory would crash there. This one allocates and frees an
+// instance first: when that fails it returns with MemoryError set, and when it
+// succeeds pybind11's own allocation reuses the block just freed.
+inline PyObject* checked_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject* probe = type->tp_alloc(type, 0);
+  if (!probe) return nullptr;
+  if (PyType_IS_GC(type)) PyObject_GC_UnTrack(probe);
+  type->tp_free(probe);
+  if (type->tp_flags & Py_TPFLAGS_HEAPTYPE) Py_DECREF(type);  // tp_alloc took a reference to a heap type
+  return py::detail::pybind11_object_new(type, args, kwargs);
+}
+
+// Installs checked_new on a bound class (before any instance exists).
+inline void check_allocation_in_new(const py::handle& cls) {
+  reinterpret_cast<PyTypeObject*>(cls.ptr())->tp_new = checked_new;
 }
 
 inline Matrix to_matrix(const MatrixArg& a) {

@@ -18,9 +18,13 @@ using namespace richness::pystate;
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "richness CPU core: streamed float64 co-moments (docs/MATH.md), BLAS products";
-  py::register_exception<type_error>(m, "DTypeError", PyExc_TypeError);
+  // Module-local translators: registering one creates pybind11's per-module
+  // tables now, at import. Created lazily, they would be allocated while the
+  // first exception is translated, and a std::bad_alloc there (under a memory
+  // limit) would end the process instead of raising MemoryError.
+  py::register_local_exception<type_error>(m, "DTypeError", PyExc_TypeError);
 
-  py::register_exception_translator([](std::exception_ptr e) {
+  py::register_local_exception_translator([](std::exception_ptr e) {
     try {
       if (e) std::rethrow_exception(e);
     } catch (const memory_error& err) {
@@ -35,7 +39,12 @@ PYBIND11_MODULE(_core, m) {
   py::class_<CpuMoments>(m, "CpuMoments",
                          "Streamed float64 co-moments on the CPU. Thread-safe: one object may be updated, merged "
                          "and read from several threads; each call sees whole batches only.")
-      .def(py::init<int64_t>(), py::arg("num_classes") = -1)
+      .def(
+          "__init__",
+          [](py::detail::value_and_holder& v_h, const py::object& num_classes) {
+            adopt(v_h, std::make_unique<CpuMoments>(num_classes_of(num_classes)));
+          },
+          py::detail::is_new_style_constructor(), py::arg("num_classes") = -1)
       .def(
           "update",
           [](CpuMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
@@ -83,6 +92,8 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         return self.p();
       });
+
+  check_allocation_in_new(m.attr("CpuMoments"));
 
   m.def(
       "check_batch",

@@ -3,7 +3,9 @@
 // RICHNESS_STATE_ARRAYS; python/richness/_state.py holds the same list.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -34,6 +36,25 @@ inline void check_mergeable(const Widths& a, const Widths& b) {
     os << "cannot merge: the other state has " << b.k << " classes, more than num_classes=" << a.num_classes;
     throw std::invalid_argument(os.str());
   }
+}
+
+// Refuses, before anything changes, a merge or an update that would take the
+// sample count n past int64 (class counts add up to n, so they cannot wrap
+// first). `unchanged` ends the message: what was left as it was.
+inline void check_count_fits(int64_t n, int64_t more, const char* unchanged) {
+  if (more <= std::numeric_limits<int64_t>::max() - n) return;
+  Msg os;
+  os << "the sample count would pass 2**63 - 1 (" << n << " + " << more << "), the largest an int64 holds; "
+     << unchanged;
+  throw std::invalid_argument(os.str());
+}
+
+// Without num_classes the class arrays grow to the largest label; a stray
+// huge label would silently allocate gigabytes of class sums, so labels from
+// this count on (class sums past 1 GiB at width p) need num_classes to be
+// given. Both backends refuse them.
+inline int64_t class_growth_cap(int64_t p) {
+  return std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
 }
 
 // The widths an array of the state is measured in.

@@ -6,12 +6,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
+#include <exception>
 #include <type_traits>
 #include <atomic>
 #include <limits>
+#include <optional>
+#include <set>
 #include <thread>
 
+#include <pthread.h>
+
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -114,6 +119,43 @@ void for_each_row(const Matrix& m, Fn&& fn) {
   for_each_row(m, 0, m.rows, fn);
 }
 
+// Runs fn(w, r0, r1) for w < workers over the row ranges [range_of(w),
+// range_of(w + 1)), worker 0 on the calling thread and the others on threads
+// of their own. No exception leaves a thread (that would end the process):
+// one thrown by a worker (std::bad_alloc) is rethrown here once every worker
+// has finished, and a range whose thread cannot be started runs here. When
+// fn itself cannot throw, neither can this: a merge that has begun completes.
+template <typename Range, typename Fn>
+void run_split(int64_t workers, Range&& range_of, Fn&& fn) {
+  std::vector<std::exception_ptr> errors;
+  std::vector<std::thread> pool;
+  try {
+    errors.resize((size_t)std::max<int64_t>(workers, 1));
+    pool.reserve((size_t)std::max<int64_t>(workers - 1, 0));
+  } catch (...) {  // no room for the threads' bookkeeping: run every range here
+    for (int64_t w = 0; w < workers; ++w) fn(w, range_of(w), range_of(w + 1));
+    return;
+  }
+  auto guarded = [&](int64_t w) noexcept {
+    try {
+      fn(w, range_of(w), range_of(w + 1));
+    } catch (...) {
+      errors[(size_t)w] = std::current_exception();
+    }
+  };
+  for (int64_t w = 1; w < workers; ++w) {
+    try {
+      pool.emplace_back(guarded, w);
+    } catch (...) {
+      guarded(w);
+    }
+  }
+  guarded(0);
+  for (auto& t : pool) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
 // Runs fn(w, r0, r1) on `workers` threads over contiguous row ranges. The
 // split depends only on the worker count, so results are reproducible.
 template <typename Fn>
@@ -122,12 +164,8 @@ void run_workers(int64_t workers, int64_t rows, Fn&& fn) {
     fn(0, (int64_t)0, rows);
     return;
   }
-  std::vector<std::thread> pool;
   const int64_t step = (rows + workers - 1) / workers;
-  for (int64_t w = 1; w < workers; ++w)
-    pool.emplace_back([&, w] { fn(w, std::min(rows, w * step), std::min(rows, (w + 1) * step)); });
-  fn(0, (int64_t)0, std::min(rows, step));
-  for (auto& t : pool) t.join();
+  run_split(workers, [&](int64_t w) { return std::min(rows, w * step); }, fn);
 }
 
 // The memory-bound passes (means, centering) split over the threads once a
@@ -288,26 +326,6 @@ struct MergeWork {
       : d((size_t)p), e_out((size_t)std::max<int64_t>(c, 0)), e_tgt((size_t)std::max<int64_t>(t, 0)) {}
 };
 
-// Runs fn(r0, r1) for row ranges on threads; a range whose thread cannot be
-// started runs here, so a merge that has begun always completes.
-template <typename Fn>
-void run_ranges(int64_t workers, Fn&& range_of, const std::function<void(int64_t, int64_t)>& fn) {
-  std::vector<std::thread> pool;
-  try {
-    pool.reserve((size_t)workers);
-  } catch (...) {
-  }
-  for (int64_t w = 1; w < workers; ++w) {
-    try {
-      pool.emplace_back(fn, range_of(w), range_of(w + 1));
-    } catch (...) {
-      fn(range_of(w), range_of(w + 1));
-    }
-  }
-  fn(range_of(0), range_of(1));
-  for (auto& t : pool) t.join();
-}
-
 // Chan et al.: with d = mean_b - mean_a and f = na nb / n,
 //   M = Ma + Mb + f d d^T,  B = Ba + Bb + f d_phi d_out^T,  mean += d nb / n.
 // Only lower triangles of the symmetric blocks are read and written. Neither
@@ -323,7 +341,7 @@ void merge_block(State& s, const Block<T>& b, MergeWork& work) {
   // area (row i holds i + 1 entries, so worker w starts at p sqrt(w / W)).
   const int64_t workers = std::min<int64_t>(blas_get_num_threads(), p * p / (int64_t(1) << 18) + 1);
   auto first_row = [&](int64_t w) { return (int64_t)std::llround((double)p * std::sqrt((double)w / workers)); };
-  run_ranges(workers, first_row, [&](int64_t r0, int64_t r1) {
+  run_split(workers, first_row, [&](int64_t, int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       double* mi = s.M.data() + i * p;
       const double fdi = f * d[i];
@@ -448,12 +466,6 @@ struct Target {
   }
 };
 
-int64_t max_label(const Matrix& y) {
-  int64_t mx = -1;
-  for (int64_t i = 0; i < y.rows; ++i) mx = std::max(mx, label_at(y, i));
-  return mx;
-}
-
 const char* stream_name(int which) {
   return which == 0 ? "features" : which == 1 ? "outputs" : "targets";
 }
@@ -465,6 +477,43 @@ double memory_limit() {
   struct rlimit rl;
   if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) limit = std::min(limit, (double)rl.rlim_cur);
   return limit > 0 ? limit : std::numeric_limits<double>::infinity();
+}
+
+// OpenBLAS maps a 32 MiB buffer (BUFFER_SIZE on x86-64) for each thread the
+// first time it calls BLAS (freed when the thread ends), and ends the process
+// when the map fails (under a ulimit -v): no exception comes back from it. So
+// before BLAS runs, the address space for the buffers (one per worker thread,
+// started anew for each batch, and one for the calling thread if it has not
+// called BLAS before) and for the scratch still to be allocated is mapped and
+// unmapped: fewer workers are used when it is short, and a MemoryError is
+// raised when even the calling thread alone cannot run.
+constexpr double kBlasBuffer = double(32 << 20) + double(1 << 16);
+thread_local bool t_has_blas_buffer = false;
+
+bool address_space_for(double bytes) {
+  if (!(bytes > 0.0)) return true;
+  if (bytes >= (double)std::numeric_limits<size_t>::max() / 2) return false;
+  void* p = mmap(nullptr, (size_t)bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return false;
+  munmap(p, (size_t)bytes);
+  return true;
+}
+
+// The number of BLAS-calling workers (at most `wanted`) the address space
+// allows, given the scratch bytes each count of workers still needs.
+template <typename ScratchOf>
+int64_t blas_workers(int64_t wanted, ScratchOf&& scratch_of) {
+  const int64_t own = t_has_blas_buffer ? 0 : 1;
+  for (int64_t w = std::max<int64_t>(wanted, 1); w >= 1; --w) {
+    if (!address_space_for((double)(w - 1 + own) * kBlasBuffer + scratch_of(w))) continue;
+    t_has_blas_buffer = true;
+    return w;
+  }
+  Msg os;
+  os << "not enough address space left in this process for the products (" << Sci{scratch_of(1)}
+     << " bytes of scratch" << (own ? " and a 32 MiB BLAS buffer" : "")
+     << "); raise the memory limit (ulimit -v) or reduce the batch; the batch was not added";
+  throw memory_error(os.str());
 }
 
 }  // namespace
@@ -481,6 +530,7 @@ void State::reset() {
 void State::merge(const State& o) {
   if (o.p < 0 || o.n == 0) return;
   check_mergeable({n, p, c, t, k, num_classes}, {o.n, o.p, o.c, o.t, o.k, o.num_classes});
+  check_count_fits(n, o.n, "nothing was merged");
   Block<double> b;
   b.n = o.n;
   b.mean = o.mean.data();
@@ -506,16 +556,24 @@ void State::merge(const State& o) {
   target.commit();
 }
 
-// ---- validation -----------------------------------------------------------
+// ---- labels -----------------------------------------------------------------
 
+// A batch's labels, read from the caller's memory once: the range check, the
+// class arrays' size and the class counts and sums all use this copy, so a
+// label changed by another thread during the update cannot pass the check and
+// then index past the class arrays.
+std::vector<int64_t> read_labels(const Matrix& y) {
+  std::vector<int64_t> out((size_t)y.rows);
+  for (int64_t i = 0; i < y.rows; ++i) out[(size_t)i] = label_at(y, i);
+  return out;
+}
 
-// Without num_classes the class arrays grow to the largest label; a stray
-// huge label would silently allocate gigabytes of class sums, so growth past
-// 1 GiB of them needs num_classes to be given.
-static void check_labels(const Matrix& y, int64_t num_classes, int64_t p) {
-  const int64_t growth_cap = std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
-  for (int64_t i = 0; i < y.rows; ++i) {
-    const int64_t v = label_at(y, i);
+// Labels in 0..num_classes-1 (or >= 0 and within the class growth cap,
+// common/state.hpp, without num_classes).
+void check_labels(const std::vector<int64_t>& y, int64_t num_classes, int64_t p) {
+  const int64_t growth_cap = class_growth_cap(p);
+  for (size_t i = 0; i < y.size(); ++i) {
+    const int64_t v = y[i];
     if (v < 0 || (num_classes >= 0 && v >= num_classes)) {
       Msg os;
       os << "labels out of range: label " << v << " at row " << i;
@@ -532,7 +590,106 @@ static void check_labels(const Matrix& y, int64_t num_classes, int64_t p) {
   }
 }
 
+// A batch's float64 class sums for the classes it holds (classes[i] owns
+// sums[i * p ..]), formed before the state changes and checked there: the
+// features are read again for them, after the checks of the first read, so
+// a value another thread turned into NaN (or a class sum past float64) is
+// refused here rather than merged. Rows are added in their order.
+struct BatchClasses {
+  std::vector<int64_t> classes;
+  std::vector<double> sums;
+
+  BatchClasses(const Matrix& x, const std::vector<int64_t>& y) {
+    std::vector<int64_t> order(y.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = (int64_t)i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return y[a] < y[b]; });
+    std::vector<int64_t> slot(y.size());
+    for (int64_t i : order) {
+      if (classes.empty() || classes.back() != y[i]) classes.push_back(y[i]);
+      slot[i] = (int64_t)classes.size() - 1;
+    }
+    const int64_t p = x.cols;
+    sums.assign(classes.size() * (size_t)p, 0.0);
+    for_each_row(x, [&](int64_t i, auto get) {
+      double* sk = sums.data() + slot[i] * p;
+      for (int64_t j = 0; j < p; ++j) sk[j] += get(j);
+    });
+  }
+
+  // Throws unless every class sum, alone and added to the state's, is finite.
+  void check(const State& s) const {
+    const int64_t p = s.p;
+    for (size_t g = 0; g < classes.size(); ++g) {
+      const bool old = s.n > 0 && classes[g] < s.k;
+      const double* state_row = old ? s.class_sums.data() + classes[g] * p : nullptr;
+      for (int64_t j = 0; j < p; ++j) {
+        const double v = sums[g * p + j] + (state_row ? state_row[j] : 0.0);
+        if (std::isfinite(v)) continue;
+        Msg os;
+        os << "features: the sums of class " << classes[g] << " are not finite (a value changed to NaN or Inf "
+           << "while the batch was read, or the sums overflow float64); the batch was not added";
+        throw std::invalid_argument(os.str());
+      }
+    }
+  }
+
+  void add_to(State& s, const std::vector<int64_t>& y) const noexcept {
+    for (int64_t v : y) ++s.class_counts[v];
+    const int64_t p = s.p;
+    for (size_t g = 0; g < classes.size(); ++g) {
+      double* sk = s.class_sums.data() + classes[g] * p;
+      for (int64_t j = 0; j < p; ++j) sk[j] += sums[g * p + j];
+    }
+  }
+};
+
 // ---- CPU update -------------------------------------------------------------
+
+// ---- fork -------------------------------------------------------------------
+
+namespace {
+// Every live CpuMoments's mutex. Around a fork the registry and all of them are
+// held (prepare waits for the updates, merges and reads in progress), then
+// released in both the parent and the child: a mutex copied locked into the
+// child, whose owner thread does not exist there, would block it for ever.
+struct ForkRegistry {
+  std::mutex mu;
+  std::set<std::mutex*> live;
+};
+ForkRegistry& fork_registry() {
+  static ForkRegistry* r = new ForkRegistry;  // never destroyed: a fork may come during exit
+  return *r;
+}
+void fork_prepare() {
+  ForkRegistry& r = fork_registry();
+  r.mu.lock();
+  for (std::mutex* m : r.live) m->lock();  // a merge's std::scoped_lock backs off, so no lock-order deadlock
+}
+void fork_release() {
+  ForkRegistry& r = fork_registry();
+  for (std::mutex* m : r.live) m->unlock();
+  r.mu.unlock();
+}
+void register_at_fork() {
+  static const int once = pthread_atfork(fork_prepare, fork_release, fork_release);
+  if (once != 0) throw std::runtime_error("pthread_atfork failed: the core cannot be made fork-safe");
+}
+}  // namespace
+
+CpuMoments::CpuMoments(int64_t num_classes) {
+  state_.num_classes = num_classes;
+  register_at_fork();
+  ForkRegistry& r = fork_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.live.insert(&mu_);  // may throw std::bad_alloc: the object is then not built
+}
+
+CpuMoments::~CpuMoments() {
+  ForkRegistry& r = fork_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.live.erase(&mu_);
+}
+
 
 void CpuMoments::update(const Batch& b, Precision precision) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -588,22 +745,18 @@ int64_t CpuMoments::p() const {
   return state_.p;
 }
 
-void CpuMoments::update_locked(const Batch& b, Precision precision) {
+namespace {
+
+void check_runs_on_cpu(Precision precision) {
   if (precision == Precision::tf32 || precision == Precision::bf16)
     throw std::invalid_argument(std::string("precision '") + precision_name(precision) +
                                 "' needs the CUDA backend; the CPU multiplies in fp32 or fp64");
-  const State& s = state_;
-  validate_batch({s.n, s.p, s.c, s.t, s.k, s.num_classes}, b);
-  if (b.features.rows == 0) return;
-  // Value checks read the data once; their float64 means are the batch means.
-  BatchMeans means;
-  means_checked(b.features, "features", means.features, means.range[0], means.magnitude[0]);
-  if (b.outputs) means_checked(*b.outputs, "outputs", means.outputs, means.range[1], means.magnitude[1]);
-  if (b.targets) means_checked(*b.targets, "targets", means.targets, means.range[2], means.magnitude[2]);
-  if (b.labels) check_labels(*b.labels, state_.num_classes, b.features.cols);
-  // A spread whose squares fall below the product type's normal range would
-  // be lost (or kept at a few bits) in the products: refuse it rather than
-  // report a constant or a wrong value.
+}
+
+// A spread whose squares fall below the product type's normal range would be
+// lost (or kept at a few bits) in the products: refuse it rather than report
+// a constant or a wrong value.
+void check_spread(const Batch& b, const BatchMeans& means, Precision precision) {
   const bool fp64 = precision == Precision::fp64;
   const double tiny = 64.0 * std::sqrt(fp64 ? std::numeric_limits<double>::min() : (double)std::numeric_limits<float>::min());
   const Matrix* inputs[3] = {&b.features, b.outputs, b.targets};
@@ -616,48 +769,47 @@ void CpuMoments::update_locked(const Batch& b, Precision precision) {
        << (fp64 ? "" : " or use precision='fp64'") << "; the batch was not added";
     throw std::invalid_argument(os.str());
   }
-  if (precision == Precision::fp64) update_typed<double>(b, means, precision, scratch_d_);
-  else update_typed<float>(b, means, precision, scratch_f_);
 }
 
+// Bytes of scratch a batch of nb rows takes with `workers` workers: centered
+// rows and products in the product type (elem bytes), plus, with labels
+// (k >= 0), the labels' copy and the batch's class sums.
+double scratch_bytes(int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, int64_t workers, double elem) {
+  const double P = (double)p, C = (double)c, Tt = (double)t;
+  const double per_part = P * P + P * C + C * C + P * Tt + Tt * Tt;
+  return elem * ((double)nb * (P + C + Tt) + (double)workers * per_part) + (k >= 0 ? 8.0 * (double)nb * (P + 3) : 0.0);
+}
+
+// Refuses what cannot fit before allocating any of it (counted in double:
+// the products of the widths may pass int64). elem: the product type's size.
+void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, int64_t workers,
+                double elem) {
+  const double P = (double)p, C = (double)c, Tt = (double)t, K = (double)std::max<int64_t>(k, 0);
+  const double per_part = P * P + P * C + C * C + P * Tt + Tt * Tt;
+  const double scratch = scratch_bytes(nb, p, c, t, k, workers, elem);
+  const bool first = st.p < 0 || st.n == 0;
+  const double square = 8.0 * P * P;
+  const double state = first ? 8.0 * (P + C + Tt + per_part + K * (P + 1)) : 0.0;
+  const double classes = !first && K > (double)st.k ? 8.0 * K * (P + 1) : 0.0;
+  const double need = scratch + state + classes, limit = memory_limit();
+  if (need <= limit) return;
+  Msg os;
+  os << "this batch needs " << Sci{need} << " bytes";
+  if (first) os << ": the state at p=" << p << " holds a p x p float64 matrix of " << Sci{square} << " bytes";
+  if (K * P * 8.0 > square) os << " and class sums for " << (int64_t)K << " classes of " << Sci{K * P * 8.0} << " bytes";
+  os << ", plus " << Sci{scratch} << " bytes of products; this process can have at most " << Sci{limit}
+     << " bytes. Reduce the feature width (pool or project the features)"
+     << (K * P * 8.0 > square ? " or num_classes" : "") << "; the batch was not added";
+  throw memory_error(os.str());
+}
+
+// Centers the batch in the product type T and forms each worker's products
+// in scratch (the state is not touched), then points a Block at them.
 template <typename T>
-void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision precision, Scratch<T>& sc) {
+Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers, Scratch<T>& sc) {
   const Matrix& x = b.features;
   const int64_t nb = x.rows, p = x.cols;
   const int64_t c = b.outputs ? b.outputs->cols : 0, t = b.targets ? b.targets->cols : 0;
-  const std::vector<double>&mu = means.features, &nu = means.outputs, &tau = means.targets;
-  // Our own workers, each running single-threaded BLAS over its rows: OpenBLAS's
-  // thread pool busy-waits, and on shared cores (a training step beside us)
-  // its 2-thread ssyrk was measured 4-16x slower than one thread. Parts of at
-  // least 256 rows and 2^22 multiply-adds keep each BLAS call efficient.
-  const int64_t workers = std::max<int64_t>(
-      1, std::min<int64_t>({(int64_t)blas_get_num_threads(), nb / 256, nb * p * p / (int64_t(1) << 22)}));
-  int64_t k_needed = -1;
-  if (b.labels) k_needed = std::max(max_label(*b.labels) + 1, state_.num_classes);
-  // Refuse what cannot fit before allocating any of it (counted in double:
-  // the products of the widths may pass int64).
-  {
-    const double P = (double)p, C = (double)c, Tt = (double)t, K = (double)std::max<int64_t>(k_needed, 0);
-    const double per_part = P * P + P * C + C * C + P * Tt + Tt * Tt;
-    const double scratch = (double)sizeof(T) * ((double)nb * (P + C + Tt) + (double)workers * per_part);
-    const bool first = state_.p < 0 || state_.n == 0;
-    const double square = 8.0 * P * P;
-    const double state = first ? 8.0 * (P + C + Tt + per_part + K * (P + 1)) : 0.0;
-    const double classes = !first && K > (double)state_.k ? 8.0 * K * (P + 1) : 0.0;
-    const double need = scratch + state + classes, limit = memory_limit();
-    if (need > limit) {
-      Msg os;
-      os << "this batch needs " << Sci{need} << " bytes";
-      if (first) os << ": the state at p=" << p << " holds a p x p float64 matrix of " << Sci{square} << " bytes";
-      if (K * P * 8.0 > square) os << " and class sums for " << (int64_t)K << " classes of " << Sci{K * P * 8.0} << " bytes";
-      os << ", plus " << Sci{scratch} << " bytes of products; this process can have at most " << Sci{limit}
-         << " bytes. Reduce the feature width (pool or project the features)"
-         << (K * P * 8.0 > square ? " or num_classes" : "") << "; the batch was not added";
-      throw memory_error(os.str());
-    }
-  }
-  // All products go to scratch first: nothing below can leave the state half
-  // updated (an allocation failure throws before the merge starts).
   sc.x.resize((size_t)(nb * p));
   sc.f.resize((size_t)(nb * c));
   sc.t.resize((size_t)(nb * t));
@@ -673,24 +825,26 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
   run_workers(workers, nb, [&](int64_t w, int64_t r0, int64_t r1) {
     const int64_t k = r1 - r0;
     T* xw = sc.x.data() + r0 * p;
-    center_rows<T>(x, mu, sc.x.data(), r0, r1);
+    center_rows<T>(x, means.features, sc.x.data(), r0, r1);
     syrk(p, k, xw, sc.M[w].data());
     if (b.outputs) {
       T* fw = sc.f.data() + r0 * c;
-      center_rows<T>(*b.outputs, nu, sc.f.data(), r0, r1);
+      center_rows<T>(*b.outputs, means.outputs, sc.f.data(), r0, r1);
       gemm_tn(p, c, k, xw, fw, sc.B[w].data());
       syrk(c, k, fw, sc.A[w].data());
     }
     if (b.targets) {
       T* tw = sc.t.data() + r0 * t;
-      center_rows<T>(*b.targets, tau, sc.t.data(), r0, r1);
+      center_rows<T>(*b.targets, means.targets, sc.t.data(), r0, r1);
       gemm_tn(p, t, k, xw, tw, sc.Bt[w].data());
       syrk(t, k, tw, sc.At[w].data());
     }
   });
   Block<T> blk;
   blk.n = nb;
-  blk.mean = mu.data();
+  blk.mean = means.features.data();
+  blk.out_mean = means.outputs.data();
+  blk.tgt_mean = means.targets.data();
   for (int64_t w = 0; w < workers; ++w) {
     blk.M.push_back(sc.M[w].data());
     if (b.outputs) {
@@ -702,9 +856,55 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
       blk.At.push_back(sc.At[w].data());
     }
   }
-  blk.out_mean = nu.data();
-  blk.tgt_mean = tau.data();
+  return blk;
+}
 
+}  // namespace
+
+void CpuMoments::update_locked(const Batch& b, Precision precision) {
+  check_runs_on_cpu(precision);
+  const State& s = state_;
+  validate_batch({s.n, s.p, s.c, s.t, s.k, s.num_classes}, b);
+  if (b.features.rows == 0) return;
+  check_count_fits(s.n, b.features.rows, "the batch was not added");
+  // Value checks read the data once; their float64 means are the batch means.
+  BatchMeans means;
+  means_checked(b.features, "features", means.features, means.range[0], means.magnitude[0]);
+  if (b.outputs) means_checked(*b.outputs, "outputs", means.outputs, means.range[1], means.magnitude[1]);
+  if (b.targets) means_checked(*b.targets, "targets", means.targets, means.range[2], means.magnitude[2]);
+  std::vector<int64_t> labels;
+  if (b.labels) {
+    labels = read_labels(*b.labels);
+    check_labels(labels, state_.num_classes, b.features.cols);
+  }
+  check_spread(b, means, precision);
+  if (precision == Precision::fp64) update_typed<double>(b, means, labels, precision, scratch_d_);
+  else update_typed<float>(b, means, labels, precision, scratch_f_);
+}
+
+template <typename T>
+void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std::vector<int64_t>& labels,
+                              Precision precision, Scratch<T>& sc) {
+  const Matrix& x = b.features;
+  const int64_t nb = x.rows, p = x.cols;
+  const int64_t c = b.outputs ? b.outputs->cols : 0, t = b.targets ? b.targets->cols : 0;
+  // Our own workers, each running single-threaded BLAS over its rows: OpenBLAS's
+  // thread pool busy-waits, and on shared cores (a training step beside us)
+  // its 2-thread ssyrk was measured 4-16x slower than one thread. Parts of at
+  // least 256 rows and 2^22 multiply-adds keep each BLAS call efficient.
+  const int64_t wanted = std::max<int64_t>(
+      1, std::min<int64_t>({(int64_t)blas_get_num_threads(), nb / 256, nb * p * p / (int64_t(1) << 22)}));
+  int64_t k_needed = -1;
+  if (b.labels) {
+    k_needed = state_.num_classes;
+    for (int64_t v : labels) k_needed = std::max(k_needed, v + 1);
+  }
+  check_fits(state_, nb, p, c, t, k_needed, wanted, (double)sizeof(T));
+  const int64_t workers = blas_workers(
+      wanted, [&](int64_t w) { return scratch_bytes(nb, p, c, t, k_needed, w, (double)sizeof(T)); });
+  // All products go to scratch first: nothing below can leave the state half
+  // updated (an allocation failure throws before the merge starts).
+  const Block<T> blk = form_products(b, means, workers, sc);
   const int which = overflow_of(state_, blk, p, c, t);
   if (which >= 0) {
     Msg os;
@@ -715,20 +915,18 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
        << (std::is_same<T, float>::value ? " or use precision='fp64'" : "") << "; the batch was not added";
     throw std::invalid_argument(os.str());
   }
+  std::optional<BatchClasses> classes;
+  if (b.labels) {
+    classes.emplace(x, labels);
+    classes->check(state_);
+  }
   Target target(state_, p, b.outputs ? c : -1, b.targets ? t : -1, b.labels ? std::max<int64_t>(k_needed, 0) : -1);
   MergeWork work(p, c, t);
   // Nothing below allocates or throws.
   target.grow();
   State& s = target.state();
   merge_block(s, blk, work);
-  if (b.labels) {
-    const Matrix& y = *b.labels;
-    for (int64_t i = 0; i < nb; ++i) ++s.class_counts[label_at(y, i)];
-    for_each_row(x, [&](int64_t i, auto get) {
-      double* sk = s.class_sums.data() + label_at(y, i) * p;
-      for (int64_t j = 0; j < p; ++j) sk[j] += get(j);
-    });
-  }
+  if (classes) classes->add_to(s, labels);
   s.precision = std::max(s.precision, precision);
   target.commit();
 }
@@ -745,7 +943,9 @@ template <typename T>
 void grams_typed(const Matrix& x, int64_t per, T* out, double* norms) {
   const int64_t blocks = x.rows / per, p = x.cols;
   const size_t es = elem_size(x.dtype);
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(blas_get_num_threads(), blocks));
+  const int64_t workers =
+      blas_workers(std::min<int64_t>(blas_get_num_threads(), blocks),
+                   [&](int64_t w) { return (double)w * (double)(per * p * sizeof(T) + p * sizeof(double)); });
   run_workers(workers, blocks, [&](int64_t, int64_t g0, int64_t g1) {
     std::vector<double> mu((size_t)p);
     std::vector<T> xc((size_t)(per * p));

@@ -128,12 +128,6 @@ inline size_t out_size(Precision p) { return p == Precision::fp64 ? 8 : 4; }
 
 // ---- classes ----------------------------------------------------------------------
 
-// Labels past this many classes are refused without num_classes (as on the
-// CPU): a stray huge label must not allocate gigabytes of class sums.
-inline int64_t class_growth_cap(int64_t p) {
-  return std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
-}
-
 // Capacity for k classes: doubling room, a power of two, within the cap.
 inline int64_t class_capacity(int64_t k, int64_t p) {
   int64_t c = 64;

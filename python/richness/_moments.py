@@ -65,8 +65,10 @@ class Moments(Lockable):
             raise ValueError(f"groups must be an integer >= 2 or None, got {groups!r}")
         if group_seed is not None and groups is None:
             raise ValueError("group_seed needs groups=k")
-        if num_classes is not None and (not isinstance(num_classes, (int, np.integer)) or num_classes < 1):
-            raise ValueError(f"num_classes must be a positive integer or None, got {num_classes!r}")
+        if num_classes is not None and (isinstance(num_classes, (bool, np.bool_))
+                                        or not isinstance(num_classes, (int, np.integer))
+                                        or not 1 <= num_classes < 2**63):
+            raise ValueError(f"num_classes must be an integer from 1 to 2**63 - 1 (or None), got {num_classes!r}")
         if precision is not None and precision not in _state.PRECISIONS:
             raise ValueError(f"precision must be one of {_state.PRECISIONS} or None, got {precision!r}")
         if device is not None:
