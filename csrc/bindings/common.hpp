@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../common/state.hpp"
@@ -37,19 +38,38 @@ inline DType dtype_of(const std::string& name) {
 }
 
 inline Precision precision_of(const std::string& name) {
-#define RICHNESS_MATCH(pname) \
-  if (name == #pname) return Precision::pname;
-  RICHNESS_PRECISIONS(RICHNESS_MATCH)
-#undef RICHNESS_MATCH
+  for (int i = 0; i < kNumPrecisions; ++i)
+    if (name == kPrecisions[i].name) return (Precision)i;
   throw std::invalid_argument("unknown precision " + name);
 }
 
 inline std::vector<std::string> precision_names() {
-  return {
-#define RICHNESS_LIST(pname) #pname,
-      RICHNESS_PRECISIONS(RICHNESS_LIST)
-#undef RICHNESS_LIST
-  };
+  std::vector<std::string> out;
+  for (const PrecisionTraits& t : kPrecisions) out.push_back(t.name);
+  return out;
+}
+
+// The precision table (common/precision.hpp) as Python reads it: one dict a
+// mode, finest to coarsest.
+inline py::list precision_table() {
+  static const char* accumulate[] = {"float64", "float32", "tf32"};
+  py::list out;
+  for (int i = 0; i < kNumPrecisions; ++i) {
+    const PrecisionTraits& t = kPrecisions[i];
+    py::dict d;
+    d["name"] = t.name;
+    d["coarseness"] = i;
+    d["input"] = dtype_name(t.input);
+    d["product"] = dtype_name(t.product);
+    d["input_bytes"] = t.input_bytes();
+    d["product_bytes"] = t.product_bytes();
+    d["accumulate"] = accumulate[(int)t.accumulate];
+    d["cuda_only"] = t.cuda_only;
+    d["rtol"] = t.rtol;
+    d["resolves_nc1"] = t.resolves_nc1;
+    out.append(d);
+  }
+  return out;
 }
 
 // A constructor's num_classes: -1 (the classes grow with the labels) or a
@@ -201,6 +221,24 @@ std::vector<T> take(const py::dict& d, const char* key, int64_t size) {
     throw std::invalid_argument(std::string("state key '") + key + "' has " + std::to_string(a.size()) +
                                 " values, expected " + std::to_string(size));
   return std::vector<T>(a.data(), a.data() + a.size());
+}
+
+// The state's arrays as RICHNESS_STATE_ARRAYS lists them: (name, numpy
+// element type, axes by width name, symmetric).
+inline py::list state_field_table() {
+  auto axis = [](Dim d) { return d == Dim::p ? "p" : d == Dim::c ? "c" : d == Dim::t ? "t" : d == Dim::k ? "k" : ""; };
+  py::list out;
+#define RICHNESS_FIELD(name, type, rows, cols, sym)                                                   \
+  {                                                                                                   \
+    py::list axes;                                                                                    \
+    if (rows != Dim::one) axes.append(axis(rows));                                                    \
+    axes.append(axis(cols));                                                                          \
+    out.append(py::make_tuple(#name, std::is_same<type, double>::value ? "float64" : "int64",        \
+                              py::tuple(axes), sym));                                                 \
+  }
+  RICHNESS_STATE_ARRAYS(RICHNESS_FIELD)
+#undef RICHNESS_FIELD
+  return out;
 }
 
 inline State import_state(const py::dict& d) {

@@ -119,7 +119,17 @@ PYBIND11_MODULE(_core, m) {
       "((rows / per) x per x per, float64 for precision fp64, float32 otherwise) and their "
       "Frobenius norms into the float64 buffer at `norms` (rows / per). Internal: the Monitor's "
       "one-batch windows.");
-  m.attr("PRECISIONS") = precision_names();  // finest to coarsest; python/richness/_state.py agrees
+  m.attr("PRECISIONS") = precision_names();  // finest to coarsest
+  m.def("precisions", &precision_table,
+        "The precision modes, finest to coarsest: name, coarseness, input and product element types and "
+        "bytes, accumulation, cuda_only, the default rank cut rtol, resolves_nc1 (python/richness/_state.py "
+        "reads them from here).");
+  m.def(
+      "check_cpu_precision", [](const std::string& name) { check_runs_on_cpu(precision_of(name)); },
+      py::arg("precision"), "Raise ValueError unless the CPU backend runs this precision mode.");
+  m.def("state_fields", &state_field_table,
+        "The state's arrays in order: name, element type, row and column widths, symmetric "
+        "(python/richness/_state.py lists the same; a test compares the two).");
   m.def("blas_info", &blas_info);
   m.def("blas_get_num_threads", &blas_get_num_threads);
   m.def("blas_set_num_threads", &blas_set_num_threads, py::arg("n"));

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "msg.hpp"
+#include "precision.hpp"
 #include "types.hpp"
 
 namespace richness {

@@ -747,17 +747,11 @@ int64_t CpuMoments::p() const {
 
 namespace {
 
-void check_runs_on_cpu(Precision precision) {
-  if (precision == Precision::tf32 || precision == Precision::bf16)
-    throw std::invalid_argument(std::string("precision '") + precision_name(precision) +
-                                "' needs the CUDA backend; the CPU multiplies in fp32 or fp64");
-}
-
 // A spread whose squares fall below the product type's normal range would be
 // lost (or kept at a few bits) in the products: refuse it rather than report
 // a constant or a wrong value.
 void check_spread(const Batch& b, const BatchMeans& means, Precision precision) {
-  const bool fp64 = precision == Precision::fp64;
+  const bool fp64 = traits(precision).product == DType::f64;
   const double tiny = 64.0 * std::sqrt(fp64 ? std::numeric_limits<double>::min() : (double)std::numeric_limits<float>::min());
   const Matrix* inputs[3] = {&b.features, b.outputs, b.targets};
   for (int i = 0; i < 3; ++i) {
@@ -878,7 +872,8 @@ void CpuMoments::update_locked(const Batch& b, Precision precision) {
     check_labels(labels, state_.num_classes, b.features.cols);
   }
   check_spread(b, means, precision);
-  if (precision == Precision::fp64) update_typed<double>(b, means, labels, precision, scratch_d_);
+  // The product type from the table (a CPU mode multiplies in float64 or float32).
+  if (traits(precision).product == DType::f64) update_typed<double>(b, means, labels, precision, scratch_d_);
   else update_typed<float>(b, means, labels, precision, scratch_f_);
 }
 
@@ -935,14 +930,11 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std
 // ---- Gram matrices of row blocks (the Monitor's one-batch windows) ----------
 
 namespace {
-size_t elem_size(DType d) {
-  return d == DType::f64 || d == DType::i64 ? 8 : d == DType::f32 || d == DType::i32 ? 4 : 2;
-}
 
 template <typename T>
 void grams_typed(const Matrix& x, int64_t per, T* out, double* norms) {
   const int64_t blocks = x.rows / per, p = x.cols;
-  const size_t es = elem_size(x.dtype);
+  const size_t es = dtype_size(x.dtype);
   const int64_t workers =
       blas_workers(std::min<int64_t>(blas_get_num_threads(), blocks),
                    [&](int64_t w) { return (double)w * (double)(per * p * sizeof(T) + p * sizeof(double)); });
@@ -982,7 +974,7 @@ void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out
     os << "centered_grams: " << x.rows << " rows do not split into blocks of " << per;
     throw std::invalid_argument(os.str());
   }
-  if (precision == Precision::fp64)
+  if (traits(precision).product == DType::f64)
     grams_typed<double>(x, per, static_cast<double*>(out), norms);
   else
     grams_typed<float>(x, per, static_cast<float*>(out), norms);

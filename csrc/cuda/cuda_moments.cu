@@ -300,7 +300,7 @@ void CudaMoments::means_and_checks(const Matrix& x, const Matrix* outputs, const
   }
   // The products' type bounds them (a quarter of its largest value, as on the
   // CPU), and its smallest normal bounds the spread's squares from below.
-  const bool fp64 = prec == Precision::fp64;
+  const bool fp64 = traits(prec).product == DType::f64;
   const double part_max = fp64 ? DBL_MAX / 4 : (double)FLT_MAX / 4;
   const double tiny = 64.0 * std::sqrt(fp64 ? DBL_MIN : (double)FLT_MIN);
   // fused: centered rows into xs_/fs_/ts_, the chunks' deviations into dev_ ([features | outputs | targets])
@@ -425,7 +425,7 @@ void CudaMoments::sync_and_check() {
   for (int q = 0; q < 3; ++q)
     if (hh.total_bad[kBadOverflow + q]) {
       // as the CPU backend words it (csrc/cpu/cpu_moments.cpp)
-      const bool fp64 = precision_ == Precision::fp64;
+      const bool fp64 = traits(precision_).product == DType::f64;
       os << (first ? "" : "; ") << names[q] << " are too large: their co-moments overflow "
          << (fp64 ? "float64" : "the float32 products or float64") << " (largest magnitude in the batch "
          << Sci{hh.total_magnitude[q]} << "); rescale them (DLR does not depend on the scale)"
@@ -434,7 +434,7 @@ void CudaMoments::sync_and_check() {
     }
   for (int q = 0; q < 3; ++q)
     if (hh.total_bad[kBadUnderflow + q]) {
-      const bool fp64 = precision_ == Precision::fp64;
+      const bool fp64 = traits(precision_).product == DType::f64;
       os << (first ? "" : "; ") << names[q] << " vary by at most " << Sci{hh.total_range[q]} << ", too little for "
          << precision_name(precision_) << " products: their squares underflow " << (fp64 ? "float64" : "float32")
          << "; rescale them (DLR does not depend on the scale)" << (fp64 ? "" : " or use precision='fp64'");

@@ -77,8 +77,8 @@ class Moments(Lockable):
                 raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
             if device == "cuda":
                 device = "cuda:0"
-        if device == "cpu" and precision is not None and _state.precision_mode(precision).cuda_only:
-            raise ValueError(f"precision {precision!r} needs device='cuda'; the CPU multiplies in fp32 or fp64")
+        if device == "cpu" and precision is not None:
+            _state.check_runs_on_cpu(precision)
         if (isinstance(stack_rows, (bool, np.bool_)) or not isinstance(stack_rows, (int, np.integer))
                 or not 0 <= stack_rows < 2**31):
             raise ValueError(f"stack_rows must be an integer in [0, 2**31), got {stack_rows!r}")
