@@ -1,7 +1,9 @@
 // Where a batch enters (CpuMoments::update), is validated (validate_batch),
 // multiplied (update_typed) and merged into the float64 state (merge_block).
 #include "cpu_moments.hpp"
+#include "../common/merge.hpp"
 #include "../common/msg.hpp"
+#include "../common/parallel.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -117,55 +119,6 @@ void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Fn&& fn) {
 template <typename Fn>
 void for_each_row(const Matrix& m, Fn&& fn) {
   for_each_row(m, 0, m.rows, fn);
-}
-
-// Runs fn(w, r0, r1) for w < workers over the row ranges [range_of(w),
-// range_of(w + 1)), worker 0 on the calling thread and the others on threads
-// of their own. No exception leaves a thread (that would end the process):
-// one thrown by a worker (std::bad_alloc) is rethrown here once every worker
-// has finished, and a range whose thread cannot be started runs here. When
-// fn itself cannot throw, neither can this: a merge that has begun completes.
-template <typename Range, typename Fn>
-void run_split(int64_t workers, Range&& range_of, Fn&& fn) {
-  std::vector<std::exception_ptr> errors;
-  std::vector<std::thread> pool;
-  try {
-    errors.resize((size_t)std::max<int64_t>(workers, 1));
-    pool.reserve((size_t)std::max<int64_t>(workers - 1, 0));
-  } catch (...) {  // no room for the threads' bookkeeping: run every range here
-    for (int64_t w = 0; w < workers; ++w) fn(w, range_of(w), range_of(w + 1));
-    return;
-  }
-  auto guarded = [&](int64_t w) noexcept {
-    try {
-      fn(w, range_of(w), range_of(w + 1));
-    } catch (...) {
-      errors[(size_t)w] = std::current_exception();
-    }
-  };
-  for (int64_t w = 1; w < workers; ++w) {
-    try {
-      pool.emplace_back(guarded, w);
-    } catch (...) {
-      guarded(w);
-    }
-  }
-  guarded(0);
-  for (auto& t : pool) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
-
-// Runs fn(w, r0, r1) on `workers` threads over contiguous row ranges. The
-// split depends only on the worker count, so results are reproducible.
-template <typename Fn>
-void run_workers(int64_t workers, int64_t rows, Fn&& fn) {
-  if (workers <= 1) {
-    fn(0, (int64_t)0, rows);
-    return;
-  }
-  const int64_t step = (rows + workers - 1) / workers;
-  run_split(workers, [&](int64_t w) { return std::min(rows, w * step); }, fn);
 }
 
 // The memory-bound passes (means, centering) split over the threads once a
@@ -298,178 +251,6 @@ void center_rows(const Matrix& m, const std::vector<double>& mu, T* out, int64_t
   });
 }
 
-// One block of co-moments (a batch, or another state) to merge. A batch's
-// products may come in parts (one per worker, over disjoint rows, all centered
-// on the batch mean): the merge adds them in float64.
-template <typename T>
-struct Block {
-  int64_t n = 0;
-  const double* mean = nullptr;
-  std::vector<const T*> M;
-  const double* out_mean = nullptr;
-  std::vector<const T*> B, A;
-  const double* tgt_mean = nullptr;
-  std::vector<const T*> Bt, At;
-};
-
-template <typename T>
-inline double sum_parts(const std::vector<const T*>& parts, int64_t idx) {
-  double v = 0.0;
-  for (const T* q : parts) v += (double)q[idx];
-  return v;
-}
-
-// Float64 vectors a merge needs, allocated before the state changes.
-struct MergeWork {
-  std::vector<double> d, e_out, e_tgt;
-  MergeWork(int64_t p, int64_t c, int64_t t)
-      : d((size_t)p), e_out((size_t)std::max<int64_t>(c, 0)), e_tgt((size_t)std::max<int64_t>(t, 0)) {}
-};
-
-// Chan et al.: with d = mean_b - mean_a and f = na nb / n,
-//   M = Ma + Mb + f d d^T,  B = Ba + Bb + f d_phi d_out^T,  mean += d nb / n.
-// Only lower triangles of the symmetric blocks are read and written. Neither
-// allocates nor throws: callers check overflow_of and allocate `work` first.
-template <typename T>
-void merge_block(State& s, const Block<T>& b, MergeWork& work) {
-  const double na = (double)s.n, nb = (double)b.n, n = na + nb;
-  const double f = na * nb / n, w = nb / n;
-  const int64_t p = s.p;
-  std::vector<double>& d = work.d;
-  for (int64_t j = 0; j < p; ++j) d[j] = b.mean[j] - s.mean[j];
-  // The p x p triangle is the merge's bulk: split it over the workers by
-  // area (row i holds i + 1 entries, so worker w starts at p sqrt(w / W)).
-  const int64_t workers = std::min<int64_t>(blas_get_num_threads(), p * p / (int64_t(1) << 18) + 1);
-  auto first_row = [&](int64_t w) { return (int64_t)std::llround((double)p * std::sqrt((double)w / workers)); };
-  run_split(workers, first_row, [&](int64_t, int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; ++i) {
-      double* mi = s.M.data() + i * p;
-      const double fdi = f * d[i];
-      for (int64_t j = 0; j <= i; ++j) mi[j] += sum_parts(b.M, i * p + j) + fdi * d[j];
-    }
-  });
-  auto cross = [&](int64_t c, std::vector<double>& e, std::vector<double>& mean, const double* bmean,
-                   std::vector<double>& Bs, const std::vector<const T*>& Bb, std::vector<double>& As,
-                   const std::vector<const T*>& Ab) {
-    for (int64_t j = 0; j < c; ++j) e[j] = bmean[j] - mean[j];
-    for (int64_t i = 0; i < p; ++i) {
-      double* bi = Bs.data() + i * c;
-      const double fdi = f * d[i];
-      for (int64_t j = 0; j < c; ++j) bi[j] += sum_parts(Bb, i * c + j) + fdi * e[j];
-    }
-    for (int64_t i = 0; i < c; ++i) {
-      double* ai = As.data() + i * c;
-      const double fei = f * e[i];
-      for (int64_t j = 0; j <= i; ++j) ai[j] += sum_parts(Ab, i * c + j) + fei * e[j];
-    }
-    for (int64_t j = 0; j < c; ++j) mean[j] += e[j] * w;
-  };
-  if (s.c >= 0) cross(s.c, work.e_out, s.out_mean, b.out_mean, s.B, b.B, s.A, b.A);
-  if (s.t >= 0) cross(s.t, work.e_tgt, s.tgt_mean, b.tgt_mean, s.Bt, b.Bt, s.At, b.At);
-  for (int64_t j = 0; j < p; ++j) s.mean[j] += d[j] * w;
-  s.n += b.n;
-}
-
-// Which stream's merged moments would overflow (0 features, 1 outputs,
-// 2 targets), or -1. The moment matrices are Gram matrices, so by
-// Cauchy-Schwarz no entry exceeds the largest diagonal (up to rounding): the
-// diagonals of the state, of each product part (in its own type T) and the
-// mean-shift term f |d|^2 bound every merged entry, B's included. A margin of
-// 4 covers the rounding. Reads O(p) values; changes nothing.
-template <typename T>
-int overflow_of(const State& s, const Block<T>& b, int64_t p, int64_t c, int64_t t) {
-  const double part_max = (double)std::numeric_limits<T>::max() / 4;
-  const double state_max = std::numeric_limits<double>::max() / 4;
-  const bool started = s.n > 0 && s.p >= 0;
-  const double f = started ? (double)s.n * (double)b.n / ((double)s.n + (double)b.n) : 0.0;
-  auto check = [&](int64_t w, const std::vector<const T*>& parts, const std::vector<double>& old,
-                   const std::vector<double>& old_mean, const double* bmean) {
-    double bound = 0.0;
-    for (int64_t i = 0; i < w; ++i) {
-      double diag = 0.0;
-      for (const T* q : parts) {
-        const double v = (double)q[i * w + i];
-        if (!(v <= part_max)) return false;  // Inf or NaN from the product itself
-        diag += v;
-      }
-      double shift = 0.0;
-      if (started) {
-        const double di = bmean[i] - old_mean[i];
-        diag += old[i * w + i];
-        shift = f * di * di;
-      }
-      bound = std::max(bound, diag + shift);
-    }
-    return bound <= state_max;  // false for Inf and NaN
-  };
-  if (!check(p, b.M, s.M, s.mean, b.mean)) return 0;
-  if (c > 0 && !check(c, b.A, s.A, s.out_mean, b.out_mean)) return 1;
-  if (t > 0 && !check(t, b.At, s.At, s.tgt_mean, b.tgt_mean)) return 2;
-  return -1;
-}
-
-// Sizes the state for its first samples (p, c, t, k fixed from then on).
-void shape_state(State& s, int64_t p, int64_t c, int64_t t, int64_t k) {
-  s.p = p;
-  s.c = c;
-  s.t = t;
-  s.k = k;
-  s.mean.assign(p, 0.0);
-  s.M.assign((size_t)(p * p), 0.0);
-  s.out_mean.assign(c > 0 ? c : 0, 0.0);
-  s.B.assign(c > 0 ? (size_t)(p * c) : 0, 0.0);
-  s.A.assign(c > 0 ? (size_t)(c * c) : 0, 0.0);
-  s.tgt_mean.assign(t > 0 ? t : 0, 0.0);
-  s.Bt.assign(t > 0 ? (size_t)(p * t) : 0, 0.0);
-  s.At.assign(t > 0 ? (size_t)(t * t) : 0, 0.0);
-  s.class_counts.assign(k > 0 ? k : 0, 0);
-  s.class_sums.assign(k > 0 ? (size_t)(k * p) : 0, 0.0);
-}
-
-// Where a merge writes: the state itself, or (for its first samples) a fresh
-// state sized in advance; with class arrays grown in advance. Everything is
-// allocated in the constructor; commit() only swaps, so a failed allocation
-// leaves the state as it was.
-struct Target {
-  State& s;
-  State fresh;
-  bool is_fresh = false;
-  int64_t grow_to = -1;
-  std::vector<int64_t> counts;
-  std::vector<double> sums;
-
-  Target(State& state, int64_t p, int64_t c, int64_t t, int64_t k) : s(state) {
-    if (s.p < 0 || s.n == 0) {
-      fresh.num_classes = s.num_classes;
-      fresh.precision = s.precision;
-      shape_state(fresh, p, c, t, k);
-      is_fresh = true;
-    } else if (k > s.k) {  // labels streamed without num_classes: grow to k classes
-      counts.reserve((size_t)k);
-      counts.assign(s.class_counts.begin(), s.class_counts.end());
-      counts.resize((size_t)k, 0);
-      sums.reserve((size_t)(k * s.p));
-      sums.assign(s.class_sums.begin(), s.class_sums.end());
-      sums.resize((size_t)(k * s.p), 0.0);
-      grow_to = k;
-    }
-  }
-  State& state() { return is_fresh ? fresh : s; }
-  void grow() noexcept {
-    if (grow_to < 0) return;
-    s.class_counts.swap(counts);
-    s.class_sums.swap(sums);
-    s.k = grow_to;
-  }
-  void commit() noexcept {
-    if (is_fresh) s = std::move(fresh);
-  }
-};
-
-const char* stream_name(int which) {
-  return which == 0 ? "features" : which == 1 ? "outputs" : "targets";
-}
-
 // Bytes this machine can give one process: physical memory, or less under a
 // ulimit -v. A request above it cannot succeed, so it is refused unallocated.
 double memory_limit() {
@@ -517,44 +298,6 @@ int64_t blas_workers(int64_t wanted, ScratchOf&& scratch_of) {
 }
 
 }  // namespace
-
-// ---- State ----------------------------------------------------------------
-
-void State::reset() {
-  const int64_t nc = num_classes;
-  *this = State();
-  num_classes = nc;
-}
-
-
-void State::merge(const State& o) {
-  if (o.p < 0 || o.n == 0) return;
-  check_mergeable({n, p, c, t, k, num_classes}, {o.n, o.p, o.c, o.t, o.k, o.num_classes});
-  check_count_fits(n, o.n, "nothing was merged");
-  Block<double> b;
-  b.n = o.n;
-  b.mean = o.mean.data();
-  b.M = {o.M.data()};
-  b.out_mean = o.out_mean.data();
-  b.B = {o.B.data()};
-  b.A = {o.A.data()};
-  b.tgt_mean = o.tgt_mean.data();
-  b.Bt = {o.Bt.data()};
-  b.At = {o.At.data()};
-  const int which = overflow_of(*this, b, o.p, o.c, o.t);
-  if (which >= 0)
-    throw std::invalid_argument(std::string("cannot merge: the merged ") + stream_name(which) +
-                                " moments would overflow float64; rescale the data; nothing was merged");
-  Target target(*this, o.p, o.c, o.t, o.k < 0 ? -1 : std::max<int64_t>(o.k, num_classes));
-  MergeWork work(o.p, o.c, o.t);
-  target.grow();
-  State& s = target.state();
-  merge_block(s, b, work);
-  for (int64_t i = 0; i < o.k; ++i) s.class_counts[i] += o.class_counts[i];
-  for (size_t i = 0; i < o.class_sums.size(); ++i) s.class_sums[i] += o.class_sums[i];
-  s.precision = std::max(s.precision, o.precision);
-  target.commit();
-}
 
 // ---- labels -----------------------------------------------------------------
 
@@ -700,11 +443,11 @@ void CpuMoments::merge(const CpuMoments& other) {
   if (&other == this) {  // merging with itself doubles it: read a copy first
     const State copy = snapshot();
     std::lock_guard<std::mutex> lock(mu_);
-    state_.merge(copy);
+    state_.merge(copy, blas_get_num_threads());
     return;
   }
   std::scoped_lock lock(mu_, other.mu_);  // std::lock order: no deadlock between a.merge(b) and b.merge(a)
-  state_.merge(other.state_);
+  state_.merge(other.state_, blas_get_num_threads());
 }
 
 void CpuMoments::reset() {
@@ -765,13 +508,21 @@ void check_spread(const Batch& b, const BatchMeans& means, Precision precision) 
   }
 }
 
+// Elements of all co-moments at widths p, c, t (0 where a stream is absent).
+double comoment_elems(int64_t p, int64_t c, int64_t t) {
+  const double w[kStreams] = {(double)p, (double)c, (double)t};
+  double e = 0.0;
+  for (const Comoment& cm : kComoments) e += w[cm.rows] * w[cm.cols];
+  return e;
+}
+
 // Bytes of scratch a batch of nb rows takes with `workers` workers: centered
 // rows and products in the product type (elem bytes), plus, with labels
 // (k >= 0), the labels' copy and the batch's class sums.
 double scratch_bytes(int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, int64_t workers, double elem) {
   const double P = (double)p, C = (double)c, Tt = (double)t;
-  const double per_part = P * P + P * C + C * C + P * Tt + Tt * Tt;
-  return elem * ((double)nb * (P + C + Tt) + (double)workers * per_part) + (k >= 0 ? 8.0 * (double)nb * (P + 3) : 0.0);
+  return elem * ((double)nb * (P + C + Tt) + (double)workers * comoment_elems(p, c, t)) +
+         (k >= 0 ? 8.0 * (double)nb * (P + 3) : 0.0);
 }
 
 // Refuses what cannot fit before allocating any of it (counted in double:
@@ -779,7 +530,7 @@ double scratch_bytes(int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, int
 void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, int64_t workers,
                 double elem) {
   const double P = (double)p, C = (double)c, Tt = (double)t, K = (double)std::max<int64_t>(k, 0);
-  const double per_part = P * P + P * C + C * C + P * Tt + Tt * Tt;
+  const double per_part = comoment_elems(p, c, t);
   const double scratch = scratch_bytes(nb, p, c, t, k, workers, elem);
   const bool first = st.p < 0 || st.n == 0;
   const double square = 8.0 * P * P;
@@ -801,55 +552,34 @@ void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, in
 // in scratch (the state is not touched), then points a Block at them.
 template <typename T>
 Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers, Scratch<T>& sc) {
-  const Matrix& x = b.features;
-  const int64_t nb = x.rows, p = x.cols;
-  const int64_t c = b.outputs ? b.outputs->cols : 0, t = b.targets ? b.targets->cols : 0;
-  sc.x.resize((size_t)(nb * p));
-  sc.f.resize((size_t)(nb * c));
-  sc.t.resize((size_t)(nb * t));
-  auto parts = [&](std::vector<std::vector<T>>& v, int64_t size) {
-    v.resize(workers);
-    for (auto& part : v) part.resize((size_t)size);
-  };
-  parts(sc.M, p * p);
-  parts(sc.B, p * c);
-  parts(sc.A, c * c);
-  parts(sc.Bt, p * t);
-  parts(sc.At, t * t);
-  run_workers(workers, nb, [&](int64_t w, int64_t r0, int64_t r1) {
-    const int64_t k = r1 - r0;
-    T* xw = sc.x.data() + r0 * p;
-    center_rows<T>(x, means.features, sc.x.data(), r0, r1);
-    syrk(p, k, xw, sc.M[w].data());
-    if (b.outputs) {
-      T* fw = sc.f.data() + r0 * c;
-      center_rows<T>(*b.outputs, means.outputs, sc.f.data(), r0, r1);
-      gemm_tn(p, c, k, xw, fw, sc.B[w].data());
-      syrk(c, k, fw, sc.A[w].data());
-    }
-    if (b.targets) {
-      T* tw = sc.t.data() + r0 * t;
-      center_rows<T>(*b.targets, means.targets, sc.t.data(), r0, r1);
-      gemm_tn(p, t, k, xw, tw, sc.Bt[w].data());
-      syrk(t, k, tw, sc.At[w].data());
-    }
-  });
+  const int64_t nb = b.features.rows;
+  const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
   Block<T> blk;
   blk.n = nb;
-  blk.mean = means.features.data();
-  blk.out_mean = means.outputs.data();
-  blk.tgt_mean = means.targets.data();
-  for (int64_t w = 0; w < workers; ++w) {
-    blk.M.push_back(sc.M[w].data());
-    if (b.outputs) {
-      blk.B.push_back(sc.B[w].data());
-      blk.A.push_back(sc.A[w].data());
-    }
-    if (b.targets) {
-      blk.Bt.push_back(sc.Bt[w].data());
-      blk.At.push_back(sc.At[w].data());
-    }
+  for (int q = 0; q < kStreams; ++q) {
+    blk.width[q] = in[q] ? in[q]->cols : 0;
+    blk.mean[q] = means.mean[q].data();
+    sc.centered[q].resize((size_t)(nb * blk.width[q]));
   }
+  for (int i = 0; i < kNumComoments; ++i) {
+    sc.parts[i].resize(workers);
+    for (auto& part : sc.parts[i]) part.resize((size_t)(blk.width[kComoments[i].rows] * blk.width[kComoments[i].cols]));
+  }
+  run_workers(workers, nb, [&](int64_t w, int64_t r0, int64_t r1) {
+    const int64_t k = r1 - r0;
+    for (int q = 0; q < kStreams; ++q)
+      if (in[q]) center_rows<T>(*in[q], means.mean[q], sc.centered[q].data(), r0, r1);
+    for (int i = 0; i < kNumComoments; ++i) {
+      const int rq = kComoments[i].rows, cq = kComoments[i].cols;
+      if (!in[rq] || !in[cq]) continue;
+      const T* a = sc.centered[rq].data() + r0 * blk.width[rq];
+      if (kComoments[i].symmetric()) syrk(blk.width[rq], k, a, sc.parts[i][w].data());
+      else gemm_tn(blk.width[rq], blk.width[cq], k, a, sc.centered[cq].data() + r0 * blk.width[cq], sc.parts[i][w].data());
+    }
+  });
+  for (int i = 0; i < kNumComoments; ++i)
+    if (in[kComoments[i].rows] && in[kComoments[i].cols])
+      for (int64_t w = 0; w < workers; ++w) blk.parts[i].push_back(sc.parts[i][w].data());
   return blk;
 }
 
@@ -863,9 +593,9 @@ void CpuMoments::update_locked(const Batch& b, Precision precision) {
   check_count_fits(s.n, b.features.rows, "the batch was not added");
   // Value checks read the data once; their float64 means are the batch means.
   BatchMeans means;
-  means_checked(b.features, "features", means.features, means.range[0], means.magnitude[0]);
-  if (b.outputs) means_checked(*b.outputs, "outputs", means.outputs, means.range[1], means.magnitude[1]);
-  if (b.targets) means_checked(*b.targets, "targets", means.targets, means.range[2], means.magnitude[2]);
+  const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
+  for (int q = 0; q < kStreams; ++q)
+    if (in[q]) means_checked(*in[q], stream_name(q), means.mean[q], means.range[q], means.magnitude[q]);
   std::vector<int64_t> labels;
   if (b.labels) {
     labels = read_labels(*b.labels);
@@ -900,7 +630,7 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std
   // All products go to scratch first: nothing below can leave the state half
   // updated (an allocation failure throws before the merge starts).
   const Block<T> blk = form_products(b, means, workers, sc);
-  const int which = overflow_of(state_, blk, p, c, t);
+  const int which = overflow_of(state_, blk);
   if (which >= 0) {
     Msg os;
     os << stream_name(which) << " are too large: their co-moments overflow "
@@ -916,11 +646,11 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std
     classes->check(state_);
   }
   Target target(state_, p, b.outputs ? c : -1, b.targets ? t : -1, b.labels ? std::max<int64_t>(k_needed, 0) : -1);
-  MergeWork work(p, c, t);
+  MergeWork work(blk.width);
   // Nothing below allocates or throws.
   target.grow();
   State& s = target.state();
-  merge_block(s, blk, work);
+  merge_block(s, blk, work, blas_get_num_threads());
   if (classes) classes->add_to(s, labels);
   s.precision = std::max(s.precision, precision);
   target.commit();

@@ -16,7 +16,7 @@ namespace richness {
 // Float64 column means of a batch's float inputs (the CPU computes them
 // while checking finiteness).
 struct BatchMeans {
-  std::vector<double> features, outputs, targets;
+  std::vector<double> mean[kStreams];  // by stream (common/state.hpp)
   // Largest column range (max - min) and largest magnitude of each input,
   // exact in float64: they tell overflow and underflow from the data.
   double range[3] = {0, 0, 0}, magnitude[3] = {0, 0, 0};
@@ -26,8 +26,8 @@ struct BatchMeans {
 // products in the product type T.
 template <typename T>
 struct Scratch {
-  std::vector<T> x, f, t;                       // centered blocks, rows split among workers
-  std::vector<std::vector<T>> M, B, A, Bt, At;  // one partial product per worker
+  std::vector<T> centered[kStreams];               // by stream, rows split among workers
+  std::vector<std::vector<T>> parts[kNumComoments];  // by co-moment, one partial product per worker
 };
 
 // Raised when a state or a batch's scratch cannot fit in this machine's
