@@ -166,6 +166,21 @@ def test_an_update_past_the_int64_count_is_refused():
     assert acc.n == 2**63 - 1
 
 
+def test_the_many_state_merge_refuses_a_count_past_int64():
+    from richness import _state
+
+    m = richness.Moments()
+    rng = np.random.default_rng(7)
+    m.update(rng.standard_normal((16, 3)), labels=rng.integers(0, 2, 16))
+    for _ in range(58):
+        m.merge(m)  # n = 2**62
+    st = m.state_dict()
+    with pytest.raises(ValueError, match=r"sample count would pass 2\*\*63 - 1.*nothing was merged"):
+        _state.merge([st, st])
+    half = _state.merge([st, _state.empty()])
+    assert half["n"] == 2**62 and int(half["class_counts"].sum()) == 2**62
+
+
 def test_labels_and_features_changed_by_another_thread_never_reach_the_state(tmp_path):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((40000, 8))
