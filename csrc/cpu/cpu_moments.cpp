@@ -272,7 +272,9 @@ constexpr double kBlasBuffer = double(32 << 20) + double(1 << 16);
 thread_local bool t_has_blas_buffer = false;
 
 bool address_space_for(double bytes) {
-  if (!(bytes > 0.0)) return true;
+  struct rlimit rl;
+  const bool limited = getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY;
+  if (!limited || !(bytes > 0.0)) return true;  // without a ulimit -v a map this size does not fail
   if (bytes >= (double)std::numeric_limits<size_t>::max() / 2) return false;
   void* p = mmap(nullptr, (size_t)bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return false;
