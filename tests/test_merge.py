@@ -212,15 +212,17 @@ def test_shift_and_sum_merge_refuses_overflow():
 
 
 def test_one_field_list_in_python_and_cpp():
-    """The state's arrays and precision modes are declared once per language
-    (python/richness/_state.py, csrc/common/state.hpp and types.hpp); the two
-    lists must agree, names and order."""
+    """The state's arrays are declared once per language (python/richness/_state.py
+    FIELDS, csrc/common/state.hpp RICHNESS_STATE_ARRAYS): the compiled core's own
+    list must agree with Python's, names, element types, axes and order."""
     from richness import _core, _state
 
-    st = richness.Moments().state_dict()
-    core_keys = [k for k in st if k not in _state.SCALARS]
+    compiled = [(name, dtype, tuple(axes), sym) for name, dtype, axes, sym in _core.state_fields()]
+    python = [(f.name, np.dtype(f.dtype).name, f.axes, f.symmetric) for f in _state.FIELDS]
+    assert compiled == python
+    core = _core.CpuMoments()
+    core_keys = [k for k in core.get_state() if k not in _state.SCALARS]  # what the core exports, in order
     assert core_keys == list(_state.FIELD_NAMES)
-    assert list(_core.PRECISIONS) == list(_state.PRECISIONS)
     m = moments_of(chunk(1, 30, 3))
     full = m.state_dict()
     for f in _state.FIELDS:
@@ -247,3 +249,30 @@ def test_merge_refuses_a_sample_count_beyond_int64():
         with pytest.raises(ValueError, match=r"merged sample count 9223372036854775808 would overflow int64"):
             m.merge(other)
         assert states_equal(m.state_dict(), before)
+
+
+def test_precision_facts_come_from_the_compiled_table():
+    from richness import _core, _state
+
+    table = _core.precisions()
+    assert [m["name"] for m in table] == list(_core.PRECISIONS) == list(_state.PRECISIONS)
+    for row, mode in zip(table, _state.PRECISION_MODES):
+        assert (mode.name, mode.coarseness, mode.rtol, mode.cuda_only, mode.resolves_nc1) == (
+            row["name"], row["coarseness"], row["rtol"], row["cuda_only"], row["resolves_nc1"])
+        assert row["input_bytes"] == np.dtype(row["input"] if row["input"] != "bfloat16" else "float16").itemsize
+    assert {m["name"] for m in table if not m["cuda_only"]} == {"fp32", "fp64"}
+
+
+@pytest.mark.parametrize("name", [m.name for m in __import__("richness")._state.PRECISION_MODES if m.cuda_only])
+def test_a_cuda_only_precision_gets_one_message_on_every_route(name):
+    """The CPU refuses every CUDA-only mode of the table, with one message,
+    whether the Moments constructor or the core's update sees it first."""
+    from richness import _core
+
+    with pytest.raises(ValueError) as ctor:
+        richness.Moments(precision=name, device="cpu")
+    x = np.ones((4, 2)) * np.arange(4)[:, None]
+    with pytest.raises(ValueError) as core:
+        _core.CpuMoments().update((x.ctypes.data, 4, 2, 2, "float64"), precision=name)
+    assert str(ctor.value) == str(core.value)
+    assert str(core.value) == f"precision '{name}' needs device='cuda'; the CPU multiplies in fp64 or fp32"

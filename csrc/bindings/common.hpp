@@ -11,9 +11,11 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../common/state.hpp"
@@ -36,19 +38,90 @@ inline DType dtype_of(const std::string& name) {
 }
 
 inline Precision precision_of(const std::string& name) {
-#define RICHNESS_MATCH(pname) \
-  if (name == #pname) return Precision::pname;
-  RICHNESS_PRECISIONS(RICHNESS_MATCH)
-#undef RICHNESS_MATCH
+  for (int i = 0; i < kNumPrecisions; ++i)
+    if (name == kPrecisions[i].name) return (Precision)i;
   throw std::invalid_argument("unknown precision " + name);
 }
 
 inline std::vector<std::string> precision_names() {
-  return {
-#define RICHNESS_LIST(pname) #pname,
-      RICHNESS_PRECISIONS(RICHNESS_LIST)
-#undef RICHNESS_LIST
+  std::vector<std::string> out;
+  for (const PrecisionTraits& t : kPrecisions) out.push_back(t.name);
+  return out;
+}
+
+// The precision table (common/precision.hpp) as Python reads it: one dict a
+// mode, finest to coarsest.
+inline py::list precision_table() {
+  static const char* accumulate[] = {"float64", "float32", "tf32"};
+  py::list out;
+  for (int i = 0; i < kNumPrecisions; ++i) {
+    const PrecisionTraits& t = kPrecisions[i];
+    py::dict d;
+    d["name"] = t.name;
+    d["coarseness"] = i;
+    d["input"] = dtype_name(t.input);
+    d["product"] = dtype_name(t.product);
+    d["input_bytes"] = t.input_bytes();
+    d["product_bytes"] = t.product_bytes();
+    d["accumulate"] = accumulate[(int)t.accumulate];
+    d["cuda_only"] = t.cuda_only;
+    d["rtol"] = t.rtol;
+    d["resolves_nc1"] = t.resolves_nc1;
+    out.append(d);
+  }
+  return out;
+}
+
+// A constructor's num_classes: -1 (the classes grow with the labels) or a
+// count from 1 to 2**63 - 1. Anything else is refused by name and range
+// rather than left to pybind11's "incompatible constructor arguments".
+inline int64_t num_classes_of(const py::handle& v) {
+  auto refuse = [&]() {
+    throw std::invalid_argument("num_classes must be an integer from 1 to 2**63 - 1 (or None), got " +
+                                py::repr(v).cast<std::string>());
   };
+  if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) refuse();
+  py::int_ i = py::reinterpret_steal<py::int_>(PyNumber_Index(v.ptr()));
+  if (!i) throw py::error_already_set();
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow != 0 || (n < 1 && n != -1)) refuse();
+  return (int64_t)n;
+}
+
+// Completes a new Python object around `obj` inside the constructor call,
+// where pybind11 turns a std::bad_alloc into MemoryError. Left to pybind11,
+// the instance would be registered after the constructor returned, outside
+// its exception handling, and an allocation failure there (under a memory
+// limit) would end the process. On failure obj is deleted here and the
+// object holds nothing. Use with py::detail::is_new_style_constructor().
+template <typename T>
+void adopt(py::detail::value_and_holder& v_h, std::unique_ptr<T> obj) {
+  v_h.value_ptr() = obj.get();
+  try {
+    v_h.type->init_instance(v_h.inst, &obj);  // registers the instance, then moves obj into its holder
+  } catch (...) {
+    v_h.value_ptr() = nullptr;
+    throw;
+  }
+}
+
+// pybind11's tp_new uses the memory tp_alloc returns without checking it, so
+// a Python out of memory would crash there. This one allocates and frees an
+// instance first: when that fails it returns with MemoryError set, and when it
+// succeeds pybind11's own allocation reuses the block just freed.
+inline PyObject* checked_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject* probe = type->tp_alloc(type, 0);
+  if (!probe) return nullptr;
+  if (PyType_IS_GC(type)) PyObject_GC_UnTrack(probe);
+  type->tp_free(probe);
+  if (type->tp_flags & Py_TPFLAGS_HEAPTYPE) Py_DECREF(type);  // tp_alloc took a reference to a heap type
+  return py::detail::pybind11_object_new(type, args, kwargs);
+}
+
+// Installs checked_new on a bound class (before any instance exists).
+inline void check_allocation_in_new(const py::handle& cls) {
+  reinterpret_cast<PyTypeObject*>(cls.ptr())->tp_new = checked_new;
 }
 
 inline Matrix to_matrix(const MatrixArg& a) {
@@ -148,6 +221,24 @@ std::vector<T> take(const py::dict& d, const char* key, int64_t size) {
     throw std::invalid_argument(std::string("state key '") + key + "' has " + std::to_string(a.size()) +
                                 " values, expected " + std::to_string(size));
   return std::vector<T>(a.data(), a.data() + a.size());
+}
+
+// The state's arrays as RICHNESS_STATE_ARRAYS lists them: (name, numpy
+// element type, axes by width name, symmetric).
+inline py::list state_field_table() {
+  auto axis = [](Dim d) { return d == Dim::p ? "p" : d == Dim::c ? "c" : d == Dim::t ? "t" : d == Dim::k ? "k" : ""; };
+  py::list out;
+#define RICHNESS_FIELD(name, type, rows, cols, sym)                                                   \
+  {                                                                                                   \
+    py::list axes;                                                                                    \
+    if (rows != Dim::one) axes.append(axis(rows));                                                    \
+    axes.append(axis(cols));                                                                          \
+    out.append(py::make_tuple(#name, std::is_same<type, double>::value ? "float64" : "int64",        \
+                              py::tuple(axes), sym));                                                 \
+  }
+  RICHNESS_STATE_ARRAYS(RICHNESS_FIELD)
+#undef RICHNESS_FIELD
+  return out;
 }
 
 inline State import_state(const py::dict& d) {

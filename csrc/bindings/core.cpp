@@ -18,9 +18,13 @@ using namespace richness::pystate;
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "richness CPU core: streamed float64 co-moments (docs/MATH.md), BLAS products";
-  py::register_exception<type_error>(m, "DTypeError", PyExc_TypeError);
+  // Module-local translators: registering one creates pybind11's per-module
+  // tables now, at import. Created lazily, they would be allocated while the
+  // first exception is translated, and a std::bad_alloc there (under a memory
+  // limit) would end the process instead of raising MemoryError.
+  py::register_local_exception<type_error>(m, "DTypeError", PyExc_TypeError);
 
-  py::register_exception_translator([](std::exception_ptr e) {
+  py::register_local_exception_translator([](std::exception_ptr e) {
     try {
       if (e) std::rethrow_exception(e);
     } catch (const memory_error& err) {
@@ -35,7 +39,12 @@ PYBIND11_MODULE(_core, m) {
   py::class_<CpuMoments>(m, "CpuMoments",
                          "Streamed float64 co-moments on the CPU. Thread-safe: one object may be updated, merged "
                          "and read from several threads; each call sees whole batches only.")
-      .def(py::init<int64_t>(), py::arg("num_classes") = -1)
+      .def(
+          "__init__",
+          [](py::detail::value_and_holder& v_h, const py::object& num_classes) {
+            adopt(v_h, std::make_unique<CpuMoments>(num_classes_of(num_classes)));
+          },
+          py::detail::is_new_style_constructor(), py::arg("num_classes") = -1)
       .def(
           "update",
           [](CpuMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
@@ -84,6 +93,8 @@ PYBIND11_MODULE(_core, m) {
         return self.p();
       });
 
+  check_allocation_in_new(m.attr("CpuMoments"));
+
   m.def(
       "check_batch",
       [](const py::dict& widths, const MatrixArg& features, std::optional<MatrixArg> outputs,
@@ -108,7 +119,17 @@ PYBIND11_MODULE(_core, m) {
       "((rows / per) x per x per, float64 for precision fp64, float32 otherwise) and their "
       "Frobenius norms into the float64 buffer at `norms` (rows / per). Internal: the Monitor's "
       "one-batch windows.");
-  m.attr("PRECISIONS") = precision_names();  // finest to coarsest; python/richness/_state.py agrees
+  m.attr("PRECISIONS") = precision_names();  // finest to coarsest
+  m.def("precisions", &precision_table,
+        "The precision modes, finest to coarsest: name, coarseness, input and product element types and "
+        "bytes, accumulation, cuda_only, the default rank cut rtol, resolves_nc1 (python/richness/_state.py "
+        "reads them from here).");
+  m.def(
+      "check_cpu_precision", [](const std::string& name) { check_runs_on_cpu(precision_of(name)); },
+      py::arg("precision"), "Raise ValueError unless the CPU backend runs this precision mode.");
+  m.def("state_fields", &state_field_table,
+        "The state's arrays in order: name, element type, row and column widths, symmetric "
+        "(python/richness/_state.py lists the same; a test compares the two).");
   m.def("blas_info", &blas_info);
   m.def("blas_get_num_threads", &blas_get_num_threads);
   m.def("blas_set_num_threads", &blas_set_num_threads, py::arg("n"));

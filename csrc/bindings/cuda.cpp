@@ -42,12 +42,21 @@ auto locked(LockedCudaMoments& self, Fn&& fn) {
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "richness CUDA backend: streamed float64 co-moments on the device, cuBLAS products";
-  py::register_exception<type_error>(m, "DTypeError", PyExc_TypeError);
+  // Module-local translators: registering one creates pybind11's per-module
+  // tables now, at import. Created lazily, they would be allocated while the
+  // first exception is translated, and a std::bad_alloc there (under a memory
+  // limit) would end the process instead of raising MemoryError.
+  py::register_local_exception<type_error>(m, "DTypeError", PyExc_TypeError);
 
   py::class_<LockedCudaMoments>(m, "CudaMoments",
                                 "Streamed float64 co-moments on a CUDA device. Thread-safe: one object may be "
                                 "updated, merged and read from several threads.")
-      .def(py::init<int64_t, int>(), py::arg("num_classes") = -1, py::arg("device") = 0)
+      .def(
+          "__init__",
+          [](py::detail::value_and_holder& v_h, const py::object& num_classes, int device) {
+            adopt(v_h, std::make_unique<LockedCudaMoments>(num_classes_of(num_classes), device));
+          },
+          py::detail::is_new_style_constructor(), py::arg("num_classes") = -1, py::arg("device") = 0)
       .def(
           "update",
           [](LockedCudaMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
@@ -151,6 +160,7 @@ PYBIND11_MODULE(_cuda, m) {
       .def_property_readonly("device", [](LockedCudaMoments& self) { return self.device(); });
 
   m.attr("PRECISIONS") = precision_names();
+  check_allocation_in_new(m.attr("CudaMoments"));
   m.def("device_info", &richness::cuda::device_info, py::arg("device") = 0);
   m.def(
       "measured_products",

@@ -3,12 +3,15 @@
 // RICHNESS_STATE_ARRAYS; python/richness/_state.py holds the same list.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "msg.hpp"
+#include "precision.hpp"
 #include "types.hpp"
 
 namespace richness {
@@ -36,6 +39,25 @@ inline void check_mergeable(const Widths& a, const Widths& b) {
   }
 }
 
+// Refuses, before anything changes, a merge or an update that would take the
+// sample count n past int64 (class counts add up to n, so they cannot wrap
+// first). `unchanged` ends the message: what was left as it was.
+inline void check_count_fits(int64_t n, int64_t more, const char* unchanged) {
+  if (more <= std::numeric_limits<int64_t>::max() - n) return;
+  Msg os;
+  os << "the sample count would pass 2**63 - 1 (" << n << " + " << more << "), the largest an int64 holds; "
+     << unchanged;
+  throw std::invalid_argument(os.str());
+}
+
+// Without num_classes the class arrays grow to the largest label; a stray
+// huge label would silently allocate gigabytes of class sums, so labels from
+// this count on (class sums past 1 GiB at width p) need num_classes to be
+// given. Both backends refuse them.
+inline int64_t class_growth_cap(int64_t p) {
+  return std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
+}
+
 // The widths an array of the state is measured in.
 enum class Dim { one, p, c, t, k };
 
@@ -57,6 +79,28 @@ enum class Dim { one, p, c, t, k };
   X(At, double, Dim::t, Dim::t, true)               \
   X(class_counts, int64_t, Dim::one, Dim::k, false) \
   X(class_sums, double, Dim::k, Dim::p, false)  // raw sums: float64 range (docs/MATH.md, "NC1")
+
+// The streams a state may hold, by index: 0 features (width p, mean),
+// 1 outputs (c, out_mean), 2 targets (t, tgt_mean).
+inline constexpr int kStreams = 3;
+inline const char* stream_name(int q) { return q == 0 ? "features" : q == 1 ? "outputs" : "targets"; }
+
+// The co-moments, one line a pair of streams: the array (in
+// RICHNESS_STATE_ARRAYS), its row stream and its column stream. A pair of a
+// stream with itself is symmetric (its lower triangle is kept). Scratch,
+// products, overflow checks and merges loop over this list.
+#define RICHNESS_COMOMENTS(X) X(M, 0, 0) X(B, 0, 1) X(A, 1, 1) X(Bt, 0, 2) X(At, 2, 2)
+
+struct Comoment {
+  int rows, cols;  // streams
+  bool symmetric() const { return rows == cols; }
+};
+inline constexpr Comoment kComoments[] = {
+#define RICHNESS_PAIR(name, rows, cols) {rows, cols},
+    RICHNESS_COMOMENTS(RICHNESS_PAIR)
+#undef RICHNESS_PAIR
+};
+inline constexpr int kNumComoments = (int)(sizeof(kComoments) / sizeof(kComoments[0]));
 
 // The float64 state at rest.
 struct State {
@@ -84,13 +128,27 @@ struct State {
     return 0;
   }
 
-  bool empty() const { return n == 0; }
+  int64_t width(int stream) const { return size(stream == 0 ? Dim::p : stream == 1 ? Dim::c : Dim::t); }
+  std::vector<double>& stream_mean(int q) { return q == 0 ? mean : q == 1 ? out_mean : tgt_mean; }
+  const std::vector<double>& stream_mean(int q) const { return q == 0 ? mean : q == 1 ? out_mean : tgt_mean; }
+  std::vector<double>& comoment(int i);  // the i-th of RICHNESS_COMOMENTS
+  const std::vector<double>& comoment(int i) const;
+
   void reset();                        // forget samples; keep num_classes
   void check_consistent() const;       // sizes agree with p, c, t, k
   // Chan et al. pairwise merge of another state into this one (exact up to
-  // rounding; merge order changes results only at rounding level).
-  void merge(const State& other);
+  // rounding; merge order changes results only at rounding level), the
+  // largest co-moment split over `workers` threads (common/merge.hpp).
+  void merge(const State& other, int64_t workers = 1);
 };
+
+inline constexpr std::vector<double> State::*kComomentArrays[] = {
+#define RICHNESS_MEMBER(name, rows, cols) &State::name,
+    RICHNESS_COMOMENTS(RICHNESS_MEMBER)
+#undef RICHNESS_MEMBER
+};
+inline std::vector<double>& State::comoment(int i) { return this->*kComomentArrays[i]; }
+inline const std::vector<double>& State::comoment(int i) const { return this->*kComomentArrays[i]; }
 
 // Header-inline so that the device backend (which does not link the CPU
 // core) validates imported states with the same rules.

@@ -1,9 +1,10 @@
-// What a batch is made of, as the core sees it: element types, precision
-// modes, row-major matrix views, and the checks every backend runs on a batch
+// What a batch is made of, as the core sees it: element types, row-major
+// matrix views, and the checks every backend runs on a batch
 // before reading its data. Framework-agnostic: raw pointers, shapes, row
 // strides and dtypes; python/richness/_adapt.py adapts numpy, torch and DLPack.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -12,25 +13,13 @@
 
 namespace richness {
 
-// Element types a batch may come in (exposed to Python as richness._core.DType).
+// Element types a batch may come in (their names are numpy's, as the
+// bindings pass them).
 #define RICHNESS_DTYPES(X) X(f32, float32) X(f64, float64) X(f16, float16) X(bf16, bfloat16) X(i32, int32) X(i64, int64)
 
 enum class DType : int {
 #define RICHNESS_ENUM(code, name) code,
   RICHNESS_DTYPES(RICHNESS_ENUM)
-#undef RICHNESS_ENUM
-};
-
-// Precision modes of the products (docs/MATH.md, "Rank cut": the mode sets the
-// default rank cut), from finest to coarsest: a state that saw several keeps
-// the coarsest, the largest value. python/richness/_state.py (PRECISION_MODES)
-// holds each mode's rank cut and where it runs, in the same order; a test
-// compares the two. Adding a mode: one line here, one there, and its products.
-#define RICHNESS_PRECISIONS(X) X(fp64) X(fp32) X(tf32) X(bf16)
-
-enum class Precision : int {
-#define RICHNESS_ENUM(name) name,
-  RICHNESS_PRECISIONS(RICHNESS_ENUM)
 #undef RICHNESS_ENUM
 };
 
@@ -45,15 +34,8 @@ inline const char* dtype_name(DType d) {
   return "unknown";
 }
 
-inline const char* precision_name(Precision p) {
-  switch (p) {
-#define RICHNESS_NAME(name) \
-  case Precision::name:     \
-    return #name;
-    RICHNESS_PRECISIONS(RICHNESS_NAME)
-#undef RICHNESS_NAME
-  }
-  return "unknown";
+constexpr size_t dtype_size(DType d) {
+  return d == DType::f64 || d == DType::i64 ? 8 : d == DType::f32 || d == DType::i32 ? 4 : 2;
 }
 
 // A row-major matrix view: element (i, j) lives at ptr[i * ld + j].

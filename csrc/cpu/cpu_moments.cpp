@@ -1,17 +1,24 @@
 // Where a batch enters (CpuMoments::update), is validated (validate_batch),
 // multiplied (update_typed) and merged into the float64 state (merge_block).
 #include "cpu_moments.hpp"
+#include "../common/merge.hpp"
 #include "../common/msg.hpp"
+#include "../common/parallel.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
+#include <exception>
 #include <type_traits>
 #include <atomic>
 #include <limits>
+#include <optional>
+#include <set>
 #include <thread>
 
+#include <pthread.h>
+
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -112,22 +119,6 @@ void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Fn&& fn) {
 template <typename Fn>
 void for_each_row(const Matrix& m, Fn&& fn) {
   for_each_row(m, 0, m.rows, fn);
-}
-
-// Runs fn(w, r0, r1) on `workers` threads over contiguous row ranges. The
-// split depends only on the worker count, so results are reproducible.
-template <typename Fn>
-void run_workers(int64_t workers, int64_t rows, Fn&& fn) {
-  if (workers <= 1) {
-    fn(0, (int64_t)0, rows);
-    return;
-  }
-  std::vector<std::thread> pool;
-  const int64_t step = (rows + workers - 1) / workers;
-  for (int64_t w = 1; w < workers; ++w)
-    pool.emplace_back([&, w] { fn(w, std::min(rows, w * step), std::min(rows, (w + 1) * step)); });
-  fn(0, (int64_t)0, std::min(rows, step));
-  for (auto& t : pool) t.join();
 }
 
 // The memory-bound passes (means, centering) split over the threads once a
@@ -260,204 +251,6 @@ void center_rows(const Matrix& m, const std::vector<double>& mu, T* out, int64_t
   });
 }
 
-// One block of co-moments (a batch, or another state) to merge. A batch's
-// products may come in parts (one per worker, over disjoint rows, all centered
-// on the batch mean): the merge adds them in float64.
-template <typename T>
-struct Block {
-  int64_t n = 0;
-  const double* mean = nullptr;
-  std::vector<const T*> M;
-  const double* out_mean = nullptr;
-  std::vector<const T*> B, A;
-  const double* tgt_mean = nullptr;
-  std::vector<const T*> Bt, At;
-};
-
-template <typename T>
-inline double sum_parts(const std::vector<const T*>& parts, int64_t idx) {
-  double v = 0.0;
-  for (const T* q : parts) v += (double)q[idx];
-  return v;
-}
-
-// Float64 vectors a merge needs, allocated before the state changes.
-struct MergeWork {
-  std::vector<double> d, e_out, e_tgt;
-  MergeWork(int64_t p, int64_t c, int64_t t)
-      : d((size_t)p), e_out((size_t)std::max<int64_t>(c, 0)), e_tgt((size_t)std::max<int64_t>(t, 0)) {}
-};
-
-// Runs fn(r0, r1) for row ranges on threads; a range whose thread cannot be
-// started runs here, so a merge that has begun always completes.
-template <typename Fn>
-void run_ranges(int64_t workers, Fn&& range_of, const std::function<void(int64_t, int64_t)>& fn) {
-  std::vector<std::thread> pool;
-  try {
-    pool.reserve((size_t)workers);
-  } catch (...) {
-  }
-  for (int64_t w = 1; w < workers; ++w) {
-    try {
-      pool.emplace_back(fn, range_of(w), range_of(w + 1));
-    } catch (...) {
-      fn(range_of(w), range_of(w + 1));
-    }
-  }
-  fn(range_of(0), range_of(1));
-  for (auto& t : pool) t.join();
-}
-
-// Chan et al.: with d = mean_b - mean_a and f = na nb / n,
-//   M = Ma + Mb + f d d^T,  B = Ba + Bb + f d_phi d_out^T,  mean += d nb / n.
-// Only lower triangles of the symmetric blocks are read and written. Neither
-// allocates nor throws: callers check overflow_of and allocate `work` first.
-template <typename T>
-void merge_block(State& s, const Block<T>& b, MergeWork& work) {
-  const double na = (double)s.n, nb = (double)b.n, n = na + nb;
-  const double f = na * nb / n, w = nb / n;
-  const int64_t p = s.p;
-  std::vector<double>& d = work.d;
-  for (int64_t j = 0; j < p; ++j) d[j] = b.mean[j] - s.mean[j];
-  // The p x p triangle is the merge's bulk: split it over the workers by
-  // area (row i holds i + 1 entries, so worker w starts at p sqrt(w / W)).
-  const int64_t workers = std::min<int64_t>(blas_get_num_threads(), p * p / (int64_t(1) << 18) + 1);
-  auto first_row = [&](int64_t w) { return (int64_t)std::llround((double)p * std::sqrt((double)w / workers)); };
-  run_ranges(workers, first_row, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; ++i) {
-      double* mi = s.M.data() + i * p;
-      const double fdi = f * d[i];
-      for (int64_t j = 0; j <= i; ++j) mi[j] += sum_parts(b.M, i * p + j) + fdi * d[j];
-    }
-  });
-  auto cross = [&](int64_t c, std::vector<double>& e, std::vector<double>& mean, const double* bmean,
-                   std::vector<double>& Bs, const std::vector<const T*>& Bb, std::vector<double>& As,
-                   const std::vector<const T*>& Ab) {
-    for (int64_t j = 0; j < c; ++j) e[j] = bmean[j] - mean[j];
-    for (int64_t i = 0; i < p; ++i) {
-      double* bi = Bs.data() + i * c;
-      const double fdi = f * d[i];
-      for (int64_t j = 0; j < c; ++j) bi[j] += sum_parts(Bb, i * c + j) + fdi * e[j];
-    }
-    for (int64_t i = 0; i < c; ++i) {
-      double* ai = As.data() + i * c;
-      const double fei = f * e[i];
-      for (int64_t j = 0; j <= i; ++j) ai[j] += sum_parts(Ab, i * c + j) + fei * e[j];
-    }
-    for (int64_t j = 0; j < c; ++j) mean[j] += e[j] * w;
-  };
-  if (s.c >= 0) cross(s.c, work.e_out, s.out_mean, b.out_mean, s.B, b.B, s.A, b.A);
-  if (s.t >= 0) cross(s.t, work.e_tgt, s.tgt_mean, b.tgt_mean, s.Bt, b.Bt, s.At, b.At);
-  for (int64_t j = 0; j < p; ++j) s.mean[j] += d[j] * w;
-  s.n += b.n;
-}
-
-// Which stream's merged moments would overflow (0 features, 1 outputs,
-// 2 targets), or -1. The moment matrices are Gram matrices, so by
-// Cauchy-Schwarz no entry exceeds the largest diagonal (up to rounding): the
-// diagonals of the state, of each product part (in its own type T) and the
-// mean-shift term f |d|^2 bound every merged entry, B's included. A margin of
-// 4 covers the rounding. Reads O(p) values; changes nothing.
-template <typename T>
-int overflow_of(const State& s, const Block<T>& b, int64_t p, int64_t c, int64_t t) {
-  const double part_max = (double)std::numeric_limits<T>::max() / 4;
-  const double state_max = std::numeric_limits<double>::max() / 4;
-  const bool started = s.n > 0 && s.p >= 0;
-  const double f = started ? (double)s.n * (double)b.n / ((double)s.n + (double)b.n) : 0.0;
-  auto check = [&](int64_t w, const std::vector<const T*>& parts, const std::vector<double>& old,
-                   const std::vector<double>& old_mean, const double* bmean) {
-    double bound = 0.0;
-    for (int64_t i = 0; i < w; ++i) {
-      double diag = 0.0;
-      for (const T* q : parts) {
-        const double v = (double)q[i * w + i];
-        if (!(v <= part_max)) return false;  // Inf or NaN from the product itself
-        diag += v;
-      }
-      double shift = 0.0;
-      if (started) {
-        const double di = bmean[i] - old_mean[i];
-        diag += old[i * w + i];
-        shift = f * di * di;
-      }
-      bound = std::max(bound, diag + shift);
-    }
-    return bound <= state_max;  // false for Inf and NaN
-  };
-  if (!check(p, b.M, s.M, s.mean, b.mean)) return 0;
-  if (c > 0 && !check(c, b.A, s.A, s.out_mean, b.out_mean)) return 1;
-  if (t > 0 && !check(t, b.At, s.At, s.tgt_mean, b.tgt_mean)) return 2;
-  return -1;
-}
-
-// Sizes the state for its first samples (p, c, t, k fixed from then on).
-void shape_state(State& s, int64_t p, int64_t c, int64_t t, int64_t k) {
-  s.p = p;
-  s.c = c;
-  s.t = t;
-  s.k = k;
-  s.mean.assign(p, 0.0);
-  s.M.assign((size_t)(p * p), 0.0);
-  s.out_mean.assign(c > 0 ? c : 0, 0.0);
-  s.B.assign(c > 0 ? (size_t)(p * c) : 0, 0.0);
-  s.A.assign(c > 0 ? (size_t)(c * c) : 0, 0.0);
-  s.tgt_mean.assign(t > 0 ? t : 0, 0.0);
-  s.Bt.assign(t > 0 ? (size_t)(p * t) : 0, 0.0);
-  s.At.assign(t > 0 ? (size_t)(t * t) : 0, 0.0);
-  s.class_counts.assign(k > 0 ? k : 0, 0);
-  s.class_sums.assign(k > 0 ? (size_t)(k * p) : 0, 0.0);
-}
-
-// Where a merge writes: the state itself, or (for its first samples) a fresh
-// state sized in advance; with class arrays grown in advance. Everything is
-// allocated in the constructor; commit() only swaps, so a failed allocation
-// leaves the state as it was.
-struct Target {
-  State& s;
-  State fresh;
-  bool is_fresh = false;
-  int64_t grow_to = -1;
-  std::vector<int64_t> counts;
-  std::vector<double> sums;
-
-  Target(State& state, int64_t p, int64_t c, int64_t t, int64_t k) : s(state) {
-    if (s.p < 0 || s.n == 0) {
-      fresh.num_classes = s.num_classes;
-      fresh.precision = s.precision;
-      shape_state(fresh, p, c, t, k);
-      is_fresh = true;
-    } else if (k > s.k) {  // labels streamed without num_classes: grow to k classes
-      counts.reserve((size_t)k);
-      counts.assign(s.class_counts.begin(), s.class_counts.end());
-      counts.resize((size_t)k, 0);
-      sums.reserve((size_t)(k * s.p));
-      sums.assign(s.class_sums.begin(), s.class_sums.end());
-      sums.resize((size_t)(k * s.p), 0.0);
-      grow_to = k;
-    }
-  }
-  State& state() { return is_fresh ? fresh : s; }
-  void grow() noexcept {
-    if (grow_to < 0) return;
-    s.class_counts.swap(counts);
-    s.class_sums.swap(sums);
-    s.k = grow_to;
-  }
-  void commit() noexcept {
-    if (is_fresh) s = std::move(fresh);
-  }
-};
-
-int64_t max_label(const Matrix& y) {
-  int64_t mx = -1;
-  for (int64_t i = 0; i < y.rows; ++i) mx = std::max(mx, label_at(y, i));
-  return mx;
-}
-
-const char* stream_name(int which) {
-  return which == 0 ? "features" : which == 1 ? "outputs" : "targets";
-}
-
 // Bytes this machine can give one process: physical memory, or less under a
 // ulimit -v. A request above it cannot succeed, so it is refused unallocated.
 double memory_limit() {
@@ -467,55 +260,65 @@ double memory_limit() {
   return limit > 0 ? limit : std::numeric_limits<double>::infinity();
 }
 
+// OpenBLAS maps a 32 MiB buffer (BUFFER_SIZE on x86-64) for each thread the
+// first time it calls BLAS (freed when the thread ends), and ends the process
+// when the map fails (under a ulimit -v): no exception comes back from it. So
+// before BLAS runs, the address space for the buffers (one per worker thread,
+// started anew for each batch, and one for the calling thread if it has not
+// called BLAS before) and for the scratch still to be allocated is mapped and
+// unmapped: fewer workers are used when it is short, and a MemoryError is
+// raised when even the calling thread alone cannot run.
+constexpr double kBlasBuffer = double(32 << 20) + double(1 << 16);
+thread_local bool t_has_blas_buffer = false;
+
+bool address_space_for(double bytes) {
+  struct rlimit rl;
+  const bool limited = getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY;
+  if (!limited || !(bytes > 0.0)) return true;  // without a ulimit -v a map this size does not fail
+  if (bytes >= (double)std::numeric_limits<size_t>::max() / 2) return false;
+  void* p = mmap(nullptr, (size_t)bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return false;
+  munmap(p, (size_t)bytes);
+  return true;
+}
+
+// The number of BLAS-calling workers (at most `wanted`) the address space
+// allows, given the scratch bytes each count of workers still needs.
+template <typename ScratchOf>
+int64_t blas_workers(int64_t wanted, ScratchOf&& scratch_of) {
+  const int64_t own = t_has_blas_buffer ? 0 : 1;
+  for (int64_t w = std::max<int64_t>(wanted, 1); w >= 1; --w) {
+    if (!address_space_for((double)(w - 1 + own) * kBlasBuffer + scratch_of(w))) continue;
+    t_has_blas_buffer = true;
+    return w;
+  }
+  Msg os;
+  os << "not enough address space left in this process for the products (" << Sci{scratch_of(1)}
+     << " bytes of scratch" << (own ? " and a 32 MiB BLAS buffer" : "")
+     << "); raise the memory limit (ulimit -v) or reduce the batch; the batch was not added";
+  throw memory_error(os.str());
+}
+
 }  // namespace
 
-// ---- State ----------------------------------------------------------------
+// ---- labels -----------------------------------------------------------------
 
-void State::reset() {
-  const int64_t nc = num_classes;
-  *this = State();
-  num_classes = nc;
+// A batch's labels, read from the caller's memory once: the range check, the
+// class arrays' size and the class counts and sums all use this copy, so a
+// label changed by another thread during the update cannot pass the check and
+// then index past the class arrays.
+std::vector<int64_t> read_labels(const Matrix& y) {
+  std::vector<int64_t> out((size_t)y.rows);
+  for (int64_t i = 0; i < y.rows; ++i) out[(size_t)i] = label_at(y, i);
+  return out;
 }
 
-
-void State::merge(const State& o) {
-  if (o.p < 0 || o.n == 0) return;
-  check_mergeable({n, p, c, t, k, num_classes}, {o.n, o.p, o.c, o.t, o.k, o.num_classes});
-  Block<double> b;
-  b.n = o.n;
-  b.mean = o.mean.data();
-  b.M = {o.M.data()};
-  b.out_mean = o.out_mean.data();
-  b.B = {o.B.data()};
-  b.A = {o.A.data()};
-  b.tgt_mean = o.tgt_mean.data();
-  b.Bt = {o.Bt.data()};
-  b.At = {o.At.data()};
-  const int which = overflow_of(*this, b, o.p, o.c, o.t);
-  if (which >= 0)
-    throw std::invalid_argument(std::string("cannot merge: the merged ") + stream_name(which) +
-                                " moments would overflow float64; rescale the data; nothing was merged");
-  Target target(*this, o.p, o.c, o.t, o.k < 0 ? -1 : std::max<int64_t>(o.k, num_classes));
-  MergeWork work(o.p, o.c, o.t);
-  target.grow();
-  State& s = target.state();
-  merge_block(s, b, work);
-  for (int64_t i = 0; i < o.k; ++i) s.class_counts[i] += o.class_counts[i];
-  for (size_t i = 0; i < o.class_sums.size(); ++i) s.class_sums[i] += o.class_sums[i];
-  s.precision = std::max(s.precision, o.precision);
-  target.commit();
-}
-
-// ---- validation -----------------------------------------------------------
-
-
-// Without num_classes the class arrays grow to the largest label; a stray
-// huge label would silently allocate gigabytes of class sums, so growth past
-// 1 GiB of them needs num_classes to be given.
-static void check_labels(const Matrix& y, int64_t num_classes, int64_t p) {
-  const int64_t growth_cap = std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
-  for (int64_t i = 0; i < y.rows; ++i) {
-    const int64_t v = label_at(y, i);
+// Labels in 0..num_classes-1 (or >= 0 and within the class growth cap,
+// common/state.hpp, without num_classes).
+void check_labels(const std::vector<int64_t>& y, int64_t num_classes, int64_t p) {
+  const int64_t growth_cap = class_growth_cap(p);
+  for (size_t i = 0; i < y.size(); ++i) {
+    const int64_t v = y[i];
     if (v < 0 || (num_classes >= 0 && v >= num_classes)) {
       Msg os;
       os << "labels out of range: label " << v << " at row " << i;
@@ -532,7 +335,106 @@ static void check_labels(const Matrix& y, int64_t num_classes, int64_t p) {
   }
 }
 
+// A batch's float64 class sums for the classes it holds (classes[i] owns
+// sums[i * p ..]), formed before the state changes and checked there: the
+// features are read again for them, after the checks of the first read, so
+// a value another thread turned into NaN (or a class sum past float64) is
+// refused here rather than merged. Rows are added in their order.
+struct BatchClasses {
+  std::vector<int64_t> classes;
+  std::vector<double> sums;
+
+  BatchClasses(const Matrix& x, const std::vector<int64_t>& y) {
+    std::vector<int64_t> order(y.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = (int64_t)i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return y[a] < y[b]; });
+    std::vector<int64_t> slot(y.size());
+    for (int64_t i : order) {
+      if (classes.empty() || classes.back() != y[i]) classes.push_back(y[i]);
+      slot[i] = (int64_t)classes.size() - 1;
+    }
+    const int64_t p = x.cols;
+    sums.assign(classes.size() * (size_t)p, 0.0);
+    for_each_row(x, [&](int64_t i, auto get) {
+      double* sk = sums.data() + slot[i] * p;
+      for (int64_t j = 0; j < p; ++j) sk[j] += get(j);
+    });
+  }
+
+  // Throws unless every class sum, alone and added to the state's, is finite.
+  void check(const State& s) const {
+    const int64_t p = s.p;
+    for (size_t g = 0; g < classes.size(); ++g) {
+      const bool old = s.n > 0 && classes[g] < s.k;
+      const double* state_row = old ? s.class_sums.data() + classes[g] * p : nullptr;
+      for (int64_t j = 0; j < p; ++j) {
+        const double v = sums[g * p + j] + (state_row ? state_row[j] : 0.0);
+        if (std::isfinite(v)) continue;
+        Msg os;
+        os << "features: the sums of class " << classes[g] << " are not finite (a value changed to NaN or Inf "
+           << "while the batch was read, or the sums overflow float64); the batch was not added";
+        throw std::invalid_argument(os.str());
+      }
+    }
+  }
+
+  void add_to(State& s, const std::vector<int64_t>& y) const noexcept {
+    for (int64_t v : y) ++s.class_counts[v];
+    const int64_t p = s.p;
+    for (size_t g = 0; g < classes.size(); ++g) {
+      double* sk = s.class_sums.data() + classes[g] * p;
+      for (int64_t j = 0; j < p; ++j) sk[j] += sums[g * p + j];
+    }
+  }
+};
+
 // ---- CPU update -------------------------------------------------------------
+
+// ---- fork -------------------------------------------------------------------
+
+namespace {
+// Every live CpuMoments's mutex. Around a fork the registry and all of them are
+// held (prepare waits for the updates, merges and reads in progress), then
+// released in both the parent and the child: a mutex copied locked into the
+// child, whose owner thread does not exist there, would block it for ever.
+struct ForkRegistry {
+  std::mutex mu;
+  std::set<std::mutex*> live;
+};
+ForkRegistry& fork_registry() {
+  static ForkRegistry* r = new ForkRegistry;  // never destroyed: a fork may come during exit
+  return *r;
+}
+void fork_prepare() {
+  ForkRegistry& r = fork_registry();
+  r.mu.lock();
+  for (std::mutex* m : r.live) m->lock();  // a merge's std::scoped_lock backs off, so no lock-order deadlock
+}
+void fork_release() {
+  ForkRegistry& r = fork_registry();
+  for (std::mutex* m : r.live) m->unlock();
+  r.mu.unlock();
+}
+void register_at_fork() {
+  static const int once = pthread_atfork(fork_prepare, fork_release, fork_release);
+  if (once != 0) throw std::runtime_error("pthread_atfork failed: the core cannot be made fork-safe");
+}
+}  // namespace
+
+CpuMoments::CpuMoments(int64_t num_classes) {
+  state_.num_classes = num_classes;
+  register_at_fork();
+  ForkRegistry& r = fork_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.live.insert(&mu_);  // may throw std::bad_alloc: the object is then not built
+}
+
+CpuMoments::~CpuMoments() {
+  ForkRegistry& r = fork_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.live.erase(&mu_);
+}
+
 
 void CpuMoments::update(const Batch& b, Precision precision) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -543,11 +445,11 @@ void CpuMoments::merge(const CpuMoments& other) {
   if (&other == this) {  // merging with itself doubles it: read a copy first
     const State copy = snapshot();
     std::lock_guard<std::mutex> lock(mu_);
-    state_.merge(copy);
+    state_.merge(copy, blas_get_num_threads());
     return;
   }
   std::scoped_lock lock(mu_, other.mu_);  // std::lock order: no deadlock between a.merge(b) and b.merge(a)
-  state_.merge(other.state_);
+  state_.merge(other.state_, blas_get_num_threads());
 }
 
 void CpuMoments::reset() {
@@ -588,23 +490,13 @@ int64_t CpuMoments::p() const {
   return state_.p;
 }
 
-void CpuMoments::update_locked(const Batch& b, Precision precision) {
-  if (precision == Precision::tf32 || precision == Precision::bf16)
-    throw std::invalid_argument(std::string("precision '") + precision_name(precision) +
-                                "' needs the CUDA backend; the CPU multiplies in fp32 or fp64");
-  const State& s = state_;
-  validate_batch({s.n, s.p, s.c, s.t, s.k, s.num_classes}, b);
-  if (b.features.rows == 0) return;
-  // Value checks read the data once; their float64 means are the batch means.
-  BatchMeans means;
-  means_checked(b.features, "features", means.features, means.range[0], means.magnitude[0]);
-  if (b.outputs) means_checked(*b.outputs, "outputs", means.outputs, means.range[1], means.magnitude[1]);
-  if (b.targets) means_checked(*b.targets, "targets", means.targets, means.range[2], means.magnitude[2]);
-  if (b.labels) check_labels(*b.labels, state_.num_classes, b.features.cols);
-  // A spread whose squares fall below the product type's normal range would
-  // be lost (or kept at a few bits) in the products: refuse it rather than
-  // report a constant or a wrong value.
-  const bool fp64 = precision == Precision::fp64;
+namespace {
+
+// A spread whose squares fall below the product type's normal range would be
+// lost (or kept at a few bits) in the products: refuse it rather than report
+// a constant or a wrong value.
+void check_spread(const Batch& b, const BatchMeans& means, Precision precision) {
+  const bool fp64 = traits(precision).product == DType::f64;
   const double tiny = 64.0 * std::sqrt(fp64 ? std::numeric_limits<double>::min() : (double)std::numeric_limits<float>::min());
   const Matrix* inputs[3] = {&b.features, b.outputs, b.targets};
   for (int i = 0; i < 3; ++i) {
@@ -616,96 +508,131 @@ void CpuMoments::update_locked(const Batch& b, Precision precision) {
        << (fp64 ? "" : " or use precision='fp64'") << "; the batch was not added";
     throw std::invalid_argument(os.str());
   }
-  if (precision == Precision::fp64) update_typed<double>(b, means, precision, scratch_d_);
-  else update_typed<float>(b, means, precision, scratch_f_);
+}
+
+// Elements of all co-moments at widths p, c, t (0 where a stream is absent).
+double comoment_elems(int64_t p, int64_t c, int64_t t) {
+  const double w[kStreams] = {(double)p, (double)c, (double)t};
+  double e = 0.0;
+  for (const Comoment& cm : kComoments) e += w[cm.rows] * w[cm.cols];
+  return e;
+}
+
+// Bytes of scratch a batch of nb rows takes with `workers` workers: centered
+// rows and products in the product type (elem bytes), plus, with labels
+// (k >= 0), the labels' copy and the batch's class sums.
+double scratch_bytes(int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, int64_t workers, double elem) {
+  const double P = (double)p, C = (double)c, Tt = (double)t;
+  return elem * ((double)nb * (P + C + Tt) + (double)workers * comoment_elems(p, c, t)) +
+         (k >= 0 ? 8.0 * (double)nb * (P + 3) : 0.0);
+}
+
+// Refuses what cannot fit before allocating any of it (counted in double:
+// the products of the widths may pass int64). elem: the product type's size.
+void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, int64_t workers,
+                double elem) {
+  const double P = (double)p, C = (double)c, Tt = (double)t, K = (double)std::max<int64_t>(k, 0);
+  const double per_part = comoment_elems(p, c, t);
+  const double scratch = scratch_bytes(nb, p, c, t, k, workers, elem);
+  const bool first = st.p < 0 || st.n == 0;
+  const double square = 8.0 * P * P;
+  const double state = first ? 8.0 * (P + C + Tt + per_part + K * (P + 1)) : 0.0;
+  const double classes = !first && K > (double)st.k ? 8.0 * K * (P + 1) : 0.0;
+  const double need = scratch + state + classes, limit = memory_limit();
+  if (need <= limit) return;
+  Msg os;
+  os << "this batch needs " << Sci{need} << " bytes";
+  if (first) os << ": the state at p=" << p << " holds a p x p float64 matrix of " << Sci{square} << " bytes";
+  if (K * P * 8.0 > square) os << " and class sums for " << (int64_t)K << " classes of " << Sci{K * P * 8.0} << " bytes";
+  os << ", plus " << Sci{scratch} << " bytes of products; this process can have at most " << Sci{limit}
+     << " bytes. Reduce the feature width (pool or project the features)"
+     << (K * P * 8.0 > square ? " or num_classes" : "") << "; the batch was not added";
+  throw memory_error(os.str());
+}
+
+// Centers the batch in the product type T and forms each worker's products
+// in scratch (the state is not touched), then points a Block at them.
+template <typename T>
+Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers, Scratch<T>& sc) {
+  const int64_t nb = b.features.rows;
+  const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
+  Block<T> blk;
+  blk.n = nb;
+  for (int q = 0; q < kStreams; ++q) {
+    blk.width[q] = in[q] ? in[q]->cols : 0;
+    blk.mean[q] = means.mean[q].data();
+    sc.centered[q].resize((size_t)(nb * blk.width[q]));
+  }
+  for (int i = 0; i < kNumComoments; ++i) {
+    sc.parts[i].resize(workers);
+    for (auto& part : sc.parts[i]) part.resize((size_t)(blk.width[kComoments[i].rows] * blk.width[kComoments[i].cols]));
+  }
+  run_workers(workers, nb, [&](int64_t w, int64_t r0, int64_t r1) {
+    const int64_t k = r1 - r0;
+    for (int q = 0; q < kStreams; ++q)
+      if (in[q]) center_rows<T>(*in[q], means.mean[q], sc.centered[q].data(), r0, r1);
+    for (int i = 0; i < kNumComoments; ++i) {
+      const int rq = kComoments[i].rows, cq = kComoments[i].cols;
+      if (!in[rq] || !in[cq]) continue;
+      const T* a = sc.centered[rq].data() + r0 * blk.width[rq];
+      if (kComoments[i].symmetric()) syrk(blk.width[rq], k, a, sc.parts[i][w].data());
+      else gemm_tn(blk.width[rq], blk.width[cq], k, a, sc.centered[cq].data() + r0 * blk.width[cq], sc.parts[i][w].data());
+    }
+  });
+  for (int i = 0; i < kNumComoments; ++i)
+    if (in[kComoments[i].rows] && in[kComoments[i].cols])
+      for (int64_t w = 0; w < workers; ++w) blk.parts[i].push_back(sc.parts[i][w].data());
+  return blk;
+}
+
+}  // namespace
+
+void CpuMoments::update_locked(const Batch& b, Precision precision) {
+  check_runs_on_cpu(precision);
+  const State& s = state_;
+  validate_batch({s.n, s.p, s.c, s.t, s.k, s.num_classes}, b);
+  if (b.features.rows == 0) return;
+  check_count_fits(s.n, b.features.rows, "the batch was not added");
+  // Value checks read the data once; their float64 means are the batch means.
+  BatchMeans means;
+  const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
+  for (int q = 0; q < kStreams; ++q)
+    if (in[q]) means_checked(*in[q], stream_name(q), means.mean[q], means.range[q], means.magnitude[q]);
+  std::vector<int64_t> labels;
+  if (b.labels) {
+    labels = read_labels(*b.labels);
+    check_labels(labels, state_.num_classes, b.features.cols);
+  }
+  check_spread(b, means, precision);
+  // The product type from the table (a CPU mode multiplies in float64 or float32).
+  if (traits(precision).product == DType::f64) update_typed<double>(b, means, labels, precision, scratch_d_);
+  else update_typed<float>(b, means, labels, precision, scratch_f_);
 }
 
 template <typename T>
-void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision precision, Scratch<T>& sc) {
+void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std::vector<int64_t>& labels,
+                              Precision precision, Scratch<T>& sc) {
   const Matrix& x = b.features;
   const int64_t nb = x.rows, p = x.cols;
   const int64_t c = b.outputs ? b.outputs->cols : 0, t = b.targets ? b.targets->cols : 0;
-  const std::vector<double>&mu = means.features, &nu = means.outputs, &tau = means.targets;
   // Our own workers, each running single-threaded BLAS over its rows: OpenBLAS's
   // thread pool busy-waits, and on shared cores (a training step beside us)
   // its 2-thread ssyrk was measured 4-16x slower than one thread. Parts of at
   // least 256 rows and 2^22 multiply-adds keep each BLAS call efficient.
-  const int64_t workers = std::max<int64_t>(
+  const int64_t wanted = std::max<int64_t>(
       1, std::min<int64_t>({(int64_t)blas_get_num_threads(), nb / 256, nb * p * p / (int64_t(1) << 22)}));
   int64_t k_needed = -1;
-  if (b.labels) k_needed = std::max(max_label(*b.labels) + 1, state_.num_classes);
-  // Refuse what cannot fit before allocating any of it (counted in double:
-  // the products of the widths may pass int64).
-  {
-    const double P = (double)p, C = (double)c, Tt = (double)t, K = (double)std::max<int64_t>(k_needed, 0);
-    const double per_part = P * P + P * C + C * C + P * Tt + Tt * Tt;
-    const double scratch = (double)sizeof(T) * ((double)nb * (P + C + Tt) + (double)workers * per_part);
-    const bool first = state_.p < 0 || state_.n == 0;
-    const double square = 8.0 * P * P;
-    const double state = first ? 8.0 * (P + C + Tt + per_part + K * (P + 1)) : 0.0;
-    const double classes = !first && K > (double)state_.k ? 8.0 * K * (P + 1) : 0.0;
-    const double need = scratch + state + classes, limit = memory_limit();
-    if (need > limit) {
-      Msg os;
-      os << "this batch needs " << Sci{need} << " bytes";
-      if (first) os << ": the state at p=" << p << " holds a p x p float64 matrix of " << Sci{square} << " bytes";
-      if (K * P * 8.0 > square) os << " and class sums for " << (int64_t)K << " classes of " << Sci{K * P * 8.0} << " bytes";
-      os << ", plus " << Sci{scratch} << " bytes of products; this process can have at most " << Sci{limit}
-         << " bytes. Reduce the feature width (pool or project the features)"
-         << (K * P * 8.0 > square ? " or num_classes" : "") << "; the batch was not added";
-      throw memory_error(os.str());
-    }
+  if (b.labels) {
+    k_needed = state_.num_classes;
+    for (int64_t v : labels) k_needed = std::max(k_needed, v + 1);
   }
+  check_fits(state_, nb, p, c, t, k_needed, wanted, (double)sizeof(T));
+  const int64_t workers = blas_workers(
+      wanted, [&](int64_t w) { return scratch_bytes(nb, p, c, t, k_needed, w, (double)sizeof(T)); });
   // All products go to scratch first: nothing below can leave the state half
   // updated (an allocation failure throws before the merge starts).
-  sc.x.resize((size_t)(nb * p));
-  sc.f.resize((size_t)(nb * c));
-  sc.t.resize((size_t)(nb * t));
-  auto parts = [&](std::vector<std::vector<T>>& v, int64_t size) {
-    v.resize(workers);
-    for (auto& part : v) part.resize((size_t)size);
-  };
-  parts(sc.M, p * p);
-  parts(sc.B, p * c);
-  parts(sc.A, c * c);
-  parts(sc.Bt, p * t);
-  parts(sc.At, t * t);
-  run_workers(workers, nb, [&](int64_t w, int64_t r0, int64_t r1) {
-    const int64_t k = r1 - r0;
-    T* xw = sc.x.data() + r0 * p;
-    center_rows<T>(x, mu, sc.x.data(), r0, r1);
-    syrk(p, k, xw, sc.M[w].data());
-    if (b.outputs) {
-      T* fw = sc.f.data() + r0 * c;
-      center_rows<T>(*b.outputs, nu, sc.f.data(), r0, r1);
-      gemm_tn(p, c, k, xw, fw, sc.B[w].data());
-      syrk(c, k, fw, sc.A[w].data());
-    }
-    if (b.targets) {
-      T* tw = sc.t.data() + r0 * t;
-      center_rows<T>(*b.targets, tau, sc.t.data(), r0, r1);
-      gemm_tn(p, t, k, xw, tw, sc.Bt[w].data());
-      syrk(t, k, tw, sc.At[w].data());
-    }
-  });
-  Block<T> blk;
-  blk.n = nb;
-  blk.mean = mu.data();
-  for (int64_t w = 0; w < workers; ++w) {
-    blk.M.push_back(sc.M[w].data());
-    if (b.outputs) {
-      blk.B.push_back(sc.B[w].data());
-      blk.A.push_back(sc.A[w].data());
-    }
-    if (b.targets) {
-      blk.Bt.push_back(sc.Bt[w].data());
-      blk.At.push_back(sc.At[w].data());
-    }
-  }
-  blk.out_mean = nu.data();
-  blk.tgt_mean = tau.data();
-
-  const int which = overflow_of(state_, blk, p, c, t);
+  const Block<T> blk = form_products(b, means, workers, sc);
+  const int which = overflow_of(state_, blk);
   if (which >= 0) {
     Msg os;
     os << stream_name(which) << " are too large: their co-moments overflow "
@@ -715,20 +642,18 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
        << (std::is_same<T, float>::value ? " or use precision='fp64'" : "") << "; the batch was not added";
     throw std::invalid_argument(os.str());
   }
+  std::optional<BatchClasses> classes;
+  if (b.labels) {
+    classes.emplace(x, labels);
+    classes->check(state_);
+  }
   Target target(state_, p, b.outputs ? c : -1, b.targets ? t : -1, b.labels ? std::max<int64_t>(k_needed, 0) : -1);
-  MergeWork work(p, c, t);
+  MergeWork work(blk.width);
   // Nothing below allocates or throws.
   target.grow();
   State& s = target.state();
-  merge_block(s, blk, work);
-  if (b.labels) {
-    const Matrix& y = *b.labels;
-    for (int64_t i = 0; i < nb; ++i) ++s.class_counts[label_at(y, i)];
-    for_each_row(x, [&](int64_t i, auto get) {
-      double* sk = s.class_sums.data() + label_at(y, i) * p;
-      for (int64_t j = 0; j < p; ++j) sk[j] += get(j);
-    });
-  }
+  merge_block(s, blk, work, blas_get_num_threads());
+  if (classes) classes->add_to(s, labels);
   s.precision = std::max(s.precision, precision);
   target.commit();
 }
@@ -737,15 +662,14 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, Precision
 // ---- Gram matrices of row blocks (the Monitor's one-batch windows) ----------
 
 namespace {
-size_t elem_size(DType d) {
-  return d == DType::f64 || d == DType::i64 ? 8 : d == DType::f32 || d == DType::i32 ? 4 : 2;
-}
 
 template <typename T>
 void grams_typed(const Matrix& x, int64_t per, T* out, double* norms) {
   const int64_t blocks = x.rows / per, p = x.cols;
-  const size_t es = elem_size(x.dtype);
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(blas_get_num_threads(), blocks));
+  const size_t es = dtype_size(x.dtype);
+  const int64_t workers =
+      blas_workers(std::min<int64_t>(blas_get_num_threads(), blocks),
+                   [&](int64_t w) { return (double)w * (double)(per * p * sizeof(T) + p * sizeof(double)); });
   run_workers(workers, blocks, [&](int64_t, int64_t g0, int64_t g1) {
     std::vector<double> mu((size_t)p);
     std::vector<T> xc((size_t)(per * p));
@@ -782,7 +706,7 @@ void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out
     os << "centered_grams: " << x.rows << " rows do not split into blocks of " << per;
     throw std::invalid_argument(os.str());
   }
-  if (precision == Precision::fp64)
+  if (traits(precision).product == DType::f64)
     grams_typed<double>(x, per, static_cast<double*>(out), norms);
   else
     grams_typed<float>(x, per, static_cast<float*>(out), norms);

@@ -16,10 +16,18 @@ namespace richness {
 // Float64 column means of a batch's float inputs (the CPU computes them
 // while checking finiteness).
 struct BatchMeans {
-  std::vector<double> features, outputs, targets;
+  std::vector<double> mean[kStreams];  // by stream (common/state.hpp)
   // Largest column range (max - min) and largest magnitude of each input,
   // exact in float64: they tell overflow and underflow from the data.
   double range[3] = {0, 0, 0}, magnitude[3] = {0, 0, 0};
+};
+
+// Scratch reused across a CpuMoments's batches: centered blocks and their
+// products in the product type T.
+template <typename T>
+struct Scratch {
+  std::vector<T> centered[kStreams];               // by stream, rows split among workers
+  std::vector<std::vector<T>> parts[kNumComoments];  // by co-moment, one partial product per worker
 };
 
 // Raised when a state or a batch's scratch cannot fit in this machine's
@@ -35,9 +43,16 @@ struct memory_error : std::runtime_error {
 // call, so several threads may update, merge into and read one CpuMoments;
 // each call sees (and leaves) a state between whole batches. Bindings release
 // the GIL before calling (a waiting thread never holds it).
+//
+// Fork-safe: a fork waits for the calls in progress on every CpuMoments to
+// finish (pthread_atfork holds all their mutexes across the fork), so the
+// child gets each object unlocked, with a state between whole batches.
 class CpuMoments {
  public:
-  explicit CpuMoments(int64_t num_classes = -1) { state_.num_classes = num_classes; }
+  explicit CpuMoments(int64_t num_classes = -1);
+  ~CpuMoments();
+  CpuMoments(const CpuMoments&) = delete;
+  CpuMoments& operator=(const CpuMoments&) = delete;
 
   // precision: fp64 multiplies in double; fp32 in float (float16/bfloat16
   // inputs are widened to float after centering). tf32/bf16 are GPU modes.
@@ -55,17 +70,12 @@ class CpuMoments {
  private:
   mutable std::mutex mu_;  // guards state_ and the scratch
   State state_;
-  // Scratch reused across batches: centered blocks and their products.
-  template <typename T>
-  struct Scratch {
-    std::vector<T> x, f, t;                       // centered blocks, rows split among workers
-    std::vector<std::vector<T>> M, B, A, Bt, At;  // one partial product per worker
-  };
   Scratch<float> scratch_f_;
   Scratch<double> scratch_d_;
   void update_locked(const Batch& b, Precision precision);
   template <typename T>
-  void update_typed(const Batch& b, const BatchMeans& means, Precision precision, Scratch<T>& sc);
+  void update_typed(const Batch& b, const BatchMeans& means, const std::vector<int64_t>& labels,
+                    Precision precision, Scratch<T>& sc);
 };
 
 // Gram matrices of consecutive blocks of `per` rows of x, each block centered

@@ -84,7 +84,11 @@ void CudaMoments::free_state() {
 
 void CudaMoments::free_all() {
   free_state();
-  for (Buf* b : {&xs_, &fs_, &ts_, &Mb_, &Bb_, &Ab_, &Btb_, &Atb_, &mu_, &nu_, &tau_, &partial_, &dev_, &defer_, &tiles_.ptrs,
+  for (Buf& b : prod_) {
+    if (b.ptr) cudaFree(b.ptr);
+    b = Buf();
+  }
+  for (Buf* b : {&xs_, &fs_, &ts_, &mu_, &nu_, &tau_, &partial_, &dev_, &defer_, &tiles_.ptrs,
                  &st_tiles_.ptrs, &st_x_, &st_means_, &st_counts_, &st_prod_}) {
     if (b->ptr) cudaFree(b->ptr);
     *b = Buf();
@@ -262,18 +266,17 @@ void CudaMoments::prepare_batch_scratch(Precision prec, int64_t nb, int64_t c, i
   ensure(dev_, (size_t)(chunks + 1) * (p + c + t) * 8);
   ensure(mu_, (size_t)p * 8);
   ensure(xs_, (size_t)nb * p * ies);
-  ensure(Mb_, (size_t)p * p * oes);
+  const int64_t width[kStreams] = {p, c, t};
+  for (int i = 0; i < kNumComoments; ++i)
+    if (width[kComoments[i].rows] > 0 && width[kComoments[i].cols] > 0)
+      ensure(prod_[i], (size_t)width[kComoments[i].rows] * width[kComoments[i].cols] * oes);
   if (c > 0) {
     ensure(nu_, (size_t)c * 8);
     ensure(fs_, (size_t)nb * c * ies);
-    ensure(Bb_, (size_t)p * c * oes);
-    ensure(Ab_, (size_t)c * c * oes);
   }
   if (t > 0) {
     ensure(tau_, (size_t)t * 8);
     ensure(ts_, (size_t)nb * t * ies);
-    ensure(Btb_, (size_t)p * t * oes);
-    ensure(Atb_, (size_t)t * t * oes);
   }
   if (tiles_apply(prec, p)) {  // a candidate when measuring, whatever is chosen now
     const long long nbt = p / block_;
@@ -300,7 +303,7 @@ void CudaMoments::means_and_checks(const Matrix& x, const Matrix* outputs, const
   }
   // The products' type bounds them (a quarter of its largest value, as on the
   // CPU), and its smallest normal bounds the spread's squares from below.
-  const bool fp64 = prec == Precision::fp64;
+  const bool fp64 = traits(prec).product == DType::f64;
   const double part_max = fp64 ? DBL_MAX / 4 : (double)FLT_MAX / 4;
   const double tiny = 64.0 * std::sqrt(fp64 ? DBL_MIN : (double)FLT_MIN);
   // fused: centered rows into xs_/fs_/ts_, the chunks' deviations into dev_ ([features | outputs | targets])
@@ -368,9 +371,10 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
 
   CUBLAS_CHECK(cublasSetStream(handle_, stream));
   CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, workspace_bytes_));
-  product_lower(prec, p, nb, xs_.ptr, p, Mb_.ptr, p, tiles_, stream);
-  if (outputs) product_cross(prec, nb, c, fs_.ptr, c, xs_.ptr, p, Bb_.ptr, Ab_.ptr, stream);
-  if (targets) product_cross(prec, nb, t, ts_.ptr, t, xs_.ptr, p, Btb_.ptr, Atb_.ptr, stream);
+  // Each stream's products (indices of RICHNESS_COMOMENTS): M; B and A; Bt and At.
+  product_lower(prec, p, nb, xs_.ptr, p, prod_[0].ptr, p, tiles_, stream);
+  if (outputs) product_cross(prec, nb, c, fs_.ptr, c, xs_.ptr, p, prod_[1].ptr, prod_[2].ptr, stream);
+  if (targets) product_cross(prec, nb, t, ts_.ptr, t, xs_.ptr, p, prod_[3].ptr, prod_[4].ptr, stream);
 
   // float64 merge (of float64 products: fp64, or split); every kernel reads the device's error counts and leaves
   // the state untouched for a bad batch.
@@ -380,14 +384,12 @@ void CudaMoments::update(const Matrix& x, const Matrix* outputs, const Matrix* l
   const long long W = p + c + t;
   const int groups = (int)((nb + kChunkRows - 1) / kChunkRows) + 1;
   const double* D = static_cast<const double*>(dev_.ptr);
-  launch_merge_groups(s_.M, p, Mb_.ptr, wide, p, p, p, D, D, W, groups, true, h, stream);
-  if (outputs) {
-    launch_merge_groups(s_.B, c, Bb_.ptr, wide, c, c, p, D + p, D, W, groups, false, h, stream);
-    launch_merge_groups(s_.A, c, Ab_.ptr, wide, c, c, c, D + p, D + p, W, groups, true, h, stream);
-  }
-  if (targets) {
-    launch_merge_groups(s_.Bt, t, Btb_.ptr, wide, t, t, p, D + p + c, D, W, groups, false, h, stream);
-    launch_merge_groups(s_.At, t, Atb_.ptr, wide, t, t, t, D + p + c, D + p + c, W, groups, true, h, stream);
+  const int64_t width[kStreams] = {p, c, t}, offset[kStreams] = {0, p, p + c};  // columns of D by stream
+  for (int i = 0; i < kNumComoments; ++i) {
+    const int rq = kComoments[i].rows, cq = kComoments[i].cols;
+    if (width[rq] == 0 || width[cq] == 0) continue;
+    launch_merge_groups(s_.comoment(i), width[cq], prod_[i].ptr, wide, width[cq], width[cq], width[rq],
+                        D + offset[cq], D + offset[rq], W, groups, kComoments[i].symmetric(), h, stream);
   }
   if (labels) class_part(x, *labels, stream);
   launch_finalize(h, nb, s_.mean, mu, p, s_.out_mean, nu, outputs ? c : 0, s_.tgt_mean, tau, targets ? t : 0, true,
@@ -425,7 +427,7 @@ void CudaMoments::sync_and_check() {
   for (int q = 0; q < 3; ++q)
     if (hh.total_bad[kBadOverflow + q]) {
       // as the CPU backend words it (csrc/cpu/cpu_moments.cpp)
-      const bool fp64 = precision_ == Precision::fp64;
+      const bool fp64 = traits(precision_).product == DType::f64;
       os << (first ? "" : "; ") << names[q] << " are too large: their co-moments overflow "
          << (fp64 ? "float64" : "the float32 products or float64") << " (largest magnitude in the batch "
          << Sci{hh.total_magnitude[q]} << "); rescale them (DLR does not depend on the scale)"
@@ -434,7 +436,7 @@ void CudaMoments::sync_and_check() {
     }
   for (int q = 0; q < 3; ++q)
     if (hh.total_bad[kBadUnderflow + q]) {
-      const bool fp64 = precision_ == Precision::fp64;
+      const bool fp64 = traits(precision_).product == DType::f64;
       os << (first ? "" : "; ") << names[q] << " vary by at most " << Sci{hh.total_range[q]} << ", too little for "
          << precision_name(precision_) << " products: their squares underflow " << (fp64 ? "float64" : "float32")
          << "; rescale them (DLR does not depend on the scale)" << (fp64 ? "" : " or use precision='fp64'");
@@ -596,6 +598,7 @@ void CudaMoments::merge(CudaMoments& other) {
   }
   const int64_t here = n();
   check_mergeable({here, p_, c_, t_, k_, num_classes_}, {on, other.p_, other.c_, other.t_, other.k_, other.num_classes_});
+  check_count_fits(here, on, "nothing was merged");
   if (p_ < 0 || here == 0) {
     DeviceGuard g(device_);
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -612,20 +615,16 @@ void CudaMoments::merge_state_device(const CudaMoments& o, int64_t on) {
   k_ = std::max(k_, o.k_);
   Header* h = s_.hdr;
   const long long p = p_;
-  auto sym = [&](double* S, const double* Sb, long long n, const double* ma, const double* mb) {
-    launch_merge_sym(S, Sb, true, n, ma, mb, h, on, false, s);
-  };
-  auto cross = [&](double* Bs, const double* Bg, long long w, const double* ga, const double* gb) {
-    launch_merge_cross(Bs, Bg, true, p, w, s_.mean, o.s_.mean, ga, gb, h, on, false, s);
-  };
-  sym(s_.M, o.s_.M, p, s_.mean, o.s_.mean);
-  if (c_ > 0) {
-    cross(s_.B, o.s_.B, c_, s_.out_mean, o.s_.out_mean);
-    sym(s_.A, o.s_.A, c_, s_.out_mean, o.s_.out_mean);
-  }
-  if (t_ > 0) {
-    cross(s_.Bt, o.s_.Bt, t_, s_.tgt_mean, o.s_.tgt_mean);
-    sym(s_.At, o.s_.At, t_, s_.tgt_mean, o.s_.tgt_mean);
+  const long long width[kStreams] = {p, std::max<int64_t>(c_, 0), std::max<int64_t>(t_, 0)};
+  for (int i = 0; i < kNumComoments; ++i) {
+    const int rq = kComoments[i].rows, cq = kComoments[i].cols;
+    if (width[rq] == 0 || width[cq] == 0) continue;
+    if (kComoments[i].symmetric())
+      launch_merge_sym(s_.comoment(i), o.s_.comoment(i), true, width[rq], s_.stream_mean(rq), o.s_.stream_mean(rq), h,
+                       on, false, s);
+    else
+      launch_merge_cross(s_.comoment(i), o.s_.comoment(i), true, width[rq], width[cq], s_.stream_mean(rq),
+                         o.s_.stream_mean(rq), s_.stream_mean(cq), o.s_.stream_mean(cq), h, on, false, s);
   }
   if (o.k_ > 0) {
     launch_add_classes(s_.class_sums, s_.class_counts, o.s_.class_sums, o.s_.class_counts, o.k_, p, s);

@@ -131,6 +131,16 @@ struct DeviceState {
 #define RICHNESS_DEVICE_ARRAY(name, type, rows, cols, sym) device_t<type>* name = nullptr;
   RICHNESS_STATE_ARRAYS(RICHNESS_DEVICE_ARRAY)
 #undef RICHNESS_DEVICE_ARRAY
+  // By stream and by co-moment index (common/state.hpp).
+  double* stream_mean(int q) const { return q == 0 ? mean : q == 1 ? out_mean : tgt_mean; }
+  double* comoment(int i) const {
+    double* const all[] = {
+#define RICHNESS_DEVICE_COMOMENT(name, rows, cols) name,
+        RICHNESS_COMOMENTS(RICHNESS_DEVICE_COMOMENT)
+#undef RICHNESS_DEVICE_COMOMENT
+    };
+    return all[i];
+  }
 };
 
 class CudaMoments {
@@ -225,7 +235,8 @@ class CudaMoments {
     void* ptr = nullptr;
     size_t bytes = 0;
   };
-  Buf xs_, fs_, ts_, Mb_, Bb_, Ab_, Btb_, Atb_, mu_, nu_, tau_, partial_, defer_, part_;
+  Buf xs_, fs_, ts_, mu_, nu_, tau_, partial_, defer_, part_;
+  Buf prod_[kNumComoments];  // a batch's products, by co-moment (common/state.hpp)
   Buf dev_;  // the per-batch path's chunk deviations: (chunks + 1) rows of p + c + t doubles
   // Pointer arrays of the batched lower-tile product, valid for `key`
   // (source, destination, sizes): recomputed on the device when it changes.

@@ -123,16 +123,22 @@ void dispatch_int(DType d, Fn&& fn) {
 
 // ---- product element types ------------------------------------------------------
 
-inline size_t in_size(Precision p) { return p == Precision::fp64 ? 8 : (p == Precision::bf16 ? 2 : 4); }
-inline size_t out_size(Precision p) { return p == Precision::fp64 ? 8 : 4; }
+// From the precision table (common/precision.hpp).
+inline size_t in_size(Precision p) { return traits(p).input_bytes(); }
+inline size_t out_size(Precision p) { return traits(p).product_bytes(); }
+
+// Calls fn(T()) with T the device type of a precision's centered rows.
+template <typename Fn>
+void dispatch_input(Precision p, Fn&& fn) {
+  switch (traits(p).input) {
+    case DType::f64: fn(double()); break;
+    case DType::bf16: fn(__nv_bfloat16()); break;
+    case DType::f32: fn(float()); break;
+    default: throw std::logic_error("precision table: no device type for this input type");
+  }
+}
 
 // ---- classes ----------------------------------------------------------------------
-
-// Labels past this many classes are refused without num_classes (as on the
-// CPU): a stray huge label must not allocate gigabytes of class sums.
-inline int64_t class_growth_cap(int64_t p) {
-  return std::max<int64_t>((int64_t(1) << 27) / std::max<int64_t>(p, 1), 1024);
-}
 
 // Capacity for k classes: doubling room, a power of two, within the cap.
 inline int64_t class_capacity(int64_t k, int64_t p) {

@@ -463,17 +463,15 @@ void launch_means(const Matrix& m, double* partial, double* mean, Header* h, int
   dispatch_float(m.dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* x = static_cast<const T*>(m.ptr);
-    if (!fuse)
+    if (!fuse) {
       column_partials<T><<<grid, block, 0, s>>>(x, m.rows, m.cols, m.ld, partial, bad);
-    else if (fuse->prec == Precision::fp64)
-      center_partials<T, double><<<grid, block, 0, s>>>(x, m.rows, m.cols, m.ld, partial, bad,
-                                                         static_cast<double*>(fuse->out), fuse->ldo);
-    else if (fuse->prec == Precision::bf16)
-      center_partials<T, __nv_bfloat16><<<grid, block, 0, s>>>(x, m.rows, m.cols, m.ld, partial, bad,
-                                                                static_cast<__nv_bfloat16*>(fuse->out), fuse->ldo);
-    else
-      center_partials<T, float><<<grid, block, 0, s>>>(x, m.rows, m.cols, m.ld, partial, bad,
-                                                        static_cast<float*>(fuse->out), fuse->ldo);
+      return;
+    }
+    dispatch_input(fuse->prec, [&](auto out_tag) {
+      using Out = decltype(out_tag);
+      center_partials<T, Out><<<grid, block, 0, s>>>(x, m.rows, m.cols, m.ld, partial, bad,
+                                                      static_cast<Out*>(fuse->out), fuse->ldo);
+    });
   });
   LAUNCH_CHECK(fuse ? "center_partials" : "column_partials");
   column_means<<<(unsigned)((m.cols + 255) / 256), 256, 0, s>>>(partial, chunks, m.cols, m.rows, mean, h, q, bad,
@@ -510,15 +508,11 @@ void launch_center(const Matrix& m, const double* mean, Precision prec, void* ou
   dispatch_float(m.dtype, [&](auto tag) {
     using Tin = decltype(tag);
     const Tin* x = static_cast<const Tin*>(m.ptr);
-    if (prec == Precision::fp64)
-      center<Tin, double><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean, static_cast<double*>(out), ldo,
-                                              zero_if_bad);
-    else if (prec == Precision::bf16)
-      center<Tin, __nv_bfloat16><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean,
-                                                       static_cast<__nv_bfloat16*>(out), ldo, zero_if_bad);
-    else
-      center<Tin, float><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean, static_cast<float*>(out), ldo,
-                                             zero_if_bad);
+    dispatch_input(prec, [&](auto out_tag) {
+      using Out = decltype(out_tag);
+      center<Tin, Out><<<grid, 256, 0, s>>>(x, m.rows, m.cols, m.ld, mean, static_cast<Out*>(out), ldo,
+                                           zero_if_bad);
+    });
   });
   LAUNCH_CHECK("center");
 }

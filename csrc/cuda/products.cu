@@ -45,27 +45,34 @@ void add_part(double* dst, const float* part, long long m, long long n, long lon
   LAUNCH_CHECK("add_part");
 }
 
-cudaDataType_t in_type(Precision p) {
-  return p == Precision::fp64 ? CUDA_R_64F : (p == Precision::bf16 ? CUDA_R_16BF : CUDA_R_32F);
-}
-cudaDataType_t out_type(Precision p) { return p == Precision::fp64 ? CUDA_R_64F : CUDA_R_32F; }
-// fp32: no tensor cores (the handle stays in CUBLAS_DEFAULT_MATH, which never
-// picks TF32 for CUBLAS_COMPUTE_32F). tf32: tensor cores with fp32
-// accumulation, bounded by the tf32 tests (DLR within 1e-3). bf16: bf16
-// inputs, fp32 accumulation (DLR within 5e-3).
-cublasComputeType_t compute_type(Precision p) {
-  switch (p) {
-    case Precision::fp64: return CUBLAS_COMPUTE_64F;
-    case Precision::tf32: return CUBLAS_COMPUTE_32F_FAST_TF32;
-    default: return CUBLAS_COMPUTE_32F;
+cudaDataType_t cuda_type(DType d) {
+  switch (d) {
+    case DType::f64: return CUDA_R_64F;
+    case DType::bf16: return CUDA_R_16BF;
+    case DType::f16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
   }
+}
+cudaDataType_t in_type(Precision p) { return cuda_type(traits(p).input); }
+cudaDataType_t out_type(Precision p) { return cuda_type(traits(p).product); }
+// From the precision table. fp32: no tensor cores (the handle stays in
+// CUBLAS_DEFAULT_MATH, which never picks TF32 for CUBLAS_COMPUTE_32F). tf32:
+// tensor cores with fp32 accumulation, bounded by the tf32 tests (DLR within
+// 1e-3). bf16: bf16 inputs, fp32 accumulation (DLR within 5e-3).
+cublasComputeType_t compute_type(Precision p) {
+  switch (traits(p).accumulate) {
+    case Accumulate::f64: return CUBLAS_COMPUTE_64F;
+    case Accumulate::tf32: return CUBLAS_COMPUTE_32F_FAST_TF32;
+    case Accumulate::f32: return CUBLAS_COMPUTE_32F;
+  }
+  return CUBLAS_COMPUTE_32F;
 }
 
 void gemm_nt(cublasHandle_t hd, Precision prec, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda,
              const void* B, int64_t ldb, void* C, int64_t ldc) {
   const double one_d = 1.0, zero_d = 0.0;
   const float one_f = 1.0f, zero_f = 0.0f;
-  const bool d = prec == Precision::fp64;
+  const bool d = traits(prec).accumulate == Accumulate::f64;  // alpha and beta in the compute type
   CUBLAS_CHECK(cublasGemmEx(hd, CUBLAS_OP_N, CUBLAS_OP_T, (int)m, (int)n, (int)k, d ? (const void*)&one_d : &one_f, A,
                             in_type(prec), (int)lda, B, in_type(prec), (int)ldb, d ? (const void*)&zero_d : &zero_f,
                             C, out_type(prec), (int)ldc, compute_type(prec), CUBLAS_GEMM_DEFAULT));
@@ -74,19 +81,21 @@ void gemm_nt(cublasHandle_t hd, Precision prec, int64_t m, int64_t n, int64_t k,
 // Lower triangle (column-major, ldc) of C = A A^T, A n x k column-major (lda).
 void syrk_lower(cublasHandle_t hd, Precision prec, int64_t n, int64_t k, const void* A, int64_t lda, void* C,
                 int64_t ldc) {
-  if (prec == Precision::fp64) {
+  const PrecisionTraits& tr = traits(prec);
+  if (tr.input == DType::f64) {
     const double one = 1.0, zero = 0.0;
     CUBLAS_CHECK(cublasDsyrk(hd, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)n, (int)k, &one,
                              static_cast<const double*>(A), (int)lda, &zero, static_cast<double*>(C), (int)ldc));
-  } else if (prec == Precision::bf16) {
+  } else if (tr.input != DType::f32) {
     gemm_nt(hd, prec, n, n, k, A, lda, A, lda, C, ldc);  // no bf16 syrk in cuBLAS
   } else {
     const float one = 1.0f, zero = 0.0f;
-    if (prec == Precision::tf32) CUBLAS_CHECK(cublasSetMathMode(hd, CUBLAS_TF32_TENSOR_OP_MATH));
+    const bool tf32 = tr.accumulate == Accumulate::tf32;
+    if (tf32) CUBLAS_CHECK(cublasSetMathMode(hd, CUBLAS_TF32_TENSOR_OP_MATH));
     const cublasStatus_t st = cublasSsyrk(hd, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)n, (int)k, &one,
                                           static_cast<const float*>(A), (int)lda, &zero, static_cast<float*>(C),
                                           (int)ldc);
-    if (prec == Precision::tf32) CUBLAS_CHECK(cublasSetMathMode(hd, CUBLAS_DEFAULT_MATH));
+    if (tf32) CUBLAS_CHECK(cublasSetMathMode(hd, CUBLAS_DEFAULT_MATH));
     CUBLAS_CHECK(st);
   }
 }

@@ -205,14 +205,14 @@ void CudaMoments::flush_stage(cudaStream_t stream) {
   };
   // (f, s) entries: M column-major lower (i, j) = (f, s); B row-major p x c
   // with the output index fast.
-  merge(s_.M, p, Mp, ldM, p, p, means, means, true);
-  if (c > 0) {
-    merge(s_.B, c, Bp, ldB, c, p, means + p, means, false);
-    merge(s_.A, c, Ap, ldA, c, c, means + p, means + p, true);
-  }
-  if (t > 0) {
-    merge(s_.Bt, t, Btp, ldBt, t, p, means + p + c, means, false);
-    merge(s_.At, t, Atp, ldAt, t, t, means + p + c, means + p + c, true);
+  const void* part[kNumComoments] = {Mp, Bp, Ap, Btp, Atp};  // in RICHNESS_COMOMENTS order
+  const int64_t ld[kNumComoments] = {ldM, ldB, ldA, ldBt, ldAt};
+  const long long width[kStreams] = {p, c, t}, offset[kStreams] = {0, p, p + c};
+  for (int i = 0; i < kNumComoments; ++i) {
+    const int rq = kComoments[i].rows, cq = kComoments[i].cols;
+    if (width[rq] == 0 || width[cq] == 0) continue;
+    merge(s_.comoment(i), width[cq], part[i], ld[i], width[cq], width[rq], means + offset[cq], means + offset[rq],
+          kComoments[i].symmetric());
   }
   stack_commit<<<1, 1, 0, stream>>>(h, counts, m);
   LAUNCH_CHECK("stack_commit");

@@ -83,8 +83,8 @@ class Moments(Lockable):
             raise ValueError("group_seed needs groups=k")
         if num_classes is not None and (isinstance(num_classes, (bool, np.bool_))
                                         or not isinstance(num_classes, (int, np.integer))
-                                        or not 1 <= num_classes <= 2**63 - 1):
-            raise ValueError(f"num_classes must be a positive integer below 2**63 or None, got {num_classes!r}")
+                                        or not 1 <= num_classes < 2**63):
+            raise ValueError(f"num_classes must be an integer from 1 to 2**63 - 1 (or None), got {num_classes!r}")
         if precision is not None and precision not in _state.PRECISIONS:
             raise ValueError(f"precision must be one of {_state.PRECISIONS} or None, got {precision!r}")
         if device is not None:
@@ -93,8 +93,8 @@ class Moments(Lockable):
                 raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
             if device == "cuda":
                 device = "cuda:0"
-        if device == "cpu" and precision is not None and _state.precision_mode(precision).cuda_only:
-            raise ValueError(f"precision {precision!r} needs device='cuda'; the CPU multiplies in fp32 or fp64")
+        if device == "cpu" and precision is not None:
+            _state.check_runs_on_cpu(precision)
         if (isinstance(stack_rows, (bool, np.bool_)) or not isinstance(stack_rows, (int, np.integer))
                 or not 0 <= stack_rows < 2**31):
             raise ValueError(f"stack_rows must be an integer in [0, 2**31), got {stack_rows!r}")

@@ -2,8 +2,9 @@
 
 Every place that handles a state dict (``Moments.state_dict`` and
 ``load_state_dict``, the saved ``.npz`` file, the torch.distributed and
-torchmetrics merges) reads the field list from here, so adding a field or a
-precision mode is one entry below plus its arithmetic in the core.
+torchmetrics merges) reads the field list from here, so adding a field is
+one entry below plus its line and arithmetic in the core. The precision
+modes are read from the compiled core's table.
 
 A state is a dict with the integer widths ``n, p, c, t, k, num_classes``
 (-1 where a stream is absent or, for ``num_classes``, not fixed), the product
@@ -27,6 +28,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from . import _core
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -39,12 +42,11 @@ class Precision:
     resolves_nc1: bool  # fine enough for Sigma_W by subtraction (docs/MATH.md, "NC1")
 
 
-PRECISION_MODES: Tuple[Precision, ...] = (
-    Precision("fp64", 0, 1e-10, False, True),
-    Precision("fp32", 1, 1e-5, False, True),
-    Precision("tf32", 2, 1e-3, True, False),
-    Precision("bf16", 3, 1e-2, True, False),
-)
+# The modes and their facts come from the compiled core's one table
+# (csrc/common/precision.hpp), finest to coarsest.
+PRECISION_MODES: Tuple[Precision, ...] = tuple(
+    Precision(m["name"], m["coarseness"], m["rtol"], m["cuda_only"], m["resolves_nc1"])
+    for m in _core.precisions())
 PRECISIONS: Tuple[str, ...] = tuple(m.name for m in PRECISION_MODES)
 _MODE = {m.name: m for m in PRECISION_MODES}
 
@@ -55,6 +57,13 @@ def precision_mode(name: str) -> Precision:
         return _MODE[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown precision {name!r}; expected one of {PRECISIONS}") from None
+
+
+def check_runs_on_cpu(name: str) -> None:
+    """Raise ValueError unless the CPU backend runs precision ``name`` (the
+    core's own message for a CUDA-only mode, as its update gives it)."""
+    precision_mode(name)
+    _core.check_cpu_precision(name)
 
 
 def coarsest(names: Iterable[str]) -> str:
@@ -300,6 +309,10 @@ def check_compatible(metas: List[Dict[str, int]]) -> None:
             raise ValueError(f"cannot merge: states hold different {what} {vals} (-1 = not streamed)")
     if len({m["k"] >= 0 for m in live}) > 1:
         raise ValueError("cannot merge: some states streamed labels and others did not")
+    total = sum(m["n"] for m in live)
+    if total > 2**63 - 1:  # as the core refuses it: int64 counts would wrap
+        raise ValueError(f"the sample count would pass 2**63 - 1 ({total}), the largest an int64 holds; "
+                         "nothing was merged")
     if fixed:
         k = max((m["k"] for m in metas), default=-1)
         if k > fixed[0]:

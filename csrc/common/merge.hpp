@@ -1,0 +1,181 @@
+// Chan's merge of a block of co-moments (a batch's products, or another
+// state) into a float64 State, with the checks and allocations that come
+// before it. One implementation for the CPU backend's updates and for
+// State::merge; the device backend runs the same formulas as kernels
+// (cuda/kernels.cu). Everything loops over RICHNESS_COMOMENTS.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "parallel.hpp"
+#include "state.hpp"
+
+namespace richness {
+
+// One block of co-moments to merge: its sample count, each stream's width
+// (0 when absent) and float64 mean, and each co-moment in parts of element
+// type T (one per worker over disjoint rows, all centered on the block's
+// mean; the merge adds them in float64).
+template <typename T>
+struct Block {
+  int64_t n = 0;
+  int64_t width[kStreams] = {0, 0, 0};
+  const double* mean[kStreams] = {nullptr, nullptr, nullptr};
+  std::vector<const T*> parts[kNumComoments];
+};
+
+template <typename T>
+inline double sum_parts(const std::vector<const T*>& parts, int64_t idx) {
+  double v = 0.0;
+  for (const T* q : parts) v += (double)q[idx];
+  return v;
+}
+
+// Float64 vectors a merge needs (each stream's mean shift), allocated before
+// the state changes.
+struct MergeWork {
+  std::vector<double> d[kStreams];
+  explicit MergeWork(const int64_t* width) {
+    for (int q = 0; q < kStreams; ++q) d[q].resize((size_t)std::max<int64_t>(width[q], 0));
+  }
+};
+
+// X += sum of the parts + f dl dr^T over a rows x cols co-moment (its lower
+// triangle when symmetric), split over the workers by area: a triangle's
+// row i holds i + 1 entries, so worker w starts at rows sqrt(w / W).
+template <typename T>
+void add_comoment(std::vector<double>& X, const std::vector<const T*>& parts, int64_t rows, int64_t cols,
+                  bool sym, double f, const double* dl, const double* dr, int64_t workers) noexcept {
+  workers = std::max<int64_t>(1, std::min<int64_t>(workers, rows * cols / (int64_t(1) << 18) + 1));
+  auto first_row = [&](int64_t w) {
+    const double share = (double)w / (double)workers;
+    return std::min(rows, (int64_t)std::llround((double)rows * (sym ? std::sqrt(share) : share)));
+  };
+  run_split(workers, first_row, [&](int64_t, int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      double* xi = X.data() + i * cols;
+      const double fdi = f * dl[i];
+      const int64_t end = sym ? i + 1 : cols;
+      for (int64_t j = 0; j < end; ++j) xi[j] += sum_parts(parts, i * cols + j) + fdi * dr[j];
+    }
+  });
+}
+
+// Chan et al.: with d = mean_b - mean_a and f = na nb / n, each co-moment
+//   X = Xa + Xb + f d_rows d_cols^T,  and each mean += d nb / n.
+// Only lower triangles of the symmetric ones are read and written. Neither
+// allocates nor throws: callers check overflow_of and allocate `work` first.
+template <typename T>
+void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers) noexcept {
+  const double na = (double)s.n, nb = (double)b.n, n = na + nb;
+  const double f = na * nb / n, w = nb / n;
+  for (int q = 0; q < kStreams; ++q) {
+    const std::vector<double>& mean = s.stream_mean(q);
+    for (int64_t j = 0; j < s.width(q); ++j) work.d[q][j] = b.mean[q][j] - mean[j];
+  }
+  for (int i = 0; i < kNumComoments; ++i) {
+    const Comoment& cm = kComoments[i];
+    add_comoment(s.comoment(i), b.parts[i], s.width(cm.rows), s.width(cm.cols), cm.symmetric(), f,
+                 work.d[cm.rows].data(), work.d[cm.cols].data(), workers);
+  }
+  for (int q = 0; q < kStreams; ++q) {
+    std::vector<double>& mean = s.stream_mean(q);
+    for (int64_t j = 0; j < s.width(q); ++j) mean[j] += work.d[q][j] * w;
+  }
+  s.n += b.n;
+}
+
+// Which stream's merged moments would overflow (0 features, 1 outputs,
+// 2 targets), or -1. The moment matrices are Gram matrices, so by
+// Cauchy-Schwarz no entry exceeds the largest diagonal (up to rounding): the
+// diagonals of the state, of each product part (in its own type T) and the
+// mean-shift term f |d|^2 bound every merged entry, the cross co-moments'
+// included. A margin of 4 covers the rounding. Reads O(p) values; changes
+// nothing.
+template <typename T>
+int overflow_of(const State& s, const Block<T>& b) {
+  const double part_max = (double)std::numeric_limits<T>::max() / 4;
+  const double state_max = std::numeric_limits<double>::max() / 4;
+  const bool started = s.n > 0 && s.p >= 0;
+  const double f = started ? (double)s.n * (double)b.n / ((double)s.n + (double)b.n) : 0.0;
+  for (int i = 0; i < kNumComoments; ++i) {
+    const int q = kComoments[i].rows;
+    if (!kComoments[i].symmetric() || b.width[q] <= 0) continue;
+    const int64_t w = b.width[q];
+    double bound = 0.0;
+    for (int64_t j = 0; j < w; ++j) {
+      double diag = 0.0;
+      for (const T* part : b.parts[i]) {
+        const double v = (double)part[j * w + j];
+        if (!(v <= part_max)) return q;  // Inf or NaN from the product itself
+        diag += v;
+      }
+      double shift = 0.0;
+      if (started) {
+        const double dj = b.mean[q][j] - s.stream_mean(q)[j];
+        diag += s.comoment(i)[j * w + j];
+        shift = f * dj * dj;
+      }
+      bound = std::max(bound, diag + shift);
+    }
+    if (!(bound <= state_max)) return q;  // also for Inf and NaN
+  }
+  return -1;
+}
+
+// Sizes the state for its first samples (p, c, t, k fixed from then on).
+inline void shape_state(State& s, int64_t p, int64_t c, int64_t t, int64_t k) {
+  s.p = p;
+  s.c = c;
+  s.t = t;
+  s.k = k;
+#define RICHNESS_SHAPE(name, type, rows, cols, sym) s.name.assign((size_t)(s.size(rows) * s.size(cols)), type(0));
+  RICHNESS_STATE_ARRAYS(RICHNESS_SHAPE)
+#undef RICHNESS_SHAPE
+}
+
+// Where a merge writes: the state itself, or (for its first samples) a fresh
+// state sized in advance; with class arrays grown in advance. Everything is
+// allocated in the constructor; commit() only swaps, so a failed allocation
+// leaves the state as it was.
+struct Target {
+  State& s;
+  State fresh;
+  bool is_fresh = false;
+  int64_t grow_to = -1;
+  std::vector<int64_t> counts;
+  std::vector<double> sums;
+
+  Target(State& state, int64_t p, int64_t c, int64_t t, int64_t k) : s(state) {
+    if (s.p < 0 || s.n == 0) {
+      fresh.num_classes = s.num_classes;
+      fresh.precision = s.precision;
+      shape_state(fresh, p, c, t, k);
+      is_fresh = true;
+    } else if (k > s.k) {  // labels streamed without num_classes: grow to k classes
+      counts.reserve((size_t)k);
+      counts.assign(s.class_counts.begin(), s.class_counts.end());
+      counts.resize((size_t)k, 0);
+      sums.reserve((size_t)(k * s.p));
+      sums.assign(s.class_sums.begin(), s.class_sums.end());
+      sums.resize((size_t)(k * s.p), 0.0);
+      grow_to = k;
+    }
+  }
+  State& state() { return is_fresh ? fresh : s; }
+  void grow() noexcept {
+    if (grow_to < 0) return;
+    s.class_counts.swap(counts);
+    s.class_sums.swap(sums);
+    s.k = grow_to;
+  }
+  void commit() noexcept {
+    if (is_fresh) s = std::move(fresh);
+  }
+};
+
+}  // namespace richness
