@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -108,8 +109,8 @@ UNDER_A_MEMORY_LIMIT = """
             except MemoryError as e:
                 refused += 1
                 assert m.n == 64, m.n  # a refused batch changes nothing
-    try:
-        richness.Moments(groups=10**8).update(inputs[0])
+    try:  # the most groups allowed, each a whole p = 1536 state: far past the limit
+        richness.Moments(groups=1024).update(inputs[3])
     except MemoryError:
         refused += 1
     print("MemoryError", refused)
@@ -171,14 +172,14 @@ def test_the_many_state_merge_refuses_a_count_past_int64():
 
     m = richness.Moments()
     rng = np.random.default_rng(7)
-    m.update(rng.standard_normal((16, 3)), labels=rng.integers(0, 2, 16))
+    m.update(rng.standard_normal((16, 3)))  # no labels: labelled merges stop at 2**53 (test_invariants)
     for _ in range(58):
         m.merge(m)  # n = 2**62
     st = m.state_dict()
     with pytest.raises(ValueError, match=r"sample count would pass 2\*\*63 - 1.*nothing was merged"):
         _state.merge([st, st])
     half = _state.merge([st, _state.empty()])
-    assert half["n"] == 2**62 and int(half["class_counts"].sum()) == 2**62
+    assert half["n"] == 2**62
 
 
 def test_labels_and_features_changed_by_another_thread_never_reach_the_state(tmp_path):
@@ -195,8 +196,9 @@ def test_labels_and_features_changed_by_another_thread_never_reach_the_state(tmp
     th = threading.Thread(target=flip)
     th.start()
     accepted = refused = 0
-    try:
-        for _ in range(150):
+    deadline = time.monotonic() + 120
+    try:  # until both outcomes were seen (the flipping thread may be starved for a while)
+        while (accepted < 20 or refused == 0) and time.monotonic() < deadline:
             try:
                 m.update(x, labels=y)
                 accepted += 1

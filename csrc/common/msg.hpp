@@ -1,9 +1,7 @@
-// Error messages built by hand rather than through std::ostream.
-//
-// On the H200 machine (torch 2.11 cu130 loaded first, 2026-11-29), formatting
-// a number through an ostream inside our extension modules crashed in the
-// num_put facet (a segfault in an error path; an empty count in a message).
-// std::to_string does not go through locale facets.
+// Error messages built by hand rather than through std::ostream: formatting
+// numbers through an ostream's locale facets (num_put) is not safe when
+// another library in the process (torch's CUDA build, say) brings its own C++
+// runtime state; std::to_string and snprintf do not use those facets.
 #pragma once
 
 #include <cstdio>

@@ -24,19 +24,12 @@
 
 #include <cblas.h>
 
-#ifdef RICHNESS_SCIPY_OPENBLAS
+// The scipy-openblas32 wheel's symbols carry a scipy_ prefix (CMakeLists.txt).
 #define RB(name) scipy_cblas_##name
 #define RB_SET_THREADS scipy_openblas_set_num_threads
 #define RB_GET_THREADS scipy_openblas_get_num_threads
 #define RB_CONFIG scipy_openblas_get_config
 #define RB_CORE scipy_openblas_get_corename
-#else
-#define RB(name) cblas_##name
-#define RB_SET_THREADS openblas_set_num_threads
-#define RB_GET_THREADS openblas_get_num_threads
-#define RB_CONFIG openblas_get_config
-#define RB_CORE openblas_get_corename
-#endif
 
 namespace richness {
 
@@ -716,11 +709,7 @@ void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out
 
 std::string blas_info() {
   Msg os;
-#ifdef RICHNESS_SCIPY_OPENBLAS
   os << "scipy-openblas32 ";
-#else
-  os << "OpenBLAS ";
-#endif
   os << RB_CONFIG() << " (core: " << RB_CORE() << "; " << blas_get_num_threads()
      << " richness worker threads, each calling BLAS single-threaded)";
   return os.str();

@@ -181,7 +181,6 @@ class CudaMoments {
 
   void set_product(Product algo, int block);
   Product product() const { return algo_; }
-  int block() const { return block_; }
 
   // Most rows one fp32 product accumulates in float32 (0 = no limit): longer
   // row blocks are split, the parts added in float64. Float32

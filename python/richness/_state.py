@@ -309,10 +309,6 @@ def check_compatible(metas: List[Dict[str, int]]) -> None:
             raise ValueError(f"cannot merge: states hold different {what} {vals} (-1 = not streamed)")
     if len({m["k"] >= 0 for m in live}) > 1:
         raise ValueError("cannot merge: some states streamed labels and others did not")
-    total = sum(m["n"] for m in live)
-    if total > 2**63 - 1:  # as the core refuses it: int64 counts would wrap
-        raise ValueError(f"the sample count would pass 2**63 - 1 ({total}), the largest an int64 holds; "
-                         "nothing was merged")
     if fixed:
         k = max((m["k"] for m in metas), default=-1)
         if k > fixed[0]:
@@ -321,10 +317,12 @@ def check_compatible(metas: List[Dict[str, int]]) -> None:
 
 
 def check_sample_count(counts: Iterable[int]) -> None:
-    """Raise when the merged sample count would overflow int64 (a merge adds counts)."""
+    """Raise when the merged sample count would overflow int64 (a merge adds
+    counts), in the words of the core's own check (csrc/common/state.hpp)."""
     total = sum(int(n) for n in counts)
     if total > INT64_MAX:
-        raise ValueError(f"cannot merge: the merged sample count {total} would overflow int64")
+        raise ValueError(f"the sample count would pass 2**63 - 1 ({total}), the largest an int64 holds; "
+                         "nothing was merged")
 
 
 def merged_widths(metas: List[Dict[str, int]]) -> Dict[str, int]:
