@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from . import _io
+from .. import _io
 
 log = logging.getLogger("richness")
 
@@ -252,7 +252,7 @@ class ArrayFile:
         else:
             raise UserError(f"{path}: holds a {type(obj).__name__}; expected a tensor or a dict of tensors")
         t = t.detach()
-        from ._adapt import refuse_unreadable
+        from .._adapt import refuse_unreadable
 
         try:
             refuse_unreadable(t, "it")
@@ -461,7 +461,7 @@ def _bar(total: int, enabled: bool, desc: str):
 
 def _stream(feats: ArrayFile, outs: Optional[ArrayFile], labels: Optional[ArrayFile], targets: Optional[ArrayFile],
             *, chunk: int, precision: Optional[str], num_classes: Optional[int], progress: bool, desc: str):
-    from . import Moments
+    from .. import Moments
 
     feats.check_float("features")
     if len(feats.shape) != 2:
@@ -657,7 +657,7 @@ def _print_curves(rep) -> None:
 
 
 def plot_cmd(args: argparse.Namespace) -> int:
-    from . import Moments, plot
+    from .. import Moments, plot
 
     path = args.input
     if not os.path.exists(path):
@@ -807,7 +807,7 @@ def _train_mse(X, y, *, alpha: float, width: int, steps: int, seed: int, lr: flo
 
 
 def _measure(forward, Xtr, ytr, Xte, yte):
-    from . import Moments
+    from .. import Moments
 
     Htr, Ftr = forward(Xtr)
     Hte, Fte = forward(Xte)
@@ -839,7 +839,7 @@ def _with_bar(fn, total: int, desc: str, unit: str, enabled: bool, **kw):
 
 
 def demo(args: argparse.Namespace) -> int:
-    from . import Moments
+    from .. import Moments
 
     t0 = time.time()
     alphas = args.alphas
@@ -885,7 +885,7 @@ def demo(args: argparse.Namespace) -> int:
             print(f"{a:8g} {rep.dlr:7.3f} {rep.nc1:8.3f} {acc:9.3f} {rep.effective_dim:9.1f}")
     if not args.no_plots:
         try:
-            from . import plot
+            from .. import plot
 
             paths = plot.curves(reports, os.path.join(args.out, "curves"),
                                 title="digits, 64-256-256-10 MLP: rich vs lazy (dashed: held-out)")
@@ -904,12 +904,12 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def info(args: argparse.Namespace) -> int:
-    from . import __version__, _core
+    from .. import __version__, _core
 
     print(f"richness {__version__}")
     print(f"CPU backend: {_core.blas_info()}")
     try:
-        from . import _cuda  # noqa: F401
+        from .. import _cuda  # noqa: F401
 
         print(f"CUDA backend: {_cuda.info()}")
     except ImportError as e:
@@ -968,7 +968,7 @@ _INT64_MAX = 2**63 - 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     p = _Parser(prog="richness", description="Measure how rich or lazy training was (DLR).")
     p.add_argument("--version", action="version", version=f"richness {__version__}")
