@@ -1,8 +1,8 @@
 """``richness.evaluate``: one pass of a model over a loader, DLR from its head.
 
-Forward hooks on the head (``_hooks``) capture its input, the features
+Forward hooks on the head (``model/hooks.py``) capture its input, the features
 ``phi(x)``, and its output, the logits ``f(x)``, under ``torch.no_grad()``;
-each batch becomes rows (``_batches``) that go straight into a ``Moments``,
+each batch becomes rows (``model/batches.py``) that go straight into a ``Moments``,
 and no reference to an activation outlives its batch. ``collect`` is that
 pass; ``evaluate`` finishes it into a ``Report``.
 """

@@ -5,10 +5,10 @@ batches of the last ``window`` steps before every ``every``-th step; each
 ``step()`` copies the captured batch into the window's buffer and drops it; at
 every ``every``-th step the window is added to a ``Moments`` as one batch, and
 DLR (and NC1 with labels) is finished from it and emitted
-(``_monitor_window``). Windows of one batch with fewer samples than features
+(``monitor/window.py``). Windows of one batch with fewer samples than features
 (every=1) take a cheaper exact route: each step's head input and output are
 copied into a buffer, and groups of up to ``lag`` steps are reduced at once
-from the n x n Gram of each batch (``_monitor_onebatch``). Probe mode
+from the n x n Gram of each batch (``monitor/onebatch.py``). Probe mode
 (``probe=``): every ``every`` steps a fixed probe set is evaluated in eval mode
 (train mode restored after) and its full report emitted.
 
@@ -17,8 +17,8 @@ never calls ``.item()`` or copies to the host (on a GPU the CUDA backend runs
 on the caller's stream). Boolean token masks are the exception: indexing with
 them syncs.
 
-This module wires the parts: the hooks and step buffers (``_monitor_capture``),
-the two routes, the sinks (``_monitor_sinks``), and the finishing math they
+This module wires the parts: the hooks and step buffers (``monitor/capture.py``),
+the two routes, the sinks (``monitor/sinks.py``), and the finishing math they
 share (``richness.finish``).
 """
 
@@ -175,7 +175,7 @@ class Monitor:
         # training step torch's OpenMP threads are still spinning, and a second
         # worker contends with them instead of helping (bench_monitor.py, torch
         # on 2 threads: default settings +1.1-1.2% with one worker, +1.9-2.7%
-        # with two; RESULTS_INTEGRATION.md).
+        # with two; benchmarks/RESULTS.md, "Monitor overhead, CPU").
         self._threads = BlasThreads(small=2 ** 30)
 
     # -- hooks ----------------------------------------------------------------
