@@ -643,7 +643,7 @@ def test_plot_to_an_unwritable_place_is_one_line(tmp_path, capsys):
 
 
 def test_unforeseen_failures_are_one_line_too(tmp_path, capsys, monkeypatch):
-    import richness.cli as cli
+    from richness.cli import commands
 
     for exc, want in ((RuntimeError("a reader's own failure"),
                        "RuntimeError: a reader's own failure (richness -v ... shows where)"),
@@ -651,7 +651,7 @@ def test_unforeseen_failures_are_one_line_too(tmp_path, capsys, monkeypatch):
                       (PermissionError(13, "Permission denied", "/x/out.png"), "/x/out.png: Permission denied")):
         def broken(args, exc=exc):
             raise exc
-        monkeypatch.setattr(cli, "info", broken)
+        monkeypatch.setattr(commands, "info", broken)
         assert run_error(["info"], capsys) == f"richness: error: {want}"
 
 

@@ -7,7 +7,7 @@ layout forces it (columns not unit-strided, or a dtype numpy cannot view).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -217,14 +217,3 @@ def to_numpy64(x: Any, name: str) -> np.ndarray:
         return np.array(x, dtype=np.float64)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{name} is not a float array ({e})") from None
-
-
-def device_of(x: Any) -> Optional[str]:
-    """``"cuda:N"`` for a CUDA torch tensor / DLPack CUDA object, else ``"cpu"``."""
-    if _is_torch(x) and hasattr(x, "device"):
-        d = x.device
-        return "cpu" if d.type == "cpu" else f"{d.type}:{d.index or 0}"
-    if hasattr(x, "__dlpack_device__"):
-        kind, idx = x.__dlpack_device__()
-        return "cpu" if int(kind) == 1 else f"cuda:{idx}"
-    return "cpu"

@@ -118,8 +118,3 @@ def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[d
         precision = _state.coarsest(_state.PRECISIONS[m["prec"]] for m in metas if m["n"] > 0)
         out.append(_state.assemble(flat, means, w, precision))
     return out
-
-
-def all_reduce_state(st: dict, group: Optional[Any] = None) -> dict:
-    """The global state of all ranks of ``group`` (see ``all_reduce_states``)."""
-    return all_reduce_states([st], group)[0]

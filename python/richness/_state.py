@@ -117,7 +117,6 @@ SCALARS: Tuple[str, ...] = WIDTHS + ("precision",)
 FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in FIELDS)
 FLOAT_FIELDS: Tuple[str, ...] = tuple(f.name for f in FIELDS if f.dtype == np.float64)
 INT_FIELDS: Tuple[str, ...] = tuple(f.name for f in FIELDS if f.dtype == np.int64)
-_MEAN_OF_WIDTH = {"p": "mean", "c": "out_mean", "t": "tgt_mean"}
 
 
 def shape_of(field: Field, widths: Dict[str, int]) -> Tuple[int, ...]:

@@ -1,8 +1,8 @@
 """``richness.evaluate``: one pass of a model over a loader, DLR from its head.
 
-Forward hooks on the head (``_hooks``) capture its input, the features
+Forward hooks on the head (``model/hooks.py``) capture its input, the features
 ``phi(x)``, and its output, the logits ``f(x)``, under ``torch.no_grad()``;
-each batch becomes rows (``_batches``) that go straight into a ``Moments``,
+each batch becomes rows (``model/batches.py``) that go straight into a ``Moments``,
 and no reference to an activation outlives its batch. ``collect`` is that
 pass; ``evaluate`` finishes it into a ``Report``.
 """
@@ -58,6 +58,51 @@ def _is_linear(mod: Any) -> bool:
     return isinstance(mod, nn.Linear)
 
 
+def _progress_bar(loader: Iterable, desc: str) -> Any:
+    """A tqdm bar in samples, its total the loader's dataset length when it has one."""
+    total = None
+    ds = getattr(loader, "dataset", None)
+    if ds is not None:
+        try:
+            total = len(ds)
+        except TypeError:
+            total = None
+    return require_tqdm("richness.evaluate")(total=total, unit="sample", unit_scale=True, desc=desc,
+                                              dynamic_ncols=True, leave=False)
+
+
+class _HeadTap:
+    """The head's input and output for each batch: hooks on the head given, or,
+    without one, the head found on the first batch (``HeadFinder``) and hooked
+    from then on."""
+
+    def __init__(self, model: Any, resolved: Optional[Tuple[str, Any]]) -> None:
+        self.module = self.capture = self.finder = None
+        if resolved is not None:
+            self.module = resolved[1]
+            self.capture = Capture(self.module)
+        else:
+            self.finder = HeadFinder(model)
+
+    def take(self, model: Any, inputs: Any, out: Any) -> Tuple[Any, Any]:
+        if self.finder is None:
+            return self.capture.take()
+        _, self.module, x, y = self.finder.result(out)
+        self.finder.remove()
+        self.finder = None
+        self.capture = Capture(self.module)
+        if x is None:  # the head ran before another Linear: run the batch again
+            call_model(model, inputs)
+            x, y = self.capture.take()
+        return x, y
+
+    def remove(self) -> None:
+        if self.finder is not None:
+            self.finder.remove()
+        if self.capture is not None:
+            self.capture.remove()
+
+
 def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = None, precision: Optional[str] = None,
             progress: bool = True, batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all",
             desc: str = "richness", allow_empty: bool = False,
@@ -71,47 +116,24 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
     check_tokens(tokens)
     resolved = resolve_head(model, head)
     dev = torch.device(device) if device is not None else _model_device(model)
-    total = None
-    ds = getattr(loader, "dataset", None)
-    if ds is not None:
-        try:
-            total = len(ds)
-        except TypeError:
-            total = None
-    bar = None
-    if progress:
-        bar = require_tqdm("richness.evaluate")(total=total, unit="sample", unit_scale=True, desc=desc,
-                                                 dynamic_ncols=True, leave=False)
+    bar = _progress_bar(loader, desc) if progress else None
     moments = Moments(precision=precision)
     named_layers = resolve_layers(model, layers)
     layer_moments = {name: Moments(precision=precision) for name, _ in named_layers}
     layer_caps = [(name, Capture(mod)) for name, mod in named_layers]
-    finder = capture = None
-    head_mod = None
+    tap = None
     with_labels: Optional[bool] = None
     try:
         with torch.no_grad(), eval_mode(model), BlasThreads() as threads:
-            if resolved is not None:
-                head_mod = resolved[1]
-                capture = Capture(head_mod)
-            else:
-                finder = HeadFinder(model)
+            tap = _HeadTap(model, resolved)
             for batch in loader:
                 inputs, labels, amask = split_batch(batch, batch_fn)
                 if with_labels is None and not shift_labels and labels_are_inputs(inputs, labels):
                     warnings.warn(UNSHIFTED.format(fix="pass shift_labels=True"), UserWarning, stacklevel=3)
                 inputs = to_device(inputs, dev)
                 out = call_model(model, inputs)
-                if finder is not None:
-                    name, head_mod, x, y = finder.result(out)
-                    finder.remove()
-                    finder = None
-                    capture = Capture(head_mod)
-                    if x is None:  # the head ran before another Linear: run the batch again
-                        call_model(model, inputs)
-                        x, y = capture.take()
-                else:
-                    x, y = capture.take()
+                x, y = tap.take(model, inputs, out)
+                head_mod = tap.module
                 del out
                 tok = tokens
                 if shift_labels:
@@ -139,14 +161,13 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
     finally:
         for _, cap in layer_caps:
             cap.remove()
-        if finder is not None:
-            finder.remove()
-        if capture is not None:
-            capture.remove()
+        if tap is not None:
+            tap.remove()
         if bar is not None:
             bar.close()
     if moments.n == 0 and not allow_empty:
         raise ValueError("the loader yielded no samples")
+    head_mod = tap.module
     if named_layers:
         return moments, (head_mod, layer_moments)
     return moments, head_mod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List
 
+from ..model.batches import label_kwargs, select_rows
 from ..model.hooks import ModelHook, hook_forward
 
 
@@ -137,3 +138,52 @@ def _probe_batches(probe: Any) -> Iterable:
         return probe
     raise TypeError(f"probe must be a tensor, an (inputs, labels) pair or a re-iterable loader, "
                     f"got {type(probe).__name__}")
+
+
+def step_rows(pending: list, labels: Any, tokens: Any) -> tuple:
+    """The rows of one step from the head's captures since the last step:
+    ``(features, outputs, label keyword arguments, first, dropped)``. With
+    labels, the step's captures are the latest forwards whose rows add up to
+    the labels' rows: the ``first`` captures before them (``dropped`` samples)
+    come from a forward whose step was never counted (a batch skipped after its
+    forward). Labels that no run of latest forwards matches raise a ValueError
+    naming both counts."""
+    import torch
+
+    if labels is not None and not isinstance(labels, torch.Tensor):
+        labels = torch.as_tensor(labels)
+    if labels is not None and labels.ndim == 0:
+        raise ValueError("labels must hold one entry per sample, got a single value")
+    rows = [select_rows(x, y, None, tokens=tokens) for x, y in pending]
+    first = _first_capture(pending, rows, labels)
+    dropped = sum(int(r[0].shape[0]) for r in rows[:first])
+    rows = rows[first:]
+    if len(rows) == 1:
+        feats, outs, _ = rows[0]
+    else:
+        feats = torch.cat([r[0] for r in rows])
+        outs = torch.cat([r[1] for r in rows]) if all(r[1] is not None for r in rows) else None
+    if labels is not None and labels.ndim >= 2 and feats.shape[0] != labels.shape[0] and len(rows) == 1:
+        # per-token labels of a sequence batch: follow the token selection
+        x, y = pending[first]
+        feats, outs, labels = select_rows(x, y, labels, tokens=tokens)
+    return feats, outs, label_kwargs(labels, feats.shape[0], feats.device), first, dropped
+
+
+def _first_capture(pending: list, rows: list, labels: Any) -> int:
+    """Index of the first capture of this step (see ``step_rows``)."""
+    if labels is None:
+        return 0
+    want, total = int(labels.shape[0]), 0
+    for i in range(len(rows) - 1, -1, -1):
+        x = pending[i][0]
+        if i == len(rows) - 1 and labels.ndim >= 2 and x.ndim == 3 and int(x.shape[0]) == want:
+            return i  # per-token labels of one sequence batch
+        total += int(rows[i][0].shape[0])
+        if total == want:
+            return i
+        if total > want:
+            break
+    sizes = [int(r[0].shape[0]) for r in rows]
+    raise ValueError(f"labels have {want} rows, but the head's training forwards since the last step() gave "
+                     f"{' + '.join(map(str, sizes))} rows, and no run of the latest of them adds up to {want}")

@@ -5,10 +5,10 @@ batches of the last ``window`` steps before every ``every``-th step; each
 ``step()`` copies the captured batch into the window's buffer and drops it; at
 every ``every``-th step the window is added to a ``Moments`` as one batch, and
 DLR (and NC1 with labels) is finished from it and emitted
-(``_monitor_window``). Windows of one batch with fewer samples than features
+(``monitor/window.py``). Windows of one batch with fewer samples than features
 (every=1) take a cheaper exact route: each step's head input and output are
 copied into a buffer, and groups of up to ``lag`` steps are reduced at once
-from the n x n Gram of each batch (``_monitor_onebatch``). Probe mode
+from the n x n Gram of each batch (``monitor/onebatch.py``). Probe mode
 (``probe=``): every ``every`` steps a fixed probe set is evaluated in eval mode
 (train mode restored after) and its full report emitted.
 
@@ -17,8 +17,8 @@ never calls ``.item()`` or copies to the host (on a GPU the CUDA backend runs
 on the caller's stream). Boolean token masks are the exception: indexing with
 them syncs.
 
-This module wires the parts: the hooks and step buffers (``_monitor_capture``),
-the two routes, the sinks (``_monitor_sinks``), and the finishing math they
+This module wires the parts: the hooks and step buffers (``monitor/capture.py``),
+the two routes, the sinks (``monitor/sinks.py``), and the finishing math they
 share (``richness.finish``).
 """
 
@@ -31,11 +31,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..model.batches import check_tokens, label_kwargs, select_rows
+from ..model.batches import check_tokens
 from ..model.evaluate import collect
 from ..model.hooks import HeadFinder, hook_forward, resolve_head
 from .capture import (_grad_enabled, _ModelForwards, _PendingCapture, _probe_batches,  # noqa: F401
-                               _StepBuffer)
+                      _StepBuffer, step_rows)
 from .onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group,  # noqa: F401
                                OneBatchRoute)
 from .sinks import FIELDS, _make_sinks  # noqa: F401
@@ -175,7 +175,7 @@ class Monitor:
         # training step torch's OpenMP threads are still spinning, and a second
         # worker contends with them instead of helping (bench_monitor.py, torch
         # on 2 threads: default settings +1.1-1.2% with one worker, +1.9-2.7%
-        # with two; RESULTS_INTEGRATION.md).
+        # with two; benchmarks/RESULTS.md, "Monitor overhead, CPU").
         self._threads = BlasThreads(small=2 ** 30)
 
     # -- hooks ----------------------------------------------------------------
@@ -280,33 +280,11 @@ class Monitor:
         return self.first_step + self.steps - 1
 
     def _step_rows(self, labels: Any) -> tuple:
-        """This step's (features, outputs, label keyword arguments), checked;
-        changes nothing. With labels, the step's captures are the latest
-        forwards whose rows add up to the labels' rows: captures before them
-        come from a forward whose step was never counted (a batch skipped after
-        its forward) and are dropped with a warning. Labels that no run of
-        latest forwards matches raise a ValueError naming both counts."""
-        import torch
-
+        """This step's (features, outputs, label keyword arguments), checked
+        (``step_rows``); changes nothing. Captures before the step's own are
+        dropped with a warning."""
         try:
-            if labels is not None and not isinstance(labels, torch.Tensor):
-                labels = torch.as_tensor(labels)
-            if labels is not None and labels.ndim == 0:
-                raise ValueError("labels must hold one entry per sample, got a single value")
-            rows = [select_rows(x, y, None, tokens=self.tokens) for x, y in self._pending]
-            first = self._first_capture(rows, labels)
-            dropped = sum(int(r[0].shape[0]) for r in rows[:first])
-            rows = rows[first:]
-            if len(rows) == 1:
-                feats, outs, _ = rows[0]
-            else:
-                feats = torch.cat([r[0] for r in rows])
-                outs = torch.cat([r[1] for r in rows]) if all(r[1] is not None for r in rows) else None
-            if labels is not None and labels.ndim >= 2 and feats.shape[0] != labels.shape[0] and len(rows) == 1:
-                # per-token labels of a sequence batch: follow the token selection
-                x, y = self._pending[first]
-                feats, outs, labels = select_rows(x, y, labels, tokens=self.tokens)
-            lk = label_kwargs(labels, feats.shape[0], feats.device)
+            feats, outs, lk, first, dropped = step_rows(self._pending, labels, self.tokens)
         except (ValueError, TypeError, IndexError, RuntimeError) as e:
             raise ValueError(f"Monitor.step: {e}. The step was not counted and nothing was recorded: call step() "
                              "again with this step's labels") from None
@@ -319,24 +297,6 @@ class Monitor:
                           "this step's did not belong to it (a step skipped after its forward?); they are not "
                           "recorded", UserWarning, stacklevel=3)
         return feats, outs, lk
-
-    def _first_capture(self, rows: list, labels: Any) -> int:
-        """Index of the first capture of this step (see ``_step_rows``)."""
-        if labels is None:
-            return 0
-        want, total = int(labels.shape[0]), 0
-        for i in range(len(rows) - 1, -1, -1):
-            x = self._pending[i][0]
-            if i == len(rows) - 1 and labels.ndim >= 2 and x.ndim == 3 and int(x.shape[0]) == want:
-                return i  # per-token labels of one sequence batch
-            total += int(rows[i][0].shape[0])
-            if total == want:
-                return i
-            if total > want:
-                break
-        sizes = [int(r[0].shape[0]) for r in rows]
-        raise ValueError(f"labels have {want} rows, but the head's training forwards since the last step() gave "
-                         f"{' + '.join(map(str, sizes))} rows, and no run of the latest of them adds up to {want}")
 
     def _add_rows(self, feats: Any, outs: Any, lk: dict) -> None:
         """Add this step's checked rows to the window (or the one-batch group)."""

@@ -1,0 +1,168 @@
+"""Command line: ``richness demo | eval | plot | info`` (also ``python -m richness``).
+
+User errors (a missing file, a wrong shape, a bad key, a folder that cannot be
+written) print one line naming the file and the problem and exit with code 2,
+without a traceback. Progress and notes go to the ``richness`` logger
+(``-v`` shows the info level).
+
+The parser and the reporting of errors are here; the commands are in
+:mod:`richness.cli.commands` (eval, plot, info) and :mod:`richness.cli.demo`,
+the file readers in :mod:`richness.cli.readers`. They are imported when the
+parser is built, so that they can raise :class:`UserError` from this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+log = logging.getLogger("richness")
+
+
+class UserError(Exception):
+    """An error in what the user asked for: one line, exit code 2."""
+
+
+def reason(e: BaseException) -> str:
+    """An exception as text, its type's name when it has no message."""
+    return str(e) or type(e).__name__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error as one ``richness: error:`` line, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"richness: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(convert, lo, hi, what: str):
+    """An argparse type: ``convert(text)`` within [lo, hi] (nan is refused)."""
+    def parse(text: str):
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return v
+    return parse
+
+
+def _integer(lo: int, hi: int, what: str):
+    return _number(int, lo, hi, what)
+
+
+def _real(lo: float, hi: float, what: str):
+    return _number(float, lo, hi, what)
+
+
+def _alphas(text: str) -> List[float]:
+    from .demo import ALPHA_RANGE
+
+    one = _real(*ALPHA_RANGE, f"alphas in [{ALPHA_RANGE[0]:g}, {ALPHA_RANGE[1]:g}]")
+    return [one(a.strip()) for a in text.split(",")] if text.strip() else []
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+    from . import commands, demo
+
+    p = _Parser(prog="richness", description="Measure how rich or lazy training was (DLR).")
+    p.add_argument("--version", action="version", version=f"richness {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="also log what is read and done (to stderr)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="rich vs lazy networks on built-in data, a target-downscaled sweep, plots")
+    d.add_argument("--epochs", type=_integer(1, 10**6, "a positive number of epochs"), default=20,
+                   help="epochs of the rich/lazy classifiers")
+    d.add_argument("--steps", type=_integer(1, 10**8, "a positive number of steps"), default=400,
+                   help="full-batch steps per network of the alpha sweep")
+    d.add_argument("--seed", type=_integer(0, _INT64_MAX, "a non-negative integer"), default=0)
+    d.add_argument("--alphas", type=_alphas, default="0.1,0.3,1,10",
+                   help=f"comma-separated target scales of the sweep, each in [{demo.ALPHA_RANGE[0]:g}, "
+                        f"{demo.ALPHA_RANGE[1]:g}] ('' to skip it)")
+    d.add_argument("--out", default="richness-demo", help="folder for the plots (default richness-demo/)")
+    d.add_argument("--no-plots", action="store_true")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars (tqdm)")
+    d.set_defaults(func=demo.demo)
+
+    e = sub.add_parser("eval", help="DLR, spectrum and curves from saved features/outputs/labels",
+                       description="Stream arrays from .npy, .npz, .safetensors, .pt (torch.load, weights only), "
+                                   ".h5/.hdf5 (h5py) or .parquet (pyarrow) files (FILE or FILE:KEY) in chunks. A "
+                                   "bundle (any but .npy) with arrays named features, outputs, labels, targets "
+                                   "supplies them all. Parquet: one sample per row, vectors as list columns.")
+    e.add_argument("features", help="features (samples x p): FILE or FILE:KEY, or a bundle")
+    e.add_argument("--outputs", help="outputs / logits (samples x C)")
+    e.add_argument("--labels", help="integer class labels (samples,)")
+    e.add_argument("--targets", help="float regression targets (samples,) or (samples x T)")
+    e.add_argument("--head", help="linear head weights W (C x p): DLR without streaming outputs")
+    e.add_argument("--test-features", help="held-out features (Nystrom-extended curves)")
+    e.add_argument("--test-outputs")
+    e.add_argument("--test-labels")
+    e.add_argument("--test-targets")
+    e.add_argument("--num-classes", type=_integer(1, _INT64_MAX, "a positive number of classes"), default=None)
+    e.add_argument("--precision", choices=["fp64", "fp32"], default=None,
+                   help="precision of the products (default: fp64 for float64 files, else fp32)")
+    e.add_argument("--rtol", type=_real(0.0, 1.0, "a relative cut in [0, 1]"), default=None,
+                   help="eigenvalue cut (default by precision)")
+    e.add_argument("--chunk", type=_integer(1, _INT64_MAX, "a positive number of rows"), default=8192,
+                   help="rows per chunk (default 8192)")
+    e.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    e.add_argument("--save", help="write the training state (.npz) for `richness plot` or later merges")
+    e.add_argument("--save-test", help="write the held-out state (.npz)")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=commands.eval_cmd)
+
+    pl = sub.add_parser("plot", help="curves from a saved state, or DLR over steps from a Monitor log")
+    pl.add_argument("input", help="a state saved by `richness eval --save` / Moments.save, or a .jsonl/.csv log")
+    pl.add_argument("--test", help="held-out state (.npz) for the dashed held-out curves")
+    pl.add_argument("--head", help="linear head weights (C x p) when the state has no outputs")
+    pl.add_argument("-o", "--output", help="output prefix (writes PREFIX.png and PREFIX.svg)")
+    pl.add_argument("--title")
+    pl.set_defaults(func=commands.plot_cmd)
+
+    i = sub.add_parser("info", help="version, backends, BLAS, GPU architectures")
+    i.set_defaults(func=commands.info)
+    return p
+
+
+def _fail(msg: str) -> int:
+    """One line on stderr, exit code 2."""
+    print(f"richness: error: {' '.join(msg.split())}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)  # a usage error: one line, SystemExit(2)
+    # the library logs nowhere by default (NullHandler); the command line shows
+    # warnings, and info with -v, on stderr
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("richness: %(message)s"))
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if args.verbose else logging.WARNING)
+    try:
+        return args.func(args)
+    except UserError as e:
+        return _fail(str(e))
+    except MemoryError as e:
+        return _fail(str(e) or "out of memory")
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"{where}{e.strerror or reason(e)}")
+    except (ValueError, TypeError) as e:  # the library's refusal of an input
+        return _fail(reason(e))
+    except KeyboardInterrupt:
+        print("richness: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a failure nothing above foresaw: still one line; -v logs the traceback
+        log.info("traceback of the failure below", exc_info=True)
+        return _fail(f"{type(e).__name__}: {reason(e)} (richness -v ... shows where)")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)

@@ -1,0 +1,442 @@
+"""File readers of ``richness eval``: a 1-D or 2-D array streamed in row chunks from
+``.npy``, ``.npz``, ``.safetensors``, ``.pt``, ``.h5``/``.hdf5`` or ``.parquet`` files, each
+refusal a :class:`~richness.cli.UserError` naming the file."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zipfile
+from typing import List, Optional
+
+import numpy as np
+
+from .. import _io
+from . import UserError, reason
+
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
+_PAGE = mmap.PAGESIZE
+# Errors a reader raises on a damaged or hostile file.
+_UNREADABLE = (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError, RuntimeError, NotImplementedError,
+               zipfile.LargeZipFile)
+
+
+_SUFFIXES = ".npy, .npz, .safetensors, .pt, .h5/.hdf5 or .parquet"
+
+
+def split_spec(spec: str):
+    """``FILE`` or ``FILE:KEY`` -> (path, key or None)."""
+    if not os.path.exists(spec) and ":" in spec:
+        path, key = spec.rsplit(":", 1)
+        return path, key
+    return spec, None
+
+
+def _optional(module: str, package: str, suffix: str):
+    """Import an optional reader or fail naming the pip package."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"reading {suffix} files needs {package}: pip install {package}") from None
+
+
+class ArrayFile:
+    """A 1-D or 2-D array in a ``.npy``, ``.npz``, ``.safetensors``, ``.pt``,
+    ``.h5``/``.hdf5`` or ``.parquet`` file, read in row chunks.
+
+    Only regular files are read, and every size is taken from the file's own
+    headers and directory and checked against each other before any data is
+    read. ``.npy`` and uncompressed ``.npz`` members are memory-mapped; pages
+    behind the cursor are dropped (madvise/posix_fadvise DONTNEED): file-backed
+    pages of a mapping count in the resident set, so a plain memmap of a 5 GB
+    file would end up resident. Compressed ``.npz`` members are decompressed
+    forward, chunk by chunk. ``.safetensors`` files are read through the
+    ``safetensors`` library (which validates the header and offsets), a chunk
+    of rows at a time. ``.pt`` is loaded with ``torch.load(weights_only=True,
+    mmap=True)`` (no pickled code runs). HDF5 datasets are sliced per chunk
+    (h5py); a Parquet column is read forward in record batches (pyarrow), one
+    sample per row, vectors as list columns."""
+
+    def __init__(self, spec: str, default_key: Optional[str] = None) -> None:
+        path, key = split_spec(spec)
+        self.path, self.key, self.default_key = path, key, default_key
+        self.label = path if key is None else f"{path}:{key}"
+        self.explicit_key = key is not None
+        if not os.path.exists(path):
+            raise UserError(f"{path}: no such file")
+        if os.path.isdir(path):
+            raise UserError(f"{path}: is a directory, expected a {_SUFFIXES} file")
+        try:
+            size = _io.check_regular(path)
+        except (OSError, ValueError) as e:
+            raise UserError(reason(e) if str(e).startswith(path) else f"{path}: {reason(e)}") from None
+        if size == 0:
+            raise UserError(f"{path}: empty file (0 bytes)")
+        self.bf16 = False
+        self.array: Optional[np.ndarray] = None
+        self.names: List[str] = []  # the file's named arrays (empty for a one-array file)
+        self._reader = None  # (a, b) -> rows a..b-1, for files that are not memory-mapped
+        self._keep = None  # an open h5py file behind _reader
+        self._mm = None
+        self._fd = None
+        self._released = 0
+        low = path.lower()
+        try:
+            if low.endswith(".npy"):
+                if key is not None:
+                    raise UserError(f"{self.label}: a .npy file holds one array; drop ':{key}'")
+                self._open_npy(path)
+            elif low.endswith(".npz"):
+                self._open_npz(path)
+            elif low.endswith(".safetensors"):
+                self._open_safetensors(path)
+            elif low.endswith((".pt", ".pth")):
+                self._open_torch(path)
+            elif low.endswith((".h5", ".hdf5")):
+                self._open_hdf5(path)
+            elif low.endswith(".parquet"):
+                self._open_parquet(path)
+            else:
+                raise UserError(f"{path}: unknown file type; use {_SUFFIXES}")
+        except UserError:
+            raise
+        except _UNREADABLE as e:
+            msg = reason(e)
+            raise UserError(msg if msg.startswith(path) else f"{self.label}: cannot read ({msg})") from None
+        if not all(isinstance(s, int) and s >= 0 for s in self.shape):
+            raise UserError(f"{self.label}: the file gives an impossible shape {self.shape}")
+        if len(self.shape) not in (1, 2):
+            raise UserError(f"{self.label}: expected a 1-D or 2-D array, got shape {self.shape}")
+
+    def _pick(self, names: List[str], noun: str) -> str:
+        """The key asked for (or the default, or the only array) among ``names``."""
+        self.names = list(names)
+        key = self.key
+        if key is None:
+            if self.default_key is not None and self.default_key in names:
+                key = self.default_key
+            elif len(names) == 1:
+                key = names[0]
+            else:
+                raise UserError(f"{self.path}: holds {len(names)} {noun}s ({', '.join(names)}); "
+                                f"name one as {self.path}:KEY")
+        if key not in names:
+            raise UserError(f"{self.path}: no {noun} {key!r}; it has {', '.join(names) or 'none'}")
+        self.key, self.label = key, f"{self.path}:{key}"
+        return key
+
+    # file formats
+    def _map(self, f, offset: int, header: "_io.NpyHeader") -> None:
+        """Map the array whose data starts at ``offset`` of the open file ``f``."""
+        size = os.fstat(f.fileno()).st_size
+        if offset + header.nbytes > size:
+            raise UserError(f"{self.label}: truncated file ({size} bytes, the header promises "
+                            f"{offset + header.nbytes})")
+        self.shape, self.dtype = header.shape, header.dtype
+        if header.nbytes == 0:
+            self.array = np.zeros(header.shape, header.dtype)
+            return
+        self._fd = os.dup(f.fileno())
+        self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        self._offset = offset
+        count = header.nbytes // header.dtype.itemsize
+        a = np.frombuffer(self._mm, dtype=header.dtype, count=count, offset=offset)
+        self.array = a.reshape(header.shape, order="F" if header.fortran else "C")
+        self.fortran = header.fortran
+
+    def _open_npy(self, path: str) -> None:
+        with _io.open_regular(path) as f:
+            try:
+                header = _io.read_npy_header(f, self.label)
+            except ValueError as e:
+                msg = str(e)
+                raise UserError(msg if "impossible shape" in msg or "object arrays" in msg
+                                else f"{self.label}: not a .npy array ({msg})") from None
+            self._map(f, header.header_bytes, header)
+
+    def _open_npz(self, path: str) -> None:
+        f = _io.open_regular(path)
+        try:
+            zf = zipfile.ZipFile(f)
+            members = _io.npz_members(zf, path)
+            member = members[self._pick(list(members), "array")]
+            if member.info.compress_type == zipfile.ZIP_STORED:
+                size = os.fstat(f.fileno()).st_size
+                self._map(f, _io.stored_data_offset(f, member, size, self.label), member.header)
+                return
+            header = member.header
+            self.shape, self.dtype = header.shape, header.dtype
+            if header.fortran and len(header.shape) == 2 and header.shape[1] > 1:
+                # column-major data cannot be read by rows: read it whole
+                _io.check_memory(header.nbytes, f"{self.label} (a compressed column-major array)")
+                self.array = _io.read_member(zf, member)
+                return
+            self._reader = _NpzRows(zf, member)
+            self._keep = f
+            f = None
+        finally:
+            if f is not None:
+                f.close()
+
+    def _open_safetensors(self, path: str) -> None:
+        st = _optional("safetensors", "safetensors", ".safetensors")
+        try:
+            try:
+                handle = st.safe_open(path, framework="numpy", backend="pread")
+            except TypeError:  # a safetensors without the pread backend
+                handle = st.safe_open(path, framework="numpy")
+        except st.SafetensorError as e:
+            raise UserError(f"{path}: not a valid safetensors file ({reason(e)})") from None
+        key = self._pick(list(handle.keys()), "tensor")
+        sl = handle.get_slice(key)
+        self.shape = tuple(int(s) for s in sl.get_shape())
+        kind = sl.get_dtype()
+        if kind == "BF16":  # numpy has no bfloat16: torch reads the bits, widened per chunk
+            torch = _optional("torch", "torch", "bfloat16 .safetensors")
+            self.bf16, self.dtype = True, np.dtype(np.uint16)
+            tsl = st.safe_open(path, framework="pt").get_slice(key)
+            self._reader = lambda a, b: tsl[a:b].view(torch.int16).numpy().view(np.uint16)
+            return
+        if kind not in _ST_DTYPES:
+            raise UserError(f"{self.label}: unsupported dtype {kind}")
+        self.dtype = np.dtype(_ST_DTYPES[kind])
+        self._reader = lambda a, b: sl[a:b]
+
+    def _open_torch(self, path: str) -> None:
+        torch = _optional("torch", "torch", ".pt")
+        import pickle
+
+        try:
+            try:  # mmap: tensors stay on disk until a chunk touches them
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                obj = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+        except pickle.UnpicklingError as e:
+            raise UserError(f"{path}: not a file of tensors (torch.load with weights_only=True refused it: "
+                            f"{str(e).splitlines()[0]})") from None
+        if isinstance(obj, torch.Tensor):
+            if self.key is not None:
+                raise UserError(f"{self.label}: the file holds one tensor; drop ':{self.key}'")
+            t = obj
+        elif isinstance(obj, dict):
+            tensors = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+            t = tensors[self._pick(list(tensors), "tensor")]
+        else:
+            raise UserError(f"{path}: holds a {type(obj).__name__}; expected a tensor or a dict of tensors")
+        t = t.detach()
+        from .._adapt import refuse_unreadable
+
+        try:
+            refuse_unreadable(t, "it")
+        except TypeError as e:
+            raise UserError(f"{self.label}: {e}") from None
+        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: keep the bits, widened per chunk
+            self.bf16 = True
+            t = t.view(torch.int16)
+            self.array = t.numpy().view(np.uint16)
+        else:
+            try:
+                self.array = t.numpy()
+            except TypeError as e:
+                raise UserError(f"{self.label}: unsupported dtype ({e})") from None
+        self.shape, self.dtype = tuple(self.array.shape), self.array.dtype
+
+    def _open_hdf5(self, path: str) -> None:
+        h5py = _optional("h5py", "h5py", ".h5")
+        f = h5py.File(path, "r")
+        names: List[str] = []
+        f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        try:
+            ds = f[self._pick(names, "dataset")]
+        except UserError:
+            f.close()
+            raise
+        self.shape, self.dtype = tuple(int(s) for s in ds.shape), ds.dtype
+        self._keep = f
+        self._reader = lambda a, b: ds[a:b]  # h5py reads only the slice
+
+    def _open_parquet(self, path: str) -> None:
+        pa = _optional("pyarrow", "pyarrow", ".parquet")
+        pq = _optional("pyarrow.parquet", "pyarrow", ".parquet")
+        pf = pq.ParquetFile(path)
+        key = self._pick(list(pf.schema_arrow.names), "column")
+        typ = pf.schema_arrow.field(key).type
+        is_list = pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ)
+        value = typ.value_type if is_list else typ
+        try:
+            self.dtype = np.dtype(value.to_pandas_dtype())
+        except (NotImplementedError, TypeError):
+            raise UserError(f"{self.label}: unsupported column type {typ}") from None
+        rows = pf.metadata.num_rows
+        width = None
+        if pa.types.is_fixed_size_list(typ):
+            width = typ.list_size
+        elif is_list and rows:
+            first = next(pf.iter_batches(batch_size=1, columns=[key])).column(0)
+            width = len(first[0]) if first[0].is_valid else 0
+        self.shape = (rows, width) if is_list else (rows,)
+        self._reader = _ParquetColumn(pf, key, width, self.label)
+
+    # reading
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    def check_float(self, what: str) -> None:
+        if not (self.bf16 or self.dtype.kind == "f"):
+            raise UserError(f"{self.label}: {what} must be floating point, got {self.dtype}")
+
+    def row_bytes(self) -> int:
+        """Bytes of one row as a chunk holds it (bfloat16 widens to float32)."""
+        width = self.shape[1] if len(self.shape) == 2 else 1
+        return width * (4 if self.bf16 else self.dtype.itemsize)
+
+    def chunk(self, a: int, b: int) -> np.ndarray:
+        try:
+            x = self._reader(a, b) if self._reader is not None else self.array[a:b]
+        except UserError:
+            raise
+        except _UNREADABLE as e:
+            raise UserError(f"{self.label}: rows {a}..{b - 1}: cannot read ({reason(e)})") from None
+        if self.bf16:  # bfloat16 bits -> float32
+            x = (x.astype(np.uint32) << 16).view(np.float32)
+        return x
+
+    def release(self, b: int) -> None:
+        """Drop the mapped pages of rows before ``b`` from memory."""
+        if self._mm is None or getattr(self, "fortran", False):
+            return
+        rowbytes = self.dtype.itemsize * (int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1)
+        end = (self._offset + b * rowbytes) // _PAGE * _PAGE
+        if end <= self._released:
+            return
+        start = self._released
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (AttributeError, OSError, ValueError):
+            pass
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+        self._released = end
+
+
+class _NpzRows:
+    """Rows a..b-1 of a compressed .npz member, decompressed forward (a chunk
+    before the cursor restarts). The member's size was checked against its
+    header, so a read never goes past it: a short member raises EOFError."""
+
+    def __init__(self, zf: zipfile.ZipFile, member: "_io.NpzMember") -> None:
+        self.zf, self.member = zf, member
+        h = member.header
+        self.row_shape = h.shape[1:]
+        width = 1
+        for s in self.row_shape:
+            width *= s
+        self.row_bytes = width * h.dtype.itemsize
+        self.f = None
+        self._restart()
+
+    def _restart(self) -> None:
+        if self.f is not None:
+            self.f.close()
+        self.f = self.zf.open(self.member.info)
+        self._read(self.member.header.header_bytes)
+        self.pos = 0
+
+    def _read(self, n: int) -> bytes:
+        parts, left = [], n
+        while left:
+            piece = self.f.read(min(left, 1 << 24))
+            if not piece:
+                raise EOFError(f"the member ends {left} bytes early")
+            parts.append(piece)
+            left -= len(piece)
+        return b"".join(parts)
+
+    def __call__(self, a: int, b: int) -> np.ndarray:
+        if a < self.pos:
+            self._restart()
+        while self.pos < a:  # skip forward without holding the skipped rows
+            step = max(1, min(a - self.pos, (1 << 24) // max(self.row_bytes, 1)))
+            self._read(step * self.row_bytes)
+            self.pos += step
+        data = self._read((b - a) * self.row_bytes)
+        self.pos = b
+        h = self.member.header
+        return np.frombuffer(data, dtype=h.dtype).reshape((b - a,) + self.row_shape)
+
+
+class _ParquetColumn:
+    """Rows a..b-1 of one Parquet column, read forward in record batches (a
+    chunk before the cursor restarts the scan). List columns become 2-D."""
+
+    def __init__(self, pf, key: str, width: Optional[int], label: str) -> None:
+        self.pf, self.key, self.width, self.label = pf, key, width, label
+        # about 16M values per record batch, whatever the width
+        self.batch = max(1, min(65536, (1 << 24) // max(width or 1, 1)))
+        self._restart()
+
+    def _restart(self) -> None:
+        self.it = self.pf.iter_batches(batch_size=self.batch, columns=[self.key])
+        self.start, self.buf = 0, None
+
+    def _convert(self, col, first: int) -> np.ndarray:
+        if col.null_count:
+            raise UserError(f"{self.label}: rows {first}..{first + len(col) - 1} hold {col.null_count} nulls")
+        if self.width is None:
+            return col.to_numpy(zero_copy_only=False)
+        if hasattr(col, "value_lengths"):  # variable-length lists must all have the first row's width
+            lengths = col.value_lengths().to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero(lengths != self.width)
+            if bad.size:
+                raise UserError(f"{self.label}: row {first + int(bad[0])} has {int(lengths[bad[0]])} values, "
+                                f"row 0 has {self.width}")
+        return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), self.width)
+
+    def __call__(self, a: int, b: int) -> np.ndarray:
+        if a < self.start:
+            self._restart()
+        parts = []
+        while True:
+            lo = self.start
+            hi = lo + (0 if self.buf is None else len(self.buf))
+            if self.buf is not None and hi > a and lo < b:
+                parts.append(self.buf[max(a, lo) - lo: min(b, hi) - lo])
+            if hi >= b:
+                break
+            col = next(self.it).column(0)
+            self.start, self.buf = hi, self._convert(col, hi)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def open_or_bundle(spec: Optional[str], bundle: Optional[ArrayFile], key: str) -> Optional[ArrayFile]:
+    """An explicit file, else the array ``key`` of the bundle the features came from, when it has one."""
+    if spec is not None:
+        return ArrayFile(spec)
+    if bundle is None or key not in bundle.names:
+        return None
+    return ArrayFile(f"{bundle.path}:{key}")
+
+
+def head_weights(spec: Optional[str]):
+    if spec is None:
+        return None
+    f = ArrayFile(spec)
+    f.check_float("head weights")
+    if len(f.shape) != 2:
+        raise UserError(f"{f.label}: head weights must be 2-D (outputs, features), got shape {f.shape}")
+    _io.check_memory(2 * 8 * f.rows * f.shape[1], f"{f.label}: the head weights (read whole, as float64)")
+    return np.array(f.chunk(0, f.rows), dtype=np.float64)
+
+
+def width(f: ArrayFile) -> int:
+    return f.shape[1] if len(f.shape) == 2 else 1
