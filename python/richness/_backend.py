@@ -93,6 +93,7 @@ class CoreBackend:
         self.device = device
         self.stack_rows, self.stack_joint, self.product = stack_rows, stack_joint, product
         self._num_classes = num_classes
+        self.core: Any  # _core.CpuMoments or _cuda.CudaMoments
         if device == "cpu":
             if stack_rows:
                 raise ValueError(STACK_CPU)
@@ -127,7 +128,7 @@ class CoreBackend:
         else:
             self.core.update(*args, _current_stream(batch.features.owner))
 
-    def merge(self, other: "CoreBackend") -> None:
+    def merge(self, other: Backend) -> None:
         source = other.whole()
         if source is self or type(source.core) is not type(self.core):
             tmp = self.empty_like()

@@ -184,7 +184,7 @@ class Moments(Lockable):
         if device != self._device:
             raise ValueError(f"this Moments lives on {self._device} but the batch is on {device}; "
                              "move the batch or use a Moments on that device")
-        return self._backend
+        return cast(Backend, self._backend)  # created above
 
     # -- accumulation ---------------------------------------------------------
 

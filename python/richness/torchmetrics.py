@@ -39,7 +39,6 @@ except ImportError as _e:  # pragma: no cover - exercised only without the extra
 
 from . import _adapt, _state
 from . import finish as _finish
-from .finish.policy import too_few_samples
 from .model.hooks import hook_forward
 from ._moments import Moments
 from ._report import Report
@@ -406,10 +405,10 @@ class DLR(Metric):
     def _value(self, st: dict) -> Any:
         """DLR of a state dict as a float64 scalar tensor on the metric's device;
         nan with a warning where it is undefined."""
-        W = None if too_few_samples(int(st["n"])) else self._weights(st)
+        W = None if _finish.too_few_samples(int(st["n"])) else self._weights(st)
         q = _finish.dlr_only(st, W, self.rtol, with_nc1=False)
         if q.dlr is None:
-            return self._undefined(q.undefined)
+            return self._undefined(q.undefined or "")
         return torch.tensor(q.dlr, dtype=torch.float64, device=self.device)
 
     def _weights(self, st: dict) -> Any:

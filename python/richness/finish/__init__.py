@@ -28,7 +28,8 @@ from .spectrum import curve, held_out, spectrum as feature_spectrum, task_moment
 from .uncertainty import add_jackknife
 
 __all__ = ["DEFAULT_RTOL", "GramRows", "add_jackknife", "check_rtol", "dlr_of_state", "dlr_only", "dlr_values",
-           "finish", "finish_gram_rows", "isotropic_dlr", "nc1_from_grams", "rtol_for", "span_of_grams"]
+           "finish", "finish_gram_rows", "isotropic_dlr", "nc1_from_grams", "rtol_for", "span_of_grams",
+           "too_few_samples"]
 
 
 def _checked_rtol(st: dict, rtol: Optional[float]) -> float:

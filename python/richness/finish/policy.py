@@ -29,7 +29,8 @@ def check_rtol(rtol: Optional[float]) -> Optional[float]:
 def rtol_for(precision: str, rtol: Optional[float] = None) -> float:
     """The eigenvalue cut: ``rtol`` (checked), or by default the product
     precision's (docs/MATH.md, rank cut)."""
-    return DEFAULT_RTOL[precision] if check_rtol(rtol) is None else rtol
+    check_rtol(rtol)
+    return DEFAULT_RTOL[precision] if rtol is None else rtol
 
 
 def too_few_samples(n: int) -> Optional[str]:

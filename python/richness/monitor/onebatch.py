@@ -103,14 +103,15 @@ class _BatchGroup(_StepBuffer):
         F64 = self.f[:j].to(f64, copy=True)
         Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
         Fc = Fc64.to(pdt)
-        labels = self._labels(j, pdt) if self.y is not None and self.classes > 0 else None
+        labels = self.y is not None and self.classes > 0
+        valid, counts, Yn = self._labels(j, pdt) if labels else (None, None, None)
         if self.sample_space:
             A = torch.bmm(Fc, Fc.transpose(1, 2)).to(f64)
             Q = G.to(f64)
-            Z = None if labels is None else labels[2]
+            Z = Yn
         else:
             A = torch.bmm(Fc.transpose(1, 2), Fc).to(f64)
-            Z = Fc if labels is None else torch.cat([Fc, labels[2]], dim=2)
+            Z = torch.cat([Fc, Yn], dim=2) if labels else Fc
         if Z is not None:
             H = torch.bmm(G, Z)  # G [Fc | Yn]
             W = torch.bmm(Z.transpose(1, 2), H).to(f64)
@@ -118,8 +119,7 @@ class _BatchGroup(_StepBuffer):
             c = int(Fc.shape[2])
             Q = W[:, :c, :c]
         rows = GramRows(norm_m, A, Q)
-        if labels is not None:
-            valid, counts, _ = labels
+        if labels:
             off = 0 if self.sample_space else c
             E = H[:, :, off:]  # Xc D^T
             rows = rows._replace(counts=counts.to(f64), DDt=W[:, off:, off:],

@@ -9,8 +9,7 @@ import numpy as np
 from .._moments import Moments
 from .capture import _StepBuffer
 from ..model.threads import BlasThreads
-from ..finish import dlr_only
-from ..finish.policy import too_few_samples
+from ..finish import dlr_only, too_few_samples
 
 
 class WindowRoute:
