@@ -1303,4 +1303,8 @@ def test_device_moments_cuda_options_reach_the_core_and_survive_copies(emu, monk
             assert (core.stack_rows, core.stack_joint, core.product) == (64, False, "tiles")
     auto = richness.Moments(device="cuda:0")._backend.core
     assert auto.stack_rows == 0 and auto.product == "auto"
+    with pytest.raises(ValueError, match="product must be auto, syrk, gemm, block_rows or tiles"):
+        richness.Moments(device="cuda:0", cuda_product="fastest")
+    with pytest.raises(ValueError, match="block size must be at least 16"):
+        richness.Moments(device="cuda:0", cuda_product="tiles:8")
 

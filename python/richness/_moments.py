@@ -17,9 +17,9 @@ from ._backend import PRODUCT_CPU, STACK_CPU, Backend, Batch, CoreBackend, Group
 from ._report import Report
 
 
-# The CUDA product algorithms (``cuda_product``), optionally with ":block".
-_PRODUCTS = ("auto", "syrk", "gemm", "block_rows", "tiles")
-_PRODUCT = re.compile(f"({'|'.join(_PRODUCTS)})(:[1-9][0-9]{{0,8}})?")
+# ``cuda_product``: an algorithm's name, optionally with ":block" (the CUDA
+# core checks the name and the block size when the device accumulator is made).
+_PRODUCT = re.compile(r"[a-z_]+(:[0-9]{1,9})?")
 
 # The largest Moments(groups=k). Each group is a whole state (its p x p Gram
 # alone is 8 p^2 bytes: 2 MiB at p = 512, so 1024 groups fill 2 GiB), and the
@@ -118,8 +118,8 @@ class Moments(Lockable):
             raise ValueError(STACK_CPU)
         if cuda_product is not None and (not isinstance(cuda_product, str)
                                          or not _PRODUCT.fullmatch(cuda_product)):
-            raise ValueError(f"cuda_product must be None or one of {_PRODUCTS}, optionally ':block' "
-                             f"(a positive integer), got {cuda_product!r}")
+            raise ValueError(f"cuda_product must be None or an algorithm's name, optionally with ':block' "
+                             f"(an integer), as in 'tiles:16'; got {cuda_product!r}")
         if cuda_product is not None and device == "cpu":
             raise ValueError(PRODUCT_CPU)
         self.stack_rows = int(stack_rows)
