@@ -140,12 +140,8 @@ def benchmark(torch, args) -> dict:
         Xs, Fs = inputs(prec)
         best, m = float("inf"), None
         for _ in range(2):
-            if stack:
-                m = richness.Moments(device="cuda", precision=prec, stack_rows=stack)
-                m._impl.set_stack(stack, joint)
-            else:
-                m = richness.Moments(device="cuda", precision=prec)
-            m._impl.set_product(algo, block)
+            m = richness.Moments(device="cuda", precision=prec, stack_rows=stack, stack_joint=joint,
+                                 cuda_product=f"{algo}:{block}")
 
             def step(i):
                 if with_outputs:
@@ -250,11 +246,11 @@ def benchmark(torch, args) -> dict:
     m_out.compute()  # warm-up (cuSOLVER handles, kernels)
 
     def dlr_alone(m, Wm):
-        st = m._finish_state()
+        st = m.device_state()
         return _finish.dlr_of_state(st, Wm, rtol)
 
     res = results["compute"]
-    res["export_state"] = timed(torch, lambda: m_out._finish_state(), reps=3)
+    res["export_state"] = timed(torch, lambda: m_out.device_state(), reps=3)
     res["dlr_alone_outputs"] = timed(torch, lambda: dlr_alone(m_out, None), reps=3)
     res["dlr_alone_head"] = timed(torch, lambda: dlr_alone(m_head, Wd), reps=3)
     res["report_outputs"] = timed(torch, lambda: m_out.compute(), reps=3)

@@ -385,9 +385,8 @@ def test_update_with_labels_without_num_classes_captures_in_cuda_graph():
 @needs_gpu
 def test_product_algorithms_agree(algo, block, precision):
     X, F, Xv, Fv, W, b, want, want_head, r = problem("float32")
-    m = richness.Moments(device="cuda", precision=precision)
+    m = richness.Moments(device="cuda", precision=precision, cuda_product=f"{algo}:{block}")
     m.update(X[:8], F[:8])
-    m._impl.set_product(algo, block)
     m.update(X[8:], F[8:])
     assert abs(m.compute().dlr - want) < TOL[precision]
 
@@ -447,10 +446,7 @@ def row_slices(sizes):
 
 
 def stacked(stack=STACK, joint=True, *args, **kwargs):
-    m = richness.Moments(*args, device="cuda", stack_rows=stack, **kwargs)
-    if not joint:
-        m._impl.set_stack(stack, joint=False)
-    return m
+    return richness.Moments(*args, device="cuda", stack_rows=stack, stack_joint=joint, **kwargs)
 
 
 def assert_states_close(got, want, keys, eps, err=""):
@@ -477,9 +473,9 @@ def test_stacked_matches_unstacked_and_reference(dtype_name, precision, mode):
         args = (X[sl], F[sl]) if with_outputs else (X[sl],)
         plain.update(*args)
         stack.update(*args)
-    assert stack._impl.staged_rows == 130 + 388 and stack._impl.staged_batches == 2
+    assert stack.staged_rows == 130 + 388 and stack.staged_batches == 2
     a, s = plain.state_dict(), stack.state_dict()  # state_dict flushes
-    assert stack._impl.staged_rows == 0 and s["precision"] == precision
+    assert stack.staged_rows == 0 and s["precision"] == precision
     keys = ("mean", "M") + (("out_mean", "B", "A") if with_outputs else ())
     assert_states_close(s, a, keys, STACK_EPS[precision], mode)
     tol = TOL[precision]
@@ -540,7 +536,7 @@ def test_stacked_bad_batches_add_nothing(precision):
     m.update(bad_x, F[part[1]], y[part[1]])  # returns at once: checked on the device
     m.update(X[part[2]], F[part[2]], bad_y)
     m.update(X[part[3]], F[part[3]], y[part[3]])
-    assert m._impl.staged_batches == 4
+    assert m.staged_batches == 4
     with pytest.raises(ValueError, match=r"2 batches were not added.*features contain 3 non-finite.*"
                                          r"labels out of range: 2 labels"):
         _ = m.n
@@ -586,16 +582,16 @@ def test_stacked_merge_state_dict_and_save_mid_stack(tmp_path):
     a, b = stacked(1000, precision="fp32"), stacked(1000, precision="fp32")
     for i, ch in enumerate(chunks[:6]):
         (a if i % 2 == 0 else b).update(X[ch], F[ch])
-    assert a._impl.staged_rows == b._impl.staged_rows == 900
+    assert a.staged_rows == b.staged_rows == 900
     sd = a.state_dict()  # mid-stack: flushes; same keys and shapes as ever
-    assert a._impl.staged_rows == 0 and sd["n"] == 900
+    assert a.staged_rows == 0 and sd["n"] == 900
     assert_states_close(sd, unstacked(chunks[0], chunks[2], chunks[4]), keys, STACK_EPS["fp32"])
     a.update(X[chunks[6]], F[chunks[6]])  # staged again
     a.merge(b)  # flushes both sides first
-    assert b._impl.staged_rows == 0 and a.n == 2100
+    assert b.staged_rows == 0 and a.n == 2100
     for ch in chunks[7:]:
         a.update(X[ch], F[ch])
-    assert a._impl.staged_rows > 0
+    assert a.staged_rows > 0
     a.save(tmp_path / "s.npz")  # flushes
     st = a.state_dict()
     assert_states_close(st, unstacked(torch.arange(n)), keys, STACK_EPS["fp32"])
@@ -636,7 +632,7 @@ def test_stacked_precision_switch_reset_and_width_change():
     assert_states_close(b, a, ("mean", "M"), STACK_EPS["fp32"])
     stack.update(X[:10].float())
     stack.reset()  # forgets the staged rows too
-    assert stack.n == 0 and stack._impl.staged_rows == 0
+    assert stack.n == 0 and stack.staged_rows == 0
     Y = torch.from_numpy(features(rng, 500, 30)).to(DEV, torch.float32)
     F = Y[:, :5] * 3
     stack.update(Y[:250], F[:250])  # new widths after reset
@@ -655,10 +651,8 @@ def test_stacked_product_algorithms_agree(algo, block, precision):
     # falls back to block rows; test_product_algorithms_agree covers head tiles).
     X, F, Xv, Fv, W, b, want, want_head, r = problem("float32", p=56)
     for joint in (True, False):
-        m = stacked(1000, joint, precision=precision)
-        h = stacked(1000, precision=precision)
-        for mm in (m, h):
-            mm._impl.set_product(algo, block)
+        m = stacked(1000, joint, precision=precision, cuda_product=f"{algo}:{block}")
+        h = stacked(1000, precision=precision, cuda_product=f"{algo}:{block}")
         for sl in row_slices(UNEVEN):
             m.update(X[sl], F[sl])
             h.update(X[sl])
@@ -695,15 +689,15 @@ def test_update_captures_in_cuda_graph_with_stacking(precision):
     with torch.cuda.stream(s):
         m.update(X, F, y)  # warm-up: staged; sizes the per-batch scratch as well
     torch.cuda.current_stream().wait_stream(s)
-    assert m._impl.staged_rows == n
+    assert m.staged_rows == n
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
         m.update(X, F, y)
-    assert m._impl.staged_rows == n
+    assert m.staged_rows == n
     for _ in range(3):
         g.replay()
     m.update(X, F, y)  # eager again: staged next to the warm-up batch
-    assert m._impl.staged_rows == 2 * n
+    assert m.staged_rows == 2 * n
     assert m.n == 5 * n  # warm-up, three replays, one eager update (the capture itself runs nothing)
     ref = richness.Moments(K, device="cuda", precision=precision)
     for _ in range(5):

@@ -1279,3 +1279,32 @@ def test_device_moments_copies_and_pickles_through_its_state(emu, monkeypatch, h
     core.update(marg(X[200:]), marg(F[200:]), marg(y[200:]), marg(T[200:]), precision="fp64")
     assert_equal_states(m.state_dict(), before)  # the original is untouched
     assert_close(dup.state_dict(), oracle(X, F, T, y, 5), 1e-12, what="copy after more rows")
+
+
+def test_device_moments_cuda_options_reach_the_core_and_survive_copies(emu, monkeypatch):
+    """Moments' CUDA options (staging, joint product, product algorithm) are
+    set on the device accumulator, on every group's, and on a copy's;
+    ``staged_rows``/``staged_batches`` read the stage."""
+    import copy
+
+    import richness
+    from richness import _backend
+
+    monkeypatch.setattr(_backend, "_cuda_core", lambda num_classes, device: emu.mod.CudaMoments(num_classes, 0))
+    X, F, T, y = problem(n=120, k=5, seed=22)
+    for groups in (None, 2):
+        m = richness.Moments(5, device="cuda:0", stack_rows=64, stack_joint=False, cuda_product="tiles:16",
+                             groups=groups)
+        backend = m._backend if groups is None else m._backend.parts[1]
+        assert m.staged_rows == 0 and m.staged_batches == 0
+        backend.core.update(marg(X[:50]), marg(F[:50]), marg(y[:50]), marg(T[:50]), precision="fp32")
+        assert m.staged_rows == 50 and m.staged_batches == 1
+        for core in (backend.core, copy.deepcopy(m)._backend.whole().core):
+            assert (core.stack_rows, core.stack_joint, core.product) == (64, False, "tiles")
+    auto = richness.Moments(device="cuda:0")._backend.core
+    assert auto.stack_rows == 0 and auto.product == "auto"
+    with pytest.raises(ValueError, match="product must be auto, syrk, gemm, block_rows or tiles"):
+        richness.Moments(device="cuda:0", cuda_product="fastest")
+    with pytest.raises(ValueError, match="block size must be at least 16"):
+        richness.Moments(device="cuda:0", cuda_product="tiles:8")
+

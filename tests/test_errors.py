@@ -560,3 +560,15 @@ def test_failed_allocation_records_no_width():
     out = subprocess.run([sys.executable, "-c", ALLOCATION_FAILS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+def test_cuda_options_are_checked():
+    for bad in ("tiles:16x", "Tiles", 16, ("tiles", 16)):
+        with pytest.raises(ValueError, match="cuda_product must be None or an algorithm's name"):
+            richness.Moments(cuda_product=bad)
+    with pytest.raises(ValueError, match="cuda_product is an option of the CUDA backend"):
+        richness.Moments(device="cpu", cuda_product="tiles:16")
+    m = richness.Moments(cuda_product="gemm")  # device from the first batch: the CPU refuses it then
+    with pytest.raises(ValueError, match="cuda_product is an option of the CUDA backend"):
+        m.update(np.ones((4, 3)) * np.arange(4)[:, None])
+    assert m.n == 0 and m.device is None and m.staged_rows == 0

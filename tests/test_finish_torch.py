@@ -138,3 +138,57 @@ def test_batched_values_are_undefined_where_the_state_is():
     DDt = np.array([[[1.0, 0.0], [0.0, 0.0]]])
     _, defined = fin.nc1_from_grams(DDt, DDt, np.array([[5.0, 0.0]]), 5.0, 1e-10)
     assert not defined[0]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_gram_rows_pack_by_name_and_finish_each_step(backend):
+    # The one-batch route's packed rows: packed side by side, read back by name, finished per step
+    # against each step's n x n reference; a step with a label outside the classes has no NC1.
+    rng = np.random.default_rng(3)
+    g, data = stacked_grams(rng, 4, 40, 64, 6, 4)
+    invalid = np.array([0.0, 0.0, 2.0, 0.0])
+    if backend == "torch":
+        g, invalid = {k: torch.from_numpy(v) for k, v in g.items()}, torch.from_numpy(invalid)
+    rows = fin.GramRows(g["norm_m"], g["A"], g["Q"], g["counts"], g["DDt"], g["DMD"], invalid)
+    packed = rows.pack()
+    assert tuple(packed.shape) == (4, 1 + 2 * 36 + 4 + 2 * 16 + 1)
+    packed = np.asarray(packed)
+    back = fin.GramRows.unpack(packed, 6, 4)
+    np.testing.assert_array_equal(back.DMD, np.asarray(g["DMD"]))
+    dlrs, ranks, nc1s = fin.finish_gram_rows(back, 40, 1e-10, sample_space=False)
+    for i, (X, F, y) in enumerate(data):
+        d, r = dlr_naive(X, F)
+        assert ranks[i] == r and abs(dlrs[i] - d) < 1e-10
+        assert (nc1s[i] is None) == (i == 2)
+        assert i == 2 or abs(nc1s[i] - nc1_naive(X, y)) < 1e-10 * nc1_naive(X, y)
+    with pytest.raises(ValueError, match="packed rows have 110 columns"):
+        fin.GramRows.unpack(packed, 6, 0)
+
+
+def test_dlr_only_shares_the_reports_rules():
+    # Same rank cut and NC1 as the full report; None (with the reason) where the report raises;
+    # NC1 withheld from products that cannot resolve it, as the report withholds it.
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(200, 12)) * np.linspace(0.5, 2.0, 12)
+    y = rng.integers(0, 3, 200)
+    F = X[:, :4] + 0.1 * rng.normal(size=(200, 4)) + y[:, None]
+    m = richness.Moments(3)
+    m.update(X, F, y)
+    st, rep = m.state_dict(), m.compute()
+    q = fin.dlr_only(st)
+    assert (q.n, q.dlr, q.rank, q.nc1, q.undefined, q.warnings) == (200, rep.dlr, rep.rank, rep.nc1, None, ())
+    assert abs(q.dlr - dlr_naive(X, F)[0]) < 1e-10
+    assert fin.dlr_only(st, with_nc1=False).nc1 is None
+    coarse = dict(st, precision="bf16")
+    q = fin.dlr_only(coarse)
+    assert q.nc1 is None and "NC1 not reported" in q.warnings[0]
+    assert q.warnings[0] in fin.finish(coarse).warnings
+    one = richness.Moments()
+    one.update(X[:1], F[:1])
+    assert fin.dlr_only(one.state_dict()).undefined == "until at least 2 samples are added (one sample was added)"
+    flat = richness.Moments()
+    flat.update(np.ones((20, 3)), F[:20, :2])
+    q = fin.dlr_only(flat.state_dict())
+    assert q.dlr is None and q.rank is None and "features are constant" in q.undefined
+    with pytest.raises(ValueError, match=r"rtol must be a number in \(0, 1\)"):
+        fin.dlr_only(st, rtol=1.5)

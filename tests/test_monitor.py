@@ -658,3 +658,11 @@ def test_monitor_refuses_labels_that_do_not_match_and_changes_nothing():
         mon.step(labels=batches[0][1])
     assert [r["n"] for r in mon.history] == [256, 256]
     assert abs(mon.history[1]["dlr"] - _window_oracle(model, [batches[2], batches[0]])[0]) < 1e-10
+
+
+def test_monitor_rejects_a_bad_rtol_when_made():
+    # the same check as Moments.compute and the torchmetrics DLR, before any step runs
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    for bad in (0.0, 1.0, 2.0, "1e-5"):
+        with pytest.raises(ValueError, match=r"rtol must be a number in \(0, 1\)"):
+            richness.Monitor(model, rtol=bad)

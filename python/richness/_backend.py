@@ -7,6 +7,8 @@ synchronisation), ``to_state``/``from_state`` (the schema of ``_state``) and
 wraps one compiled accumulator (``_core.CpuMoments`` or ``_cuda.CudaMoments``);
 ``GroupedBackend`` keeps the samples in k of them for the jackknife.
 ``Moments`` validates and routes; the arithmetic lives in the core.
+``centered_grams`` gives per-batch n x n Grams for the routes that finish
+one batch at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Protocol
 import numpy as np
 
 from . import _state
+from . import _core
 from ._core import CpuMoments, check_batch
 
 
@@ -33,6 +36,8 @@ class Batch(NamedTuple):
 
 
 class Backend(Protocol):
+    """What ``Moments`` asks of a backend (``CoreBackend``, ``GroupedBackend``)."""
+
     device: str
 
     def update(self, batch: Batch, precision: str) -> None: ...
@@ -45,6 +50,10 @@ class Backend(Protocol):
     def from_state(self, state: dict) -> None: ...
     def device_state(self) -> dict: ...
     def whole(self) -> "CoreBackend": ...
+    @property
+    def staged_rows(self) -> int: ...
+    @property
+    def staged_batches(self) -> int: ...
 
 
 def _cuda_core(num_classes: int, device: str):
@@ -70,31 +79,47 @@ def _current_stream(tensor: Any) -> int:
 class CoreBackend:
     """One compiled accumulator on ``device`` ("cpu" or "cuda:N").
 
-    Attributes the interface does not name (the CUDA product and staging
-    switches, ``staged_rows``) are the core object's.
+    The CUDA options are the constructor's: ``stack_rows`` and
+    ``stack_joint`` (staging; see ``Moments``) and ``product`` (how X^T X is
+    formed: ``"auto"``, measured once per shape, or ``"syrk"``, ``"gemm"``,
+    ``"block_rows"``, ``"tiles"``, with an optional ``":block"``; None
+    leaves the core's default, ``RICHNESS_CUDA_PRODUCT`` or auto). The CPU
+    backend takes none of them.
     """
 
-    def __init__(self, device: str, num_classes: Optional[int], stack_rows: int = 0) -> None:
+    def __init__(self, device: str, num_classes: Optional[int], stack_rows: int = 0, stack_joint: bool = True,
+                 product: Optional[str] = None) -> None:
         nc = -1 if num_classes is None else int(num_classes)
         self.device = device
-        self.stack_rows = stack_rows
+        self.stack_rows, self.stack_joint, self.product = stack_rows, stack_joint, product
         self._num_classes = num_classes
+        self.core: Any  # _core.CpuMoments or _cuda.CudaMoments
         if device == "cpu":
             if stack_rows:
                 raise ValueError(STACK_CPU)
+            if product is not None:
+                raise ValueError(PRODUCT_CPU)
             self.core = CpuMoments(nc)
-        else:
-            self.core = _cuda_core(nc, device)
-            if stack_rows:
-                self.core.set_stack(stack_rows)
+            return
+        self.core = _cuda_core(nc, device)
+        if product is not None:
+            algo, _, block = product.partition(":")
+            self.core.set_product(algo, int(block) if block else 512)
+        if stack_rows:
+            self.core.set_stack(stack_rows, stack_joint)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "core":  # not yet set: no recursion through __getattr__
-            raise AttributeError(name)
-        return getattr(self.core, name)
+    @property
+    def staged_rows(self) -> int:
+        """Rows staged on the device and not yet in the state (host-known; 0 on the CPU)."""
+        return 0 if self.device == "cpu" else int(self.core.staged_rows)
+
+    @property
+    def staged_batches(self) -> int:
+        """Batches those staged rows came from."""
+        return 0 if self.device == "cpu" else int(self.core.staged_batches)
 
     def empty_like(self) -> "CoreBackend":
-        return CoreBackend(self.device, self._num_classes, self.stack_rows)
+        return CoreBackend(self.device, self._num_classes, self.stack_rows, self.stack_joint, self.product)
 
     def update(self, batch: Batch, precision: str) -> None:
         args = (*batch.args(), precision)
@@ -103,7 +128,7 @@ class CoreBackend:
         else:
             self.core.update(*args, _current_stream(batch.features.owner))
 
-    def merge(self, other: "CoreBackend") -> None:
+    def merge(self, other: Backend) -> None:
         source = other.whole()
         if source is self or type(source.core) is not type(self.core):
             tmp = self.empty_like()
@@ -141,10 +166,11 @@ class CoreBackend:
     # device (CUDA: the state passes through the host).
     def __getstate__(self) -> dict:
         return {"device": self.device, "num_classes": self._num_classes, "stack_rows": self.stack_rows,
-                "state": self.to_state()}
+                "stack_joint": self.stack_joint, "product": self.product, "state": self.to_state()}
 
     def __setstate__(self, st: dict) -> None:
-        self.__init__(st["device"], st["num_classes"], st["stack_rows"])
+        self.__init__(st["device"], st["num_classes"], st["stack_rows"], st.get("stack_joint", True),
+                      st.get("product"))
         self.from_state(st["state"])
 
 
@@ -233,6 +259,14 @@ class GroupedBackend(Lockable):
         out["precision"] = _state.coarsest(w["precision"] for w in found)
         return out
 
+    @property
+    def staged_rows(self) -> int:
+        return sum(part.staged_rows for part in self.parts)
+
+    @property
+    def staged_batches(self) -> int:
+        return sum(part.staged_batches for part in self.parts)
+
     def whole(self) -> CoreBackend:
         total = self._make()
         for part in self.parts:
@@ -291,6 +325,8 @@ class GroupedBackend(Lockable):
 
 STACK_CPU = ("stack_rows is an option of the CUDA backend (it stages rows before one device product); "
              "the CPU backend has no staging: use stack_rows=0 with CPU data")
+PRODUCT_CPU = ("cuda_product is an option of the CUDA backend (how its device product is formed); "
+               "the CPU backend multiplies with its BLAS: leave cuda_product=None with CPU data")
 
 
 def _device_state(core: Any, device: str) -> dict:
@@ -309,3 +345,18 @@ def _device_state(core: Any, device: str) -> dict:
         st[f.name] = torch.empty(_state.shape_of(f, sh), dtype=dtypes[f.dtype], device=dev)
     core.export_to({f.name: st[f.name].data_ptr() for f in _state.FIELDS if st[f.name].numel() > 0})
     return st
+
+
+def _address(a: Any) -> int:
+    """The data address of a C-contiguous numpy array or torch tensor."""
+    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data_ptr())
+
+
+def centered_grams(features: Any, rows: int, precision: str, grams: Any, norms: Any) -> None:
+    """The Gram Xc Xc^T of each block of ``rows`` consecutive rows of
+    ``features`` (an ``_adapt.Matrix`` on the CPU), each block centered on its
+    own float64 mean before narrowing to the product precision, one product
+    per block: written into ``grams`` (blocks x rows x rows, float32, or
+    float64 for fp64; a numpy array or a CPU torch tensor), their Frobenius
+    norms into ``norms`` (float64, one per block)."""
+    _core.centered_grams(features.arg(), rows, precision, _address(grams), _address(norms))

@@ -5,16 +5,21 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 
 from . import _adapt, _io, _state
 from . import finish as _finish
-from ._backend import STACK_CPU, Batch, CoreBackend, GroupedBackend, Lockable
+from ._backend import PRODUCT_CPU, STACK_CPU, Backend, Batch, CoreBackend, GroupedBackend, Lockable
 from ._report import Report
 
+
+# ``cuda_product``: an algorithm's name, optionally with ":block" (the CUDA
+# core checks the name and the block size when the device accumulator is made).
+_PRODUCT = re.compile(r"[a-z_]+(:[0-9]{1,9})?")
 
 # The largest Moments(groups=k). Each group is a whole state (its p x p Gram
 # alone is 8 p^2 bytes: 2 MiB at p = 512, so 1024 groups fill 2 GiB), and the
@@ -59,6 +64,16 @@ class Moments(Lockable):
             ``update`` still never waits for the device. An ``update`` captured
             in a CUDA graph takes the per-batch path (a replay must add its
             batch again); rows staged before the capture are merged later.
+            ``staged_rows`` and ``staged_batches`` say what waits in the stage.
+        stack_joint: with ``stack_rows``, one product over the staged rows of
+            features, outputs and targets side by side (default), or one
+            product per block (False).
+        cuda_product: CUDA only. How the device forms X^T X: ``"auto"``
+            (measured once per shape, the fastest kept), ``"syrk"``, ``"gemm"``,
+            ``"block_rows"`` or ``"tiles"``, optionally with a block size
+            (``"tiles:16"``; default 512). None: ``RICHNESS_CUDA_PRODUCT`` if
+            set, else auto. The products agree up to their rounding; for
+            benchmarks and checks.
 
     ``update`` adds a batch; ``merge`` adds another state; ``compute`` finishes
     a ``Report`` without touching the state. Invalid input raises and leaves
@@ -74,7 +89,8 @@ class Moments(Lockable):
 
     def __init__(self, num_classes: Optional[int] = None, *, device: Optional[str] = None,
                  precision: Optional[str] = None, groups: Optional[int] = None,
-                 group_seed: Optional[int] = None, stack_rows: int = 0) -> None:
+                 group_seed: Optional[int] = None, stack_rows: int = 0, stack_joint: bool = True,
+                 cuda_product: Optional[str] = None) -> None:
         if groups is not None and (isinstance(groups, (bool, np.bool_)) or not isinstance(groups, (int, np.integer))
                                    or not 2 <= groups <= MAX_GROUPS):
             raise ValueError(f"groups must be an integer in [2, {MAX_GROUPS}] or None, got {groups!r} "
@@ -100,11 +116,19 @@ class Moments(Lockable):
             raise ValueError(f"stack_rows must be an integer in [0, 2**31), got {stack_rows!r}")
         if stack_rows and device == "cpu":
             raise ValueError(STACK_CPU)
+        if cuda_product is not None and (not isinstance(cuda_product, str)
+                                         or not _PRODUCT.fullmatch(cuda_product)):
+            raise ValueError(f"cuda_product must be None or an algorithm's name, optionally with ':block' "
+                             f"(an integer), as in 'tiles:16'; got {cuda_product!r}")
+        if cuda_product is not None and device == "cpu":
+            raise ValueError(PRODUCT_CPU)
         self.stack_rows = int(stack_rows)
+        self.stack_joint = bool(stack_joint)
+        self.cuda_product = cuda_product
         self.num_classes = None if num_classes is None else int(num_classes)
         self.precision = precision
         self._device = device
-        self._backend = None  # created by the first batch, merge or load (or here, with a device)
+        self._backend: Optional[Backend] = None  # created by the first batch, merge or load (or here, with a device)
         self._groups = None if groups is None else int(groups)
         self._group_seed = group_seed
         self._lock = threading.Lock()  # guards creating the backend (the core locks each backend itself)
@@ -114,9 +138,9 @@ class Moments(Lockable):
     # -- routing ---------------------------------------------------------------
 
     def _make_backend(self, device: str) -> CoreBackend:
-        return CoreBackend(device, self.num_classes, self.stack_rows)
+        return CoreBackend(device, self.num_classes, self.stack_rows, self.stack_joint, self.cuda_product)
 
-    def _new_backend(self, device: str):
+    def _new_backend(self, device: str) -> Backend:
         if self._groups is None:
             return self._make_backend(device)
         # a bound method, not a closure: the backend pickles and copies with its Moments
@@ -130,16 +154,28 @@ class Moments(Lockable):
     def _create(self, device: str) -> None:
         if device == "cpu" and self.stack_rows:  # before anything changes
             raise ValueError(STACK_CPU)
+        if device == "cpu" and self.cuda_product is not None:
+            raise ValueError(PRODUCT_CPU)
         backend = self._new_backend(device)
         self._device = device
         self._backend = backend
 
     @property
-    def _impl(self):
-        """The backend (kept under its older name for the CUDA switches)."""
-        return self._backend
+    def staged_rows(self) -> int:
+        """Rows staged on the device (``stack_rows``) and not yet in the state;
+        0 without staging. Host-known: reading it never waits for the device."""
+        return 0 if self._backend is None else self._backend.staged_rows
 
-    def _sink(self, device: str):
+    @property
+    def staged_batches(self) -> int:
+        """The number of batches those staged rows came from."""
+        return 0 if self._backend is None else self._backend.staged_batches
+
+    def _grouped(self) -> GroupedBackend:
+        """The backend of a ``Moments(groups=k)`` (created)."""
+        return cast(GroupedBackend, self._backend)
+
+    def _sink(self, device: str) -> Backend:
         """The backend the next update or merge goes to."""
         if self._backend is None:
             with self._lock:  # two threads' first batches must not create two backends
@@ -148,7 +184,7 @@ class Moments(Lockable):
         if device != self._device:
             raise ValueError(f"this Moments lives on {self._device} but the batch is on {device}; "
                              "move the batch or use a Moments on that device")
-        return self._backend
+        return cast(Backend, self._backend)  # created above
 
     # -- accumulation ---------------------------------------------------------
 
@@ -186,11 +222,12 @@ class Moments(Lockable):
 
         if self._groups is not None:
             # a rank that saw no data has no backend yet: it holds k empty groups
-            mine = (self._backend.group_states() if self._backend is not None
+            mine = (self._grouped().group_states() if self._backend is not None
                     else [_state.empty(self.num_classes) for _ in range(self._groups)])
             states = [_state.checked(st) for st in all_reduce_states(mine, group=group)]
             self._check_num_classes(states)
-            self._sink(self._device or "cpu").load_group_states(states)
+            self._sink(self._device or "cpu")
+            self._grouped().load_group_states(states)
             self.num_classes = self._merged_num_classes(states)
             return
         self.load_state_dict(all_reduce_states([self.state_dict()], group=group)[0])
@@ -245,19 +282,20 @@ class Moments(Lockable):
             test_state = test.state_dict()
         if uncertainty and self._groups is None:
             raise ValueError("uncertainty=True needs the samples kept in groups: use Moments(groups=k), k >= 2")
-        report = _finish.finish(self._finish_state(), W=W, test=test_state, rtol=rtol, centered=centered,
+        report = _finish.finish(self.device_state(), W=W, test=test_state, rtol=rtol, centered=centered,
                                 spectrum=spectrum)
         if uncertainty:
             if report.dlr is None:
                 raise ValueError("uncertainty needs outputs or a head: DLR is undefined without them")
-            _finish.add_jackknife(report, self._backend.leave_one_out_states(), W)
+            _finish.add_jackknife(report, self._grouped().leave_one_out_states(), W)
         return report
 
     # -- persistence ----------------------------------------------------------
 
-    def _finish_state(self) -> dict:
+    def device_state(self) -> dict:
         """``state_dict()``, except that a CUDA state stays on its device as
-        float64 torch tensors, so that ``compute`` finishes there."""
+        float64 torch tensors (a device-to-device copy; symmetric matrices
+        filled), which ``richness.finish`` finishes there."""
         if self._backend is None:
             return self.state_dict()
         return self._backend.device_state()

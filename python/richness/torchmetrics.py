@@ -163,9 +163,7 @@ class DLR(Metric):
                  rtol: Optional[float] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         Moments(num_classes, precision=precision)  # validates the arguments
-        if rtol is not None and not (isinstance(rtol, (int, float)) and 0.0 < rtol < 1.0):
-            raise ValueError(f"rtol must be a number in (0, 1), got {rtol!r}")
-        self.num_classes, self.precision, self.rtol = num_classes, precision, rtol
+        self.num_classes, self.precision, self.rtol = num_classes, precision, _finish.check_rtol(rtol)
         # a plain attribute, not a registered submodule: the head belongs to the model
         object.__setattr__(self, "head", head)
         self._uses_weights = head is not None and (not isinstance(head, torch.nn.Module)
@@ -217,7 +215,7 @@ class DLR(Metric):
     def _export(self) -> None:
         """Write the accumulator's state into the state tensors (a copy on the
         CPU, a device-to-device copy on a GPU)."""
-        st = self._acc._finish_state()
+        st = self._acc.device_state()
         dev = self.device
         for f in _state.FIELDS:
             a = st[f.name]
@@ -347,7 +345,7 @@ class DLR(Metric):
             seen = self._new_moments()
             seen.merge(batch)
             seen.all_reduce(group=self.process_group)
-        value = self._value(seen._finish_state())
+        value = self._value(seen.device_state())
         self.__dict__["_pending"] = batch
         try:
             self.update(*args, **kwargs)
@@ -370,8 +368,7 @@ class DLR(Metric):
         torch product this small only wakes a thread pool beside the core's
         and the training's, which costs more than the product on a busy CPU
         (benchmarks/bench_torchmetrics.py)."""
-        from . import _core
-        from ._backend import Batch
+        from ._backend import Batch, centered_grams
         from ._moments import batch_precision
 
         n = feats.rows
@@ -383,7 +380,7 @@ class DLR(Metric):
             G = np.empty((n, n), dtype=dtype)  # kept: a fresh buffer page-faults on every batch
             self.__dict__["_gram"] = G
         norm_m = np.empty(1)
-        _core.centered_grams(feats.arg(), n, precision, G.ctypes.data, norm_m.ctypes.data)
+        centered_grams(feats, n, precision, G, norm_m)
         if W is not None:  # the head's outputs, less the bias (centered away)
             F = np.einsum("ij,kj->ik", _host(feats.owner), W, dtype=np.float64)
         else:
@@ -395,33 +392,24 @@ class DLR(Metric):
             divide = True
         else:
             A, Q, divide = np.einsum("ik,jk->ij", Fc, Fc), G.astype(np.float64), False
-        rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[precision]
-        a, terms = _finish.span_of_grams(A, Q, rtol, divide=divide)
-        dlr, _ = _finish.dlr_values(float(norm_m[0]), a, terms, rtol)
-        if math.isnan(float(dlr)):
-            return self._undefined("constant features or outputs")
-        return torch.tensor(float(dlr), dtype=torch.float64, device=self.device)
+        rows = _finish.GramRows(norm_m, A[None], Q[None])
+        (dlr,), _, _ = _finish.finish_gram_rows(rows, n, _finish.rtol_for(precision, self.rtol), not divide)
+        if dlr is None:
+            return self._undefined("for the samples added (constant features or outputs)")
+        return torch.tensor(dlr, dtype=torch.float64, device=self.device)
 
     def _undefined(self, why: str) -> Any:
-        warnings.warn(f"DLR is undefined for the samples added ({why}); returning nan", UserWarning, stacklevel=4)
+        warnings.warn(f"DLR is undefined {why}; returning nan", UserWarning, stacklevel=4)
         return torch.tensor(math.nan, dtype=torch.float64, device=self.device)
 
     def _value(self, st: dict) -> Any:
         """DLR of a state dict as a float64 scalar tensor on the metric's device;
         nan with a warning where it is undefined."""
-        n = int(st["n"])
-        if n < 2:
-            reason = "no samples were added" if n == 0 else "one sample was added"
-            warnings.warn(f"DLR is undefined until at least 2 samples are added ({reason}); returning nan",
-                          UserWarning, stacklevel=3)
-            return torch.tensor(math.nan, dtype=torch.float64, device=self.device)
-        rtol = self.rtol if self.rtol is not None else _finish.DEFAULT_RTOL[st["precision"]]
-        W = self._weights(st)
-        try:
-            dlr, _ = _finish.dlr_of_state(st, W, rtol)
-        except ValueError as e:  # constant features or outputs
-            return self._undefined(str(e))
-        return torch.tensor(dlr, dtype=torch.float64, device=self.device)
+        W = None if _finish.too_few_samples(int(st["n"])) else self._weights(st)
+        q = _finish.dlr_only(st, W, self.rtol, with_nc1=False)
+        if q.dlr is None:
+            return self._undefined(q.undefined or "")
+        return torch.tensor(q.dlr, dtype=torch.float64, device=self.device)
 
     def _weights(self, st: dict) -> Any:
         if not self._uses_weights:

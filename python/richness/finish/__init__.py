@@ -3,7 +3,9 @@
 One module per quantity (docs/MATH.md names each): ``dlr`` (the span of the
 learned functions, the rank cut, the C >> p head route), ``spectrum`` (feature
 eigenpairs, projections, training and held-out curves), ``nc1``,
-``isotropic`` (the finite-sample reference) and ``uncertainty`` (jackknife).
+``isotropic`` (the finite-sample reference) and ``uncertainty`` (jackknife);
+``policy`` holds the rules every route shares (the default rank cut, NC1's
+gating, undefined values) and the DLR-only routes built on them.
 Everything runs in float64 on p x p, p x C and C x C matrices (n never is a
 dimension), on numpy arrays or on torch tensors alike (``_xp.ns`` picks the
 namespace from the state), and ``finish`` assembles the Report.
@@ -17,31 +19,26 @@ import numpy as np
 
 from .._report import Report
 from ._xp import host, ns
-from .dlr import (CONSTANT_RTOL, DEFAULT_RTOL, Functions, HeadFunctions, check_features, dlr_from_span,
-                  dlr_of_state, dlr_values, dlr_with_range, finishing, function_moments, logits, span_of_grams)
+from .dlr import DEFAULT_RTOL, check_features, dlr_of_state, dlr_values, dlr_with_range, finishing, \
+    function_moments, logits, span_of_grams
 from .isotropic import isotropic_dlr, reference
-from .nc1 import NC1_RELIABLE, nc1, nc1_from_class_means, nc1_from_grams
-from .spectrum import Spectrum, curve, held_out, label_moments, spectrum as feature_spectrum, task_moments
-from .uncertainty import add_jackknife, t975
+from .nc1 import nc1_from_grams
+from .policy import GramRows, check_rtol, dlr_only, finish_gram_rows, nc1_reported, rtol_for, too_few_samples
+from .spectrum import curve, held_out, spectrum as feature_spectrum, task_moments
+from .uncertainty import add_jackknife
 
-__all__ = ["CONSTANT_RTOL", "DEFAULT_RTOL", "Functions", "HeadFunctions", "NC1_RELIABLE", "Spectrum",
-           "add_jackknife", "check_features", "curve", "dlr_from_span", "dlr_of_state", "dlr_values",
-           "dlr_with_range", "feature_spectrum", "finish", "finishing", "function_moments", "held_out",
-           "isotropic_dlr", "label_moments", "logits", "nc1", "nc1_from_class_means", "nc1_from_grams",
-           "reference", "span_of_grams", "t975", "task_moments"]
+__all__ = ["DEFAULT_RTOL", "GramRows", "add_jackknife", "check_rtol", "dlr_of_state", "dlr_only", "dlr_values",
+           "finish", "finish_gram_rows", "isotropic_dlr", "nc1_from_grams", "rtol_for", "span_of_grams",
+           "too_few_samples"]
 
 
 def _checked_rtol(st: dict, rtol: Optional[float]) -> float:
     n = int(st["n"])
     if n == 0:
         raise ValueError("compute() on an empty Moments: no samples were added")
-    if n < 2:
+    if too_few_samples(n) is not None:
         raise ValueError(f"need at least 2 samples to measure a covariance, got n = {n}")
-    if rtol is None:
-        rtol = DEFAULT_RTOL[st["precision"]]
-    if not (isinstance(rtol, (int, float)) and 0.0 < rtol < 1.0):
-        raise ValueError(f"rtol must be a number in (0, 1), got {rtol!r}")
-    return rtol
+    return rtol_for(st["precision"], rtol)
 
 
 def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = None,
@@ -83,12 +80,8 @@ def _report(st: dict, W, test: Optional[dict], rtol: float, centered: bool, spec
         if test is not None:
             test_quality, test_utilization, test_norms = held_out(spec, st, test, W, centered)
 
-    nc1_value = None
-    if st["k"] > 0:
-        if precision in NC1_RELIABLE:
-            nc1_value = nc1(st, rtol)
-        else:
-            warnings.append(f"NC1 not reported: {precision} products cannot resolve within-class spread")
+    nc1_value, warning = nc1_reported(st, rtol)
+    warnings += [warning] if warning else []
 
     p_active, dlr_iso, dlr_norm, warning = reference(st, rtol, dlr, rank)
     warnings += [warning] if warning else []

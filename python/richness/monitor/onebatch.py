@@ -7,10 +7,11 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 
-from .. import _adapt, _core
+from .. import _adapt
+from .._backend import centered_grams
 from .capture import _StepBuffer
 from ..model.threads import BlasThreads
-from ..finish import DEFAULT_RTOL, dlr_values, nc1_from_grams, span_of_grams
+from ..finish import GramRows, check_rtol, finish_gram_rows, rtol_for
 
 
 @contextlib.contextmanager
@@ -80,8 +81,9 @@ class _BatchGroup(_StepBuffer):
             return self._reduce(prec, threads, core)
 
     def _reduce(self, prec: str, threads: BlasThreads, core: bool) -> Any:
-        """The small matrices of every buffered step, one row each: a (steps, m)
-        float64 tensor on the buffers' device. Issues no host synchronisation.
+        """The small matrices of every buffered step, one row each: the packed
+        ``GramRows`` (a (steps, m) float64 tensor on the buffers' device).
+        Issues no host synchronisation.
 
         Everything comes from the n x n Gram G = Xc Xc^T of each batch (the
         one product of size p; the rest is O(n^2 (C + K))), all products in
@@ -97,70 +99,80 @@ class _BatchGroup(_StepBuffer):
         f64 = torch.float64
         pdt = torch.float64 if prec == "fp64" else torch.float32
         j = len(self.metas)
-        x = self.x
-        # Scratch kept across groups (fresh temporaries of this size page-fault
-        # on every group): the Grams, and the centered rows on the torch route.
-        if self.grams is None or self.grams.dtype != pdt:
-            self.grams = torch.empty((x.shape[0], x.shape[1], x.shape[1]), dtype=pdt, device=x.device)
-            self.centered = None
-        X = x[:j]
-        G = self.grams[:j]  # steps x n x n
-        if core:
-            # the core: float64 means, centering before narrowing, one syrk per
-            # batch, on at most torch's thread count
-            threads.set_for_work(j * int(x.shape[1]) ** 2 * int(x.shape[2]))
-            norm_m = torch.empty(j, dtype=f64)
-            _core.centered_grams(_adapt.as_matrix(X.reshape(-1, X.shape[2]), "features").arg(), X.shape[1],
-                                 prec, G.data_ptr(), norm_m.data_ptr())
-        else:
-            # Compensated centering on the device (docs/MATH.md, streaming estimator:
-            # the batch mean "computed in float64 (or compensated)"): x - m is exact where x is within a factor 2 of
-            # m (Sterbenz), and the second pass removes what the first mean's
-            # rounding left, now at the scale of the spread: a mean of 1e4 with a
-            # spread of 1e-2 still gives DLR to 1e-6. Two fast passes in the
-            # product precision instead of a float64 copy of the buffer.
-            if self.centered is None:
-                self.centered = torch.empty(x.shape, dtype=pdt, device=x.device)
-            Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=self.centered[:j])
-            Xc.sub_(Xc.mean(dim=1, keepdim=True))
-            torch.bmm(Xc, Xc.transpose(1, 2), out=G)
-            norm_m = torch.linalg.vector_norm(G, dim=(1, 2)).to(f64)  # a float32 G's own accuracy
+        G, norm_m = self._grams(j, prec, pdt, threads, core)  # steps x n x n
         F64 = self.f[:j].to(f64, copy=True)
         Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
         Fc = Fc64.to(pdt)
         labels = self.y is not None and self.classes > 0
-        if labels:
-            k = self.classes
-            lab = self.y[:j].long()
-            valid = (lab >= 0) & (lab < k)
-            kk = self.label_cols
-            col = lab.clamp(0, k - 1) if kk == k else _batch_class_ids(lab, valid, k)
-            Y = torch.zeros(lab.shape + (kk,), dtype=pdt, device=lab.device).scatter_(
-                2, col[..., None], valid.to(pdt)[..., None])
-            counts = Y.sum(dim=1)  # steps x kk
-            Yn = Y.div_(counts.clamp(min=1.0)[:, None, :])
+        valid, counts, Yn = self._labels(j, pdt) if labels else (None, None, None)
         if self.sample_space:
             A = torch.bmm(Fc, Fc.transpose(1, 2)).to(f64)
             Q = G.to(f64)
-            Z = Yn if labels else None
+            Z = Yn
         else:
             A = torch.bmm(Fc.transpose(1, 2), Fc).to(f64)
             Z = torch.cat([Fc, Yn], dim=2) if labels else Fc
         if Z is not None:
             H = torch.bmm(G, Z)  # G [Fc | Yn]
             W = torch.bmm(Z.transpose(1, 2), H).to(f64)
-        c = int(Fc.shape[2])
-        parts = [norm_m[:, None], A.reshape(j, -1)]
         if not self.sample_space:
+            c = int(Fc.shape[2])
             Q = W[:, :c, :c]
-        parts.append(Q.reshape(j, -1))
+        rows = GramRows(norm_m, A, Q)
         if labels:
             off = 0 if self.sample_space else c
             E = H[:, :, off:]  # Xc D^T
-            parts += [counts.to(f64), W[:, off:, off:].reshape(j, -1),
-                      torch.bmm(E.transpose(1, 2), E).to(f64).reshape(j, -1),
-                      (~valid).sum(dim=1).to(f64)[:, None]]
-        return torch.cat(parts, dim=1)
+            rows = rows._replace(counts=counts.to(f64), DDt=W[:, off:, off:],
+                                 DMD=torch.bmm(E.transpose(1, 2), E).to(f64), invalid=(~valid).sum(dim=1).to(f64))
+        return rows.pack()
+
+    def _grams(self, j: int, prec: str, pdt: Any, threads: BlasThreads, core: bool) -> tuple:
+        """The first ``j`` steps' centered n x n Grams (a view of scratch kept
+        across groups: fresh temporaries of this size page-fault on every
+        group) in the product precision, and their Frobenius norms (float64)."""
+        import torch
+
+        x = self.x
+        if self.grams is None or self.grams.dtype != pdt:
+            self.grams = torch.empty((x.shape[0], x.shape[1], x.shape[1]), dtype=pdt, device=x.device)
+            self.centered = None
+        X = x[:j]
+        G = self.grams[:j]
+        if core:
+            # the core: float64 means, centering before narrowing, one syrk per
+            # batch, on at most torch's thread count
+            threads.set_for_work(j * int(x.shape[1]) ** 2 * int(x.shape[2]))
+            norm_m = torch.empty(j, dtype=torch.float64)
+            centered_grams(_adapt.as_matrix(X.reshape(-1, X.shape[2]), "features"), X.shape[1], prec, G, norm_m)
+            return G, norm_m
+        # Compensated centering on the device (docs/MATH.md, streaming estimator:
+        # the batch mean "computed in float64 (or compensated)"): x - m is exact where x is within a factor 2 of
+        # m (Sterbenz), and the second pass removes what the first mean's
+        # rounding left, now at the scale of the spread: a mean of 1e4 with a
+        # spread of 1e-2 still gives DLR to 1e-6. Two fast passes in the
+        # product precision instead of a float64 copy of the buffer.
+        if self.centered is None:
+            self.centered = torch.empty(x.shape, dtype=pdt, device=x.device)
+        Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=self.centered[:j])
+        Xc.sub_(Xc.mean(dim=1, keepdim=True))
+        torch.bmm(Xc, Xc.transpose(1, 2), out=G)
+        return G, torch.linalg.vector_norm(G, dim=(1, 2)).to(torch.float64)  # a float32 G's own accuracy
+
+    def _labels(self, j: int, pdt: Any) -> tuple:
+        """(valid, counts, Yn) of the first ``j`` steps: which labels lie in
+        the classes, each class column's count, and the class-indicator matrix
+        divided by the counts (steps x n x class columns)."""
+        import torch
+
+        k = self.classes
+        lab = self.y[:j].long()
+        valid = (lab >= 0) & (lab < k)
+        kk = self.label_cols
+        col = lab.clamp(0, k - 1) if kk == k else _batch_class_ids(lab, valid, k)
+        Y = torch.zeros(lab.shape + (kk,), dtype=pdt, device=lab.device).scatter_(
+            2, col[..., None], valid.to(pdt)[..., None])
+        counts = Y.sum(dim=1)  # steps x kk
+        return valid, counts, Y.div_(counts.clamp(min=1.0)[:, None, :])
 
 
 def _batch_class_ids(lab: Any, valid: Any, k: int) -> Any:
@@ -184,7 +196,7 @@ class OneBatchRoute:
 
     def __init__(self, lag: Optional[int], precision: Optional[str], rtol: Optional[float],
                  finish_records: Callable[[tuple, np.ndarray], None]) -> None:
-        self.lag, self.precision, self.rtol = lag, precision, rtol
+        self.lag, self.precision, self.rtol = lag, precision, check_rtol(rtol)
         self.finish_records = finish_records
         self.group: Optional[_BatchGroup] = None
         self.inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
@@ -229,7 +241,7 @@ class OneBatchRoute:
         x, f = g.x, g.f
         all64 = x.dtype == torch.float64 and f.dtype == torch.float64
         prec = self.precision or ("fp64" if all64 else "fp32")
-        rtol = self.rtol if self.rtol is not None else DEFAULT_RTOL[prec]
+        rtol = rtol_for(prec, self.rtol)
         try:
             packed = g.reduce(prec, threads, core_route(x))
             n = int(x.shape[1])
@@ -258,29 +270,9 @@ class OneBatchRoute:
 
 
 def finish_group(v: np.ndarray, n: int, c: int, k: int, rtol: float, sample_space: bool) -> tuple:
-    """DLR, rank and NC1 of each row of ``_BatchGroup.reduce`` (float64, host),
-    by the finishing's own functions on the stacked matrices (no loop over
-    steps): three lists, None where a value is undefined (constant features or
-    outputs; fewer than two classes; labels outside the head's classes).
+    """DLR, rank and NC1 of each row of ``_BatchGroup.reduce`` (float64, host):
+    three lists, None where a value is undefined (``finish_gram_rows``).
     ``c`` is the side of A and Q (C, or n in sample space); ``k`` the class
-    columns (the classes, or n when renumbered within each step)."""
-    steps = v.shape[0]
-    A = v[:, 1:1 + c * c].reshape(steps, c, c)
-    Q = v[:, 1 + c * c:1 + 2 * c * c].reshape(steps, c, c)
-    # <G, P> over the kept eigenpairs (a_i, u_i) of A: ||B u_i||^2 / a_i = u_i^T Q u_i / a_i
-    # (C-space), or u_i^T G u_i for eigenvectors of Fc Fc^T (sample space)
-    a, terms = span_of_grams(A, Q, rtol, divide=not sample_space)
-    dlr, rank = dlr_values(v[:, 0], a, terms, rtol)
-    ok = ~np.isnan(dlr)
-    dlrs = [float(d) if good else None for d, good in zip(dlr, ok)]
-    ranks = [int(r) if good else None for r, good in zip(rank, ok)]
-    nc1s: list = [None] * steps
-    if k:
-        pos = 1 + 2 * c * c
-        counts = v[:, pos:pos + k]
-        DDt = v[:, pos + k:pos + k + k * k].reshape(steps, k, k)
-        DMD = v[:, pos + k + k * k:pos + k + 2 * k * k].reshape(steps, k, k)
-        invalid = v[:, pos + k + 2 * k * k]
-        nc1, defined = nc1_from_grams(DDt, DMD, counts, n, rtol)
-        nc1s = [float(x) if good else None for x, good in zip(nc1, defined & (invalid == 0))]
-    return dlrs, ranks, nc1s
+    columns (the classes, or n when renumbered within each step; 0 without
+    labels)."""
+    return finish_gram_rows(GramRows.unpack(v, c, k), n, rtol, sample_space)

@@ -9,7 +9,7 @@ import numpy as np
 from .._moments import Moments
 from .capture import _StepBuffer
 from ..model.threads import BlasThreads
-from ..finish import DEFAULT_RTOL, NC1_RELIABLE, dlr_of_state, nc1
+from ..finish import dlr_only, too_few_samples
 
 
 class WindowRoute:
@@ -58,22 +58,15 @@ class WindowRoute:
             self.update(threads)
             if distributed:
                 m.all_reduce()  # collective: all ranks emit at the same step
-            if m.n < 2:
+            if too_few_samples(m.n):
                 return None
             st = m.state_dict()  # the one host sync
-            rtol = rtol if rtol is not None else DEFAULT_RTOL[st["precision"]]
             # Finish with torch float64 CPU tensors (zero-copy views of the state):
             # the math then runs on torch's own thread pool, the one training
             # uses, instead of waking numpy's BLAS threads every emission.
             st = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in st.items()}
-            dlr = rank = nc1_value = None
-            try:
-                W = None if head is None else head.weight.detach().to("cpu", torch.float64)
-                dlr, rank = dlr_of_state(st, W, rtol)
-            except ValueError:
-                pass  # constant features or outputs: DLR undefined, reported as None
-            if st["k"] > 0 and st["precision"] in NC1_RELIABLE:
-                nc1_value = nc1(st, rtol)
-            return st["n"], dlr, rank, nc1_value
+            W = None if head is None else head.weight.detach().to("cpu", torch.float64)
+            q = dlr_only(st, W, rtol)  # None where undefined (constant features or outputs)
+            return q.n, q.dlr, q.rank, q.nc1
         finally:
             m.reset()
