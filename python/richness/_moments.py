@@ -55,7 +55,7 @@ class Moments(Lockable):
             product precision) until the next would pass N rows; then one
             product over all staged rows and one exact multi-batch merge.
             Meant to fill the tensor cores better (not yet measured on a GPU;
-            benchmarks/RESULTS_GPU.md). Costs ``N * (p + C
+            benchmarks/RESULTS.md, "CUDA backend on an H200"). Costs ``N * (p + C
             + T)`` device elements in the product precision (4 bytes fp32/tf32,
             2 bf16, 8 fp64) plus a ``(p + C + T)^2`` product, per Moments (per
             group with ``groups``). The state, ``n``, ``state_dict`` and

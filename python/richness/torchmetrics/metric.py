@@ -1,113 +1,25 @@
-"""``richness.torchmetrics.DLR``: DLR as a torchmetrics ``Metric``.
-
-Needs the optional dependency torchmetrics (``pip install torchmetrics``).
-
-The state is one tensor per field of the state schema (``_state.FIELDS``:
-``mean``, ``M``, ``out_mean``, ``B``, ``A``, ...) plus ``widths`` (n, p, c, t,
-k, num_classes and the precision's index), all with ``dist_reduce_fx=None``:
-torchmetrics reduces each state on its own, but the exact merge needs ``n``,
-the means and the co-moments of a rank together. Under DDP the ranks' states
-are gathered side by side and ``compute`` merges them with ``_state.merge``
-(docs/MATH.md, "Merging states"), in float64.
-
-Batches go to a ``richness.Moments`` on the metric's device (its update is one
-product, and on a GPU it never waits for the device); the field tensors are
-exported from it when anything reads them (``compute``, ``sync``,
-``state_dict``, ``metric_state``, pickling), and a state written from outside
-(``load_state_dict``, ``merge_state``, ``unsync``, ``.to(device)``) is loaded
-back into it before the next batch.
-"""
+"""DLR as a torchmetrics ``Metric`` (the package docstring says how its state works)."""
 
 from __future__ import annotations
 
 import copy
 import math
 import warnings
-import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-try:
-    import torch
-    from torchmetrics import Metric
-    from torchmetrics.utilities.distributed import gather_all_tensors
-    from torchmetrics.utilities.exceptions import TorchMetricsUserError
-except ImportError as _e:  # pragma: no cover - exercised only without the extra
-    raise ImportError('richness.torchmetrics needs torch and torchmetrics: pip install "richness[torch]" torchmetrics '
-                      f"({_e})") from None
+import torch
+from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
+from torchmetrics.utilities.exceptions import TorchMetricsUserError
 
-from . import _adapt, _state
-from . import finish as _finish
-from .model.hooks import hook_forward
-from ._moments import Moments
-from ._report import Report
-
-_FIELDS = tuple(f.name for f in _state.FIELDS)
-_STATES = _FIELDS + ("widths",)
-_TORCH_DTYPE = {np.float64: torch.float64, np.int64: torch.int64}
-
-
-def _from_tensors(tensors: Dict[str, Any], prefix: str = "") -> dict:
-    """A numpy state dict from DLR state tensors under ``prefix``: ``widths``
-    and the fields present (``_state.checked`` fills or refuses the others)."""
-    vals = torch.as_tensor(tensors[prefix + "widths"]).tolist()
-    st = dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]), precision=_state.PRECISIONS[vals[-1]])
-    for f in _state.FIELDS:
-        if prefix + f.name in tensors:
-            st[f.name] = torch.as_tensor(tensors[prefix + f.name]).detach().cpu().numpy()
-    return st
-
-
-def _padded(sync_fn: Callable) -> Callable:
-    """``sync_fn`` (an all-gather returning one tensor per rank), with every
-    rank's tensor zero-padded to the largest shape: torchmetrics stacks the
-    gathered tensors, and ranks differ in shape when one saw no data or fewer
-    classes. ``widths`` says how much of each rank's arrays is real."""
-
-    def gather(tensor: Any, group: Any = None) -> List[Any]:
-        parts = sync_fn(tensor, group=group)
-        shape = tuple(max(s) for s in zip(*(t.shape for t in parts))) if tensor.ndim else ()
-        out = []
-        for t in parts:
-            if tuple(t.shape) != shape:
-                big = t.new_zeros(shape)
-                big[tuple(slice(0, s) for s in t.shape)] = t
-                t = big
-            out.append(t)
-        return out
-
-    return gather
-
-
-class _Capture:
-    """Forward hook on the head: keeps its latest input (the features) for the
-    next ``update`` without ``features=``. Holds the metric weakly (the head
-    must not keep it alive); registered as a ``ModelHook``, so a deep-copied or
-    saved model's copy of it captures nothing."""
-
-    def __init__(self, metric: "DLR") -> None:
-        self.ref = weakref.ref(metric)
-
-    def __call__(self, module: Any, args: tuple, out: Any) -> None:
-        metric = self.ref()
-        if metric is not None and args and isinstance(args[0], torch.Tensor):
-            metric.__dict__["_captured"] = args[0].detach()
-
-
-def _host(x: Any) -> np.ndarray:
-    """A CPU tensor (or array) as numpy, viewed where numpy has its dtype."""
-    if isinstance(x, torch.Tensor):
-        return x.numpy() if x.dtype in (torch.float32, torch.float64, torch.float16) else x.double().numpy()
-    return np.asarray(x)
-
-
-def _kept(obj: Any, memo: dict) -> Any:
-    """``obj`` in a deep copy that keeps it by reference, unless the same deep
-    copy has already copied it (then its copy): see ``DLR.__deepcopy__``."""
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_kept(o, memo) for o in obj)
-    return memo.get(id(obj), obj)
+from .. import _adapt, _state
+from .. import finish as _finish
+from .._moments import Moments
+from .._report import Report
+from ..model.hooks import hook_forward
+from .tensors import _STATES, _TORCH_DTYPE, Capture as _Capture, _from_tensors, _host, _kept, _padded
 
 
 class DLR(Metric):
@@ -368,8 +280,8 @@ class DLR(Metric):
         torch product this small only wakes a thread pool beside the core's
         and the training's, which costs more than the product on a busy CPU
         (benchmarks/bench_torchmetrics.py)."""
-        from ._backend import Batch, centered_grams
-        from ._moments import batch_precision
+        from .._backend import Batch, centered_grams
+        from .._moments import batch_precision
 
         n = feats.rows
         streams = {k: _adapt.as_matrix(args[k], k, allow_1d=True) for k in ("outputs", "targets") if k in args}

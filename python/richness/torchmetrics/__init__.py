@@ -1,0 +1,30 @@
+"""``richness.torchmetrics.DLR``: DLR as a torchmetrics ``Metric``.
+
+Needs the optional dependency torchmetrics (``pip install torchmetrics``).
+
+The state is one tensor per field of the state schema (``_state.FIELDS``:
+``mean``, ``M``, ``out_mean``, ``B``, ``A``, ...) plus ``widths`` (n, p, c, t,
+k, num_classes and the precision's index), all with ``dist_reduce_fx=None``:
+torchmetrics reduces each state on its own, but the exact merge needs ``n``,
+the means and the co-moments of a rank together. Under DDP the ranks' states
+are gathered side by side and ``compute`` merges them with ``_state.merge``
+(docs/MATH.md, "Merging states"), in float64.
+
+Batches go to a ``richness.Moments`` on the metric's device (its update is one
+product, and on a GPU it never waits for the device); the field tensors are
+exported from it when anything reads them (``compute``, ``sync``,
+``state_dict``, ``metric_state``, pickling), and a state written from outside
+(``load_state_dict``, ``merge_state``, ``unsync``, ``.to(device)``) is loaded
+back into it before the next batch.
+"""
+
+try:
+    import torch  # noqa: F401
+    import torchmetrics  # noqa: F401
+except ImportError as _e:  # pragma: no cover - exercised only without the extra
+    raise ImportError('richness.torchmetrics needs torch and torchmetrics: pip install "richness[torch]" torchmetrics '
+                      f"({_e})") from None
+
+from .metric import DLR
+
+__all__ = ["DLR"]

@@ -1,0 +1,79 @@
+"""The metric's tensor plumbing: its state tensors to and from the state
+schema's dict, the zero-padded all-gather of ranks' differently shaped
+states, the head's capture hook and deep-copy helpers."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List
+
+import numpy as np
+import torch
+
+from .. import _state
+
+_FIELDS = tuple(f.name for f in _state.FIELDS)
+_STATES = _FIELDS + ("widths",)
+_TORCH_DTYPE = {np.float64: torch.float64, np.int64: torch.int64}
+
+
+def _from_tensors(tensors: Dict[str, Any], prefix: str = "") -> dict:
+    """A numpy state dict from DLR state tensors under ``prefix``: ``widths``
+    and the fields present (``_state.checked`` fills or refuses the others)."""
+    vals = torch.as_tensor(tensors[prefix + "widths"]).tolist()
+    st = dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]), precision=_state.PRECISIONS[vals[-1]])
+    for f in _state.FIELDS:
+        if prefix + f.name in tensors:
+            st[f.name] = torch.as_tensor(tensors[prefix + f.name]).detach().cpu().numpy()
+    return st
+
+
+def _padded(sync_fn: Callable) -> Callable:
+    """``sync_fn`` (an all-gather returning one tensor per rank), with every
+    rank's tensor zero-padded to the largest shape: torchmetrics stacks the
+    gathered tensors, and ranks differ in shape when one saw no data or fewer
+    classes. ``widths`` says how much of each rank's arrays is real."""
+
+    def gather(tensor: Any, group: Any = None) -> List[Any]:
+        parts = sync_fn(tensor, group=group)
+        shape = tuple(max(s) for s in zip(*(t.shape for t in parts))) if tensor.ndim else ()
+        out = []
+        for t in parts:
+            if tuple(t.shape) != shape:
+                big = t.new_zeros(shape)
+                big[tuple(slice(0, s) for s in t.shape)] = t
+                t = big
+            out.append(t)
+        return out
+
+    return gather
+
+
+class Capture:
+    """Forward hook on the head: keeps its latest input (the features) for the
+    next ``update`` without ``features=``. Holds the metric weakly (the head
+    must not keep it alive); registered as a ``ModelHook``, so a deep-copied or
+    saved model's copy of it captures nothing."""
+
+    def __init__(self, metric: "Any") -> None:
+        self.ref = weakref.ref(metric)
+
+    def __call__(self, module: Any, args: tuple, out: Any) -> None:
+        metric = self.ref()
+        if metric is not None and args and isinstance(args[0], torch.Tensor):
+            metric.__dict__["_captured"] = args[0].detach()
+
+
+def _host(x: Any) -> np.ndarray:
+    """A CPU tensor (or array) as numpy, viewed where numpy has its dtype."""
+    if isinstance(x, torch.Tensor):
+        return x.numpy() if x.dtype in (torch.float32, torch.float64, torch.float16) else x.double().numpy()
+    return np.asarray(x)
+
+
+def _kept(obj: Any, memo: dict) -> Any:
+    """``obj`` in a deep copy that keeps it by reference, unless the same deep
+    copy has already copied it (then its copy): see ``DLR.__deepcopy__``."""
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_kept(o, memo) for o in obj)
+    return memo.get(id(obj), obj)
