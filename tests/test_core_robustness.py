@@ -218,6 +218,43 @@ def test_labels_and_features_changed_by_another_thread_never_reach_the_state(tmp
     assert np.array_equal(back.state_dict()["class_sums"], st["class_sums"])
 
 
+def test_a_first_batch_changed_by_another_thread_never_reaches_the_state():
+    """The first batch of a state (its width not yet set) is checked like the
+    others: class sums formed from a value another thread turned into NaN are
+    refused, not merged into the new state."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((40000, 8))
+    y = rng.integers(0, 4, 40000)
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            x[12345, 2] = np.nan
+            x[12345, 2] = 1.0
+
+    th = threading.Thread(target=flip)
+    th.start()
+    accepted = refused = 0
+    bad = []
+    deadline = time.monotonic() + 120
+    try:
+        while (accepted < 200 or refused == 0) and time.monotonic() < deadline:
+            m = richness.Moments(num_classes=4)
+            try:
+                m.update(x, labels=y)
+            except ValueError:
+                refused += 1
+                assert m.n == 0
+                continue
+            accepted += 1
+            bad += [k for k, v in _arrays(m.state_dict()).items() if not np.isfinite(v).all()]
+    finally:
+        stop.set()
+        th.join()
+    assert accepted >= 200 and refused > 0
+    assert bad == []
+
+
 def test_class_sums_are_the_float64_sums_of_each_class():
     rng = np.random.default_rng(6)
     x = (rng.standard_normal((3000, 5)) * 10 + 3).astype(np.float32)

@@ -336,6 +336,7 @@ void check_labels(const std::vector<int64_t>& y, int64_t num_classes, int64_t p)
 struct BatchClasses {
   std::vector<int64_t> classes;
   std::vector<double> sums;
+  int64_t p = 0;  // the batch's width (the state's is -1 before its first batch)
 
   BatchClasses(const Matrix& x, const std::vector<int64_t>& y) {
     std::vector<int64_t> order(y.size());
@@ -346,7 +347,7 @@ struct BatchClasses {
       if (classes.empty() || classes.back() != y[i]) classes.push_back(y[i]);
       slot[i] = (int64_t)classes.size() - 1;
     }
-    const int64_t p = x.cols;
+    p = x.cols;
     sums.assign(classes.size() * (size_t)p, 0.0);
     for_each_row(x, [&](int64_t i, auto get) {
       double* sk = sums.data() + slot[i] * p;
@@ -356,7 +357,6 @@ struct BatchClasses {
 
   // Throws unless every class sum, alone and added to the state's, is finite.
   void check(const State& s) const {
-    const int64_t p = s.p;
     for (size_t g = 0; g < classes.size(); ++g) {
       const bool old = s.n > 0 && classes[g] < s.k;
       const double* state_row = old ? s.class_sums.data() + classes[g] * p : nullptr;
@@ -373,7 +373,6 @@ struct BatchClasses {
 
   void add_to(State& s, const std::vector<int64_t>& y) const noexcept {
     for (int64_t v : y) ++s.class_counts[v];
-    const int64_t p = s.p;
     for (size_t g = 0; g < classes.size(); ++g) {
       double* sk = s.class_sums.data() + classes[g] * p;
       for (int64_t j = 0; j < p; ++j) sk[j] += sums[g * p + j];
