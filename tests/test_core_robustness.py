@@ -5,6 +5,7 @@ arguments out of range. Each refusal leaves the state as it was."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -182,31 +183,40 @@ def test_the_many_state_merge_refuses_a_count_past_int64():
     assert half["n"] == 2**62
 
 
-def test_labels_and_features_changed_by_another_thread_never_reach_the_state(tmp_path):
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((40000, 8))
-    y = rng.integers(0, 4, 40000)
-    m = richness.Moments(num_classes=4)
+@contextlib.contextmanager
+def _flipping(x):
+    """Another thread flips one value of ``x`` between 1.0 and NaN: each read
+    of it sees either, independently."""
     stop = threading.Event()
-    def flip():  # one value: each read of it sees 1.0 or NaN, independently
+
+    def flip():
         while not stop.is_set():
             x[12345, 2] = np.nan
             x[12345, 2] = 1.0
 
     th = threading.Thread(target=flip)
     th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+
+
+def test_labels_and_features_changed_by_another_thread_never_reach_the_state(tmp_path):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40000, 8))
+    y = rng.integers(0, 4, 40000)
+    m = richness.Moments(num_classes=4)
     accepted = refused = 0
     deadline = time.monotonic() + 120
-    try:  # until both outcomes were seen (the flipping thread may be starved for a while)
+    with _flipping(x):  # until both outcomes were seen (the flipping thread may be starved for a while)
         while (accepted < 20 or refused == 0) and time.monotonic() < deadline:
             try:
                 m.update(x, labels=y)
                 accepted += 1
             except ValueError:
                 refused += 1
-    finally:
-        stop.set()
-        th.join()
     st = m.state_dict()
     for k, v in _arrays(st).items():
         assert np.isfinite(v).all(), k
@@ -225,19 +235,10 @@ def test_a_first_batch_changed_by_another_thread_never_reaches_the_state():
     rng = np.random.default_rng(8)
     x = rng.standard_normal((40000, 8))
     y = rng.integers(0, 4, 40000)
-    stop = threading.Event()
-
-    def flip():
-        while not stop.is_set():
-            x[12345, 2] = np.nan
-            x[12345, 2] = 1.0
-
-    th = threading.Thread(target=flip)
-    th.start()
     accepted = refused = 0
     bad = []
     deadline = time.monotonic() + 120
-    try:
+    with _flipping(x):
         while (accepted < 200 or refused == 0) and time.monotonic() < deadline:
             m = richness.Moments(num_classes=4)
             try:
@@ -248,9 +249,6 @@ def test_a_first_batch_changed_by_another_thread_never_reaches_the_state():
                 continue
             accepted += 1
             bad += [k for k, v in _arrays(m.state_dict()).items() if not np.isfinite(v).all()]
-    finally:
-        stop.set()
-        th.join()
     assert accepted >= 200 and refused > 0
     assert bad == []
 
