@@ -86,6 +86,8 @@ SCRIPT = textwrap.dedent("""
             "n": rep.n, "dlr": rep.dlr, "nc1": rep.nc1}}
     with open({out!r} + f".{{acc.process_index}}", "w") as f:
         json.dump(out, f)
+    acc.wait_for_everyone()
+    torch.distributed.destroy_process_group()   # gloo's threads left running at exit can abort the process
 """)
 
 
