@@ -39,7 +39,8 @@ import common as C  # noqa: E402
 
 NAME = "grokking"
 # The settings a checkpoint must share with the run that resumes it (steps may grow).
-FIXED = ("P", "d", "heads", "ff", "frac", "lr", "wd", "alpha", "every", "warmup", "clip", "rank_every", "seed")
+FIXED = ("P", "d", "heads", "ff", "frac", "lr", "wd", "alpha", "every", "warmup", "clip", "rank_every", "seed",
+         "scale_lr")
 PRESETS = {
     "quick": dict(P=13, d=32, heads=4, ff=64, frac=0.5, lr=3e-3, wd=1.0, alpha=1.0, steps=30, every=5,
                   warmup=0, clip=0.0, rank_every=15, checkpoint_every=10),
@@ -89,6 +90,10 @@ def arguments(argv: Optional[List[str]]) -> Any:
     ap.add_argument("--lr", type=float, default=None, help="AdamW learning rate (after the warmup)")
     ap.add_argument("--wd", type=float, default=None, help="AdamW weight decay")
     ap.add_argument("--alpha", type=float, default=None, help="output scale: alpha * (f - f_0); larger = lazier")
+    ap.add_argument("--scale-lr", action="store_true",
+                    help="divide lr by alpha and multiply wd by alpha: with Adam's normalised steps the output then "
+                         "moves at the alpha = 1 speed while the parameters move alpha times less (lr * wd, the "
+                         "decoupled decay per step, unchanged)")
     ap.add_argument("--warmup", type=int, default=None, help="linear learning-rate warmup steps")
     ap.add_argument("--clip", type=float, default=None, help="gradient-norm clipping (0: none)")
     ap.add_argument("--rank-every", type=int, default=None,
@@ -96,6 +101,8 @@ def arguments(argv: Optional[List[str]]) -> Any:
     ap.add_argument("--checkpoint-every", type=int, default=None,
                     help="checkpoint and write the partial JSON every this many steps (a multiple of --every)")
     ap.add_argument("--checkpoint-dir", default=None, help="checkpoint folder (default <out>/checkpoints)")
+    ap.add_argument("--stop-after-jump", type=float, default=0.0, metavar="K",
+                    help="end the run at the first checkpoint at or past K times the test-jump step (0: run all steps)")
     ap.add_argument("--resume", action="store_true", help="continue from this run's checkpoint")
     ap.add_argument("--overlay", nargs="+", default=None, metavar="JSON",
                     help="only plot these result files on one step axis (to <out>/grokking_<tag>.png)")
@@ -114,6 +121,9 @@ def settings(args: Any) -> Dict[str, Any]:
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     cfg["seed"] = args.seed
+    cfg["scale_lr"] = bool(args.scale_lr)
+    if args.scale_lr:
+        cfg["lr"], cfg["wd"] = cfg["lr"] / cfg["alpha"], cfg["wd"] * cfg["alpha"]
     for key in ("rank_every", "checkpoint_every"):
         if cfg[key] % cfg["every"]:
             raise SystemExit(f"--{key.replace('_', '-')} {cfg[key]} must be a multiple of --every {cfg['every']}")
@@ -134,6 +144,46 @@ def jump_summary(history: List[Dict[str, Any]]) -> Dict[str, Any]:
         out["steps_over_jump"] = round(last / max(jump["step"], 1), 2)
         half = next((h for h in history if h["test_acc"] >= 0.5), jump)
         out["test_half_step"] = half["step"]
+    return out
+
+
+POINT_FIELDS = ("step", "train_acc", "test_acc", "dlr", "dlr_normalized", "test_dlr", "rank", "effective_dim", "nc1")
+
+
+def readings(run: Dict[str, Any]) -> Dict[str, Any]:
+    """The records at memorisation, just before the test rise (the last record
+    with test accuracy below the plateau + 10 points; the plateau is the test
+    accuracy at memorisation, the pairs whose swap was trained on), at the
+    jump (test >= 95%) and at 2x and 3x the jump step, and the last record;
+    with the rank-cut sweeps nearest to them."""
+    h = run["history"]
+    summary = jump_summary(h)
+    out: Dict[str, Any] = {"settings": run["settings"], "tag": run.get("args", {}).get("tag"), **summary,
+                           "last_step": h[-1]["step"], "points": {}}
+    mem = next((r for r in h if r["train_acc"] >= 0.99), None)
+    if mem is None:
+        return out
+    plateau = mem["test_acc"]
+    rise = next((r for r in h if r["step"] > mem["step"] and r["test_acc"] >= plateau + 0.1), None)
+    points = {"memorised": mem}
+    if rise is not None:
+        before = [r for r in h if mem["step"] <= r["step"] < rise["step"]]
+        points["before_rise"] = before[-1]
+        out["plateau_dlr_range"] = [min(r["dlr"] for r in before), max(r["dlr"] for r in before)]
+    jump = summary["test_jump_step"]
+    if jump is not None:
+        for name, step in (("jump", jump), ("2x_jump", 2 * jump), ("3x_jump", 3 * jump)):
+            at = [r for r in h if r["step"] >= step]
+            if at:
+                points[name] = at[0]
+    points["last"] = h[-1]
+    out["plateau_test_acc"] = plateau
+    out["points"] = {k: {f: v.get(f) for f in POINT_FIELDS} for k, v in points.items()}
+    cuts = run.get("rank_cuts") or []
+    if cuts:
+        for name, v in out["points"].items():
+            near = min(cuts, key=lambda c: abs(c["step"] - v["step"]))
+            v["rank_cuts"] = near
     return out
 
 
@@ -178,7 +228,7 @@ def run(args: Any) -> Dict[str, Any]:
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
         ck = torch.load(ckpt_path, map_location=dev, weights_only=False)
-        differ = {k: (ck["settings"][k], cfg[k]) for k in FIXED if ck["settings"][k] != cfg[k]}
+        differ = {k: (ck["settings"].get(k, False), cfg[k]) for k in FIXED if ck["settings"].get(k, False) != cfg[k]}
         if differ:
             raise SystemExit(f"--resume: the checkpoint was made with other settings (checkpoint, now): {differ}")
         model.load_state_dict(ck["model"])
@@ -301,8 +351,13 @@ def run(args: Any) -> Dict[str, Any]:
             if pending:
                 record(step, float(loss.detach()), pending.pop("tr"), pending.pop("te"))
             if step % cfg["checkpoint_every"] == 0 or step == cfg["steps"]:
+                jump = jump_summary(history)["test_jump_step"]
+                if args.stop_after_jump > 0 and jump is not None and step >= args.stop_after_jump * jump:
+                    cfg["steps"] = step  # the run ends here: its length was set by the jump
                 checkpoint(step)
                 C.write_json(args, NAME, payload(step), started)
+                if step == cfg["steps"]:
+                    break
     out = payload(cfg["steps"])
     C.write_json(args, NAME, out, started)
     plot([out], args, NAME)
@@ -350,13 +405,23 @@ def plot(runs: List[Dict[str, Any]], args: Any, name: str) -> str:
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = arguments(argv)
     if args.overlay:
+        started = time.time()
         runs = []
         for path in args.overlay:
             with open(path) as fh:
                 runs.append(json.load(fh))
         os.makedirs(args.out, exist_ok=True)
         plot(runs, args, NAME)
-        return {"runs": [os.path.basename(p) for p in args.overlay]}
+        out = {"overlay": [os.path.basename(p) for p in args.overlay], "readings": [readings(r) for r in runs]}
+        for path, r in zip(out["overlay"], out["readings"]):
+            C.log(f"{path}: memorised {r['memorised_step']}, test >= 95% at {r['test_jump_step']}, "
+                  f"last step {r['last_step']}")
+            for name, v in r["points"].items():
+                C.log(f"  {name:12s} step {v['step']:6d}  test {v['test_acc']:.3f}  DLR {_s(v['dlr'])}  "
+                      f"DLR/iso {_s(v['dlr_normalized'])}  test DLR {_s(v['test_dlr'])}  rank {v['rank']}  "
+                      f"eff.dim {_s(v['effective_dim'], 1)}  NC1 {_s(v['nc1'])}")
+        C.write_json(args, NAME, out, started)
+        return out
     return run(args)
 
 

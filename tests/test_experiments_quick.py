@@ -186,3 +186,31 @@ def test_grokking_records_match_direct_computation(tmp_path):
     assert cuts["step"] == 15 and len(cuts["cuts"]) == len(grok.RTOL_FACTORS)
     ranks = [c["rank"] for c in cuts["cuts"]]
     assert ranks == sorted(ranks, reverse=True)  # a coarser cut keeps fewer directions
+
+
+def test_grokking_readings_of_a_series():
+    """Memorisation, the last record before the test rise, the jump and its
+    multiples are read from the series at the right records."""
+    grok = load("grokking")
+    test = [0.0, 0.2, 0.48, 0.49, 0.5, 0.62, 0.9, 0.96, 0.99, 1.0, 1.0, 1.0, 1.0, 1.0]
+    hist = [{"step": 100 * i, "train_acc": min(1.0, 0.5 * i), "test_acc": t, "dlr": 0.5 - 0.03 * i,
+             "dlr_normalized": 1.0 - 0.05 * i, "test_dlr": 0.4, "rank": 59 - i, "effective_dim": 50.0,
+             "nc1": 1.0} for i, t in enumerate(test)]
+    r = grok.readings({"settings": {}, "history": hist})
+    assert (r["memorised_step"], r["test_jump_step"], r["last_step"]) == (200, 700, 1300)
+    assert r["plateau_test_acc"] == 0.48
+    pts = r["points"]
+    assert [pts[k]["step"] for k in ("memorised", "before_rise", "jump", "last")] == [200, 400, 700, 1300]
+    assert "2x_jump" not in pts and "3x_jump" not in pts  # the series ends before step 1,400
+    assert r["plateau_dlr_range"] == [pytest.approx(0.5 - 0.03 * 4), pytest.approx(0.5 - 0.03 * 2)]
+    assert pts["jump"]["dlr"] == pytest.approx(0.5 - 0.03 * 7) and pts["jump"]["rank"] == 52
+    assert r["steps_over_jump"] == pytest.approx(1300 / 700, abs=0.01)
+
+
+def test_grokking_scale_lr_keeps_the_decay_per_step():
+    grok = load("grokking")
+    cfg = grok.settings(grok.arguments(["--alpha", "8", "--scale-lr", "--lr", "1e-3", "--wd", "3"]))
+    assert cfg["lr"] == pytest.approx(1e-3 / 8) and cfg["wd"] == pytest.approx(24.0)
+    assert cfg["lr"] * cfg["wd"] == pytest.approx(3e-3)
+    with pytest.raises(SystemExit, match="multiple of --every"):
+        grok.settings(grok.arguments(["--every", "7"]))
