@@ -369,16 +369,17 @@ def _s(v: Optional[float], digits: int = 4) -> str:
 
 
 def plot(runs: List[Dict[str, Any]], args: Any, name: str) -> str:
-    """DLR (training pairs), DLR / DLR_iso, test accuracy and the span's rank
-    (divided by the number of classes) on one step axis; runs overlaid."""
+    """DLR (training pairs), DLR / DLR_iso and test accuracy; the span's rank
+    (over the number of classes) and the effective dimension (over d); DLR at
+    coarser rank cuts. One step axis, runs overlaid."""
     plt = C.pyplot()
-    fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    many_d = len({r["settings"]["d"] for r in runs}) > 1
     for i, run in enumerate(runs):
         h = run["history"]
         st = [r["step"] for r in h]
         s = run["settings"]
-        lab = f"seed {s['seed']}" + (f", d {s['d']}" if len(runs) > 1 and len({r['settings']['d'] for r in runs}) > 1
-                                     else "")
+        lab = f"seed {s['seed']}" + (f", d {s['d']}" if many_d else "")
         col = f"C{i}"
         axes[0].plot(st, [r["dlr"] for r in h], "-", color=col, lw=1.8, label=f"DLR ({lab})")
         axes[0].plot(st, [r["dlr_normalized"] for r in h], "--", color=col, lw=1.0,
@@ -388,15 +389,24 @@ def plot(runs: List[Dict[str, Any]], args: Any, name: str) -> str:
                      label=f"span rank / C ({lab})")
         axes[1].plot(st, [r["effective_dim"] / s["d"] if r["effective_dim"] else None for r in h], "--", color=col,
                      lw=1.0, label="effective dim / d" if i == 0 else None)
+        cuts = run.get("rank_cuts") or []
+        for j, (factor, style) in enumerate(((1.0, "-"), (1e2, "--"), (1e3, ":"))):
+            pts = [(c["step"], cut["dlr"]) for c in cuts for cut in c["cuts"]
+                   if math.isclose(cut["rtol"], s["rtol"] * factor)]
+            if pts:
+                axes[2].plot(*zip(*pts), style, color=col, marker=".",
+                             label=f"rtol {s['rtol'] * factor:.0e}" if i == 0 else None)
         if run.get("test_jump_step") is not None:
             for ax in axes:
                 ax.axvline(run["test_jump_step"], color=col, lw=0.6, alpha=0.6)
     s = runs[0]["settings"]
-    axes[0].set_ylim(0, 1.25)
-    axes[0].set_title(f"mod {s['P']}, {s['frac']:.0%} of pairs, d {s['d']}, wd {s['wd']}, alpha {s['alpha']} "
+    axes[0].set_ylim(0, 1.35)
+    axes[0].set_title(f"mod {s['P']}, {s['frac']:.0%} of pairs, d {s['d']}, wd {s['wd']:g}, alpha {s['alpha']:g} "
                       "(vertical lines: test >= 95%)", fontsize=9)
     axes[1].set_ylim(0, 1.05)
-    axes[1].set_xlabel("step (full batch, AdamW)")
+    axes[2].set_ylim(0, None)
+    axes[2].set_ylabel("DLR at rank cut", fontsize=8)
+    axes[2].set_xlabel("step (full batch, AdamW)")
     for ax in axes:
         ax.legend(fontsize=7, ncol=2)
     return C.save_figure(fig, args, name)
