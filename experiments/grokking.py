@@ -46,10 +46,10 @@ PRESETS = {
                   warmup=0, clip=0.0, rank_every=15, checkpoint_every=10),
     # CPU setting of the documented runs (docs/REPRODUCTION.md, grokking).
     "full": dict(P=59, d=128, heads=4, ff=512, frac=0.5, lr=1e-3, wd=3.0, alpha=1.0, steps=3000, every=25,
-                 warmup=10, clip=1.0, rank_every=250, checkpoint_every=250),
+                 warmup=0, clip=0.0, rank_every=250, checkpoint_every=250),
     # The paper's setting: mod 97, weight decay 1, 40% of the pairs (tens of thousands of steps: a GPU).
     "paper": dict(P=97, d=128, heads=4, ff=512, frac=0.4, lr=1e-3, wd=1.0, alpha=1.0, steps=30000, every=100,
-                  warmup=10, clip=1.0, rank_every=1000, checkpoint_every=1000),
+                  warmup=0, clip=0.0, rank_every=1000, checkpoint_every=1000),
 }
 RTOL_FACTORS = (1e-3, 1e-2, 1e-1, 1.0, 1e1, 1e2, 1e3)  # rank cuts relative to the default
 
