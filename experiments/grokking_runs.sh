@@ -18,21 +18,21 @@ run() {  # tag, then options
 seed() { run p59_noclip_s$1 --seed $1 --clip 0 --warmup 0 --steps 6000 --stop-after-jump 3; }
 seeds() { seed 0; seed 1; seed 2; }
 # The same with gradient-norm clipping at 1 and 10 warmup steps: grokking comes later and smoothly.
-# Seed 0 was stopped at step 1,500 (before its jump), seed 1 at 4,250 (2x its jump).
+# Seed 0 was stopped at step 1,500 (before its jump), seed 1 at 3,250 (1.5x its jump).
 clipped() {
     run p59_s0 --seed 0 --clip 1 --warmup 10 --steps 1500
-    run p59_s1 --seed 1 --clip 1 --warmup 10 --steps 4250
+    run p59_s1 --seed 1 --clip 1 --warmup 10 --steps 3250
 }
 sweep() {  # the early phase against the output scale: alpha at a fixed lr, and alpha with lr / alpha, wd * alpha
     for a in 1 4; do
         [ -f "experiments/results/grokking_sweep_a$a.json" ] ||
             run sweep_a$a --alpha $a --clip 1 --warmup 10 --steps 200 --rank-every 100 --checkpoint-every 100
     done
-    for a in 8 32; do run sweep_a${a}_scaled --alpha $a --scale-lr --clip 0 --warmup 0 --steps 200 --rank-every 100 --checkpoint-every 100; done
+    for a in 8 32; do run sweep_a${a}_scaled --alpha $a --scale-lr --clip 0 --warmup 0 --steps 100 --rank-every 50 --checkpoint-every 50; done
 }
 width() {  # p against C at a small modulus: mod 23 (C = 23) with d = 32 and d = 128
-    run p23_d32 --P 23 --d 32 --ff 128 --clip 0 --warmup 0 --steps 4000 --stop-after-jump 3
-    run p23_d128 --P 23 --d 128 --clip 0 --warmup 0 --steps 4000 --stop-after-jump 3
+    run p23_d32 --P 23 --d 32 --ff 128 --clip 0 --warmup 0 --steps 2500 --stop-after-jump 3
+    run p23_d128 --P 23 --d 128 --clip 0 --warmup 0 --steps 2500 --stop-after-jump 3
 }
 case "${1:-seeds}" in
     seeds|clipped|sweep|width) "$1" ;;
