@@ -91,9 +91,9 @@ def arguments(argv: Optional[List[str]]) -> Any:
     ap.add_argument("--wd", type=float, default=None, help="AdamW weight decay")
     ap.add_argument("--alpha", type=float, default=None, help="output scale: alpha * (f - f_0); larger = lazier")
     ap.add_argument("--scale-lr", action="store_true",
-                    help="divide lr by alpha and multiply wd by alpha: with Adam's normalised steps the output then "
-                         "moves at the alpha = 1 speed while the parameters move alpha times less (lr * wd, the "
-                         "decoupled decay per step, unchanged)")
+                    help="divide lr by alpha (weight decay unchanged): Adam's steps are normalised, so the output "
+                         "then moves as at alpha = 1, gradient and decay alike, while the parameters move alpha "
+                         "times less (the lazy limit as alpha grows)")
     ap.add_argument("--warmup", type=int, default=None, help="linear learning-rate warmup steps")
     ap.add_argument("--clip", type=float, default=None, help="gradient-norm clipping (0: none)")
     ap.add_argument("--rank-every", type=int, default=None,
@@ -123,7 +123,7 @@ def settings(args: Any) -> Dict[str, Any]:
     cfg["seed"] = args.seed
     cfg["scale_lr"] = bool(args.scale_lr)
     if args.scale_lr:
-        cfg["lr"], cfg["wd"] = cfg["lr"] / cfg["alpha"], cfg["wd"] * cfg["alpha"]
+        cfg["lr"] = cfg["lr"] / cfg["alpha"]
     for key in ("rank_every", "checkpoint_every"):
         if cfg[key] % cfg["every"]:
             raise SystemExit(f"--{key.replace('_', '-')} {cfg[key]} must be a multiple of --every {cfg['every']}")

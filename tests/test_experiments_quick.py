@@ -207,10 +207,11 @@ def test_grokking_readings_of_a_series():
     assert r["steps_over_jump"] == pytest.approx(1300 / 700, abs=0.01)
 
 
-def test_grokking_scale_lr_keeps_the_decay_per_step():
+def test_grokking_scale_lr_divides_the_learning_rate_only():
     grok = load("grokking")
     cfg = grok.settings(grok.arguments(["--alpha", "8", "--scale-lr", "--lr", "1e-3", "--wd", "3"]))
-    assert cfg["lr"] == pytest.approx(1e-3 / 8) and cfg["wd"] == pytest.approx(24.0)
-    assert cfg["lr"] * cfg["wd"] == pytest.approx(3e-3)
+    assert cfg["lr"] == pytest.approx(1e-3 / 8) and cfg["wd"] == 3.0 and cfg["alpha"] == 8.0
+    cfg = grok.settings(grok.arguments(["--alpha", "8", "--lr", "1e-3"]))
+    assert cfg["lr"] == pytest.approx(1e-3)
     with pytest.raises(SystemExit, match="multiple of --every"):
         grok.settings(grok.arguments(["--every", "7"]))
