@@ -32,7 +32,7 @@ sweep() {  # the early phase against the output scale: alpha at a fixed lr, and 
 }
 width() {  # p against C at a small modulus: mod 23 (C = 23) with d = 32 and d = 128
     run p23_d32 --P 23 --d 32 --ff 128 --clip 0 --warmup 0 --steps 2500 --stop-after-jump 3
-    run p23_d128 --P 23 --d 128 --clip 0 --warmup 0 --steps 2500 --stop-after-jump 3
+    run p23_d128 --P 23 --d 128 --clip 0 --warmup 0 --steps 7500 --stop-after-jump 3
 }
 case "${1:-seeds}" in
     seeds|clipped|sweep|width) "$1" ;;
