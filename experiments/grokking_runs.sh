@@ -29,6 +29,7 @@ sweep() {  # the early phase against the output scale: alpha at a fixed lr, and 
             run sweep_a$a --alpha $a --clip 1 --warmup 10 --steps 200 --rank-every 100 --checkpoint-every 100
     done
     for a in 8 32; do run sweep_a${a}_scaled --alpha $a --scale-lr --clip 0 --warmup 0 --steps 100 --rank-every 50 --checkpoint-every 50; done
+    run sweep_a8_scaled --alpha 8 --scale-lr --clip 0 --warmup 0 --steps 1000 --rank-every 50 --checkpoint-every 50
 }
 width() {  # p against C at a small modulus: mod 23 (C = 23) with d = 32 and d = 128
     run p23_d32 --P 23 --d 32 --ff 128 --clip 0 --warmup 0 --steps 2500 --stop-after-jump 3
