@@ -16,7 +16,10 @@ run() {  # tag, then options
 # mod 59, 50% of the pairs, d 128, weight decay 3, lr 1e-3, no clipping (the script's default full
 # setting): each seed ends at the first checkpoint past 3x its test-jump step.
 seed() { run p59_noclip_s$1 --seed $1 --clip 0 --warmup 0 --steps 6000 --stop-after-jump 3; }
-seeds() { seed 0; seed 1; seed 2; }
+seeds() {
+    seed 0; seed 1; seed 2
+    python experiments/grokking.py --overlay experiments/results/grokking_p59_noclip_s{0,1,2}.json
+}
 # The same with gradient-norm clipping at 1 and 10 warmup steps: grokking comes later and smoothly.
 # Seed 0 was stopped at step 1,500 (before its jump), seed 1 at 3,250 (1.5x its jump).
 clipped() {

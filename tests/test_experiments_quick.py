@@ -215,3 +215,21 @@ def test_grokking_scale_lr_divides_the_learning_rate_only():
     assert cfg["lr"] == pytest.approx(1e-3)
     with pytest.raises(SystemExit, match="multiple of --every"):
         grok.settings(grok.arguments(["--every", "7"]))
+
+
+def test_grokking_overlay_plots_and_reads_the_runs(tmp_path):
+    grok = load("grokking")
+    runs = [grok.main(["--quick", "--steps", "60", "--seed", str(s), "--tag", f"s{s}", "--out", str(tmp_path)])
+            for s in (0, 1)]
+    out = grok.main(["--overlay", str(tmp_path / "grokking_s0.json"), str(tmp_path / "grokking_s1.json"),
+                     "--tag", "both", "--out", str(tmp_path)])
+    assert (tmp_path / "grokking_both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out["overlay"] == ["grokking_s0.json", "grokking_s1.json"]
+    on_disk = json.loads((tmp_path / "grokking_both.json").read_text())
+    for run, read in zip(runs, on_disk["readings"]):
+        assert read["settings"]["seed"] == run["settings"]["seed"]
+        assert read["last_step"] == run["history"][-1]["step"] == 60
+        mem = next(r for r in run["history"] if r["train_acc"] >= 0.99)  # memorised within 60 steps
+        assert read["memorised_step"] == read["points"]["memorised"]["step"] == mem["step"]
+        assert read["points"]["memorised"]["dlr"] == mem["dlr"]
+        assert read["points"]["last"]["dlr"] == run["history"][-1]["dlr"]
