@@ -286,7 +286,7 @@ def write_json(args: argparse.Namespace, name: str, payload: Dict[str, Any], sta
     payload = dict(payload)
     payload["experiment"] = name
     payload["mode"] = "quick" if args.quick else "full"
-    if DATA_SOURCE["name"] is not None:
+    if DATA_SOURCE["name"] is not None and "data" not in payload:  # a script's own data set is kept
         payload["data"] = DATA_SOURCE["name"]
     payload["args"] = {k: v for k, v in vars(args).items() if k != "out"}
     payload["machine"] = machine()
