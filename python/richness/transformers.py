@@ -37,6 +37,7 @@ except ImportError as _e:
         from None
 
 from .model.batches import UNSHIFTED, labels_are_inputs, next_token_labels
+from .model.hooks import ModelHook
 from .monitor.monitor import Monitor
 from .monitor.sinks import scalars
 
@@ -148,12 +149,12 @@ class RichnessCallback(TrainerCallback):
         names = list(args.label_names or ["labels"])
         self._label_name = names[0] if len(names) == 1 else None  # NC1 needs one class label per row
         distributed = self.distributed if self.distributed is not None else args.world_size > 1
-        extra = [] if self.sinks is None else (list(self.sinks) if isinstance(self.sinks, (list, tuple)) else [self.sinks])
         # records carry the Trainer's global_step after their optimizer step (as its own loss logs do)
-        self.monitor = Monitor(model, self.head, every=self.every, window=self.window, log=[self._to_trainer] + extra,
+        self.monitor = Monitor(model, self.head, every=self.every, window=self.window, log=[self._to_trainer, self.sinks],
                                prefix=self.prefix, distributed=distributed, first_step=state.global_step + 1,
                                tokens=self._tokens, **self.options)
-        self._hook = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        # a ModelHook: a deep-copied or saved model carries an inert hook, not this callback
+        self._hook = model.register_forward_pre_hook(ModelHook(self._on_forward), with_kwargs=True)
         self._forwards, self._positions, self._checked = [], [], False
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

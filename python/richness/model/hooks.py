@@ -91,7 +91,7 @@ class ModelHook:
     def __init__(self, fn: Optional[Callable] = None) -> None:
         self.fn = fn
 
-    def __call__(self, *args: Any) -> None:  # (mod, args[, out]): pre-hooks and forward hooks
+    def __call__(self, *args: Any) -> None:  # (mod, args[, out or kwargs]): pre-hooks and forward hooks
         if self.fn is not None:
             self.fn(*args)
 
