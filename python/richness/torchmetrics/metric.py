@@ -19,7 +19,7 @@ from .. import finish as _finish
 from .._moments import Moments
 from .._report import Report
 from ..model.hooks import hook_forward
-from .tensors import _STATES, _TORCH_DTYPE, Capture as _Capture, _from_tensors, _host, _kept, _padded
+from .tensors import _STATES, _TORCH_DTYPE, Capture as _Capture, _from_tensors, _host, _kept, _padded, _widths_of
 
 
 class DLR(Metric):
@@ -158,10 +158,7 @@ class DLR(Metric):
         """One state dict from the state tensors: rank ``rank`` of a synced
         (stacked) state, or the local one (None). numpy on the host, else
         torch tensors where they are (``richness.finish`` runs on either)."""
-        w = self.widths if rank is None else self.widths[rank]
-        vals = w.tolist()
-        st: Dict[str, Any] = dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]))
-        st["precision"] = _state.PRECISIONS[vals[-1]]
+        st = _widths_of(self.widths if rank is None else self.widths[rank])
         for f in _state.FIELDS:
             t = getattr(self, f.name)
             t = t if rank is None else t[rank][tuple(slice(0, s) for s in _state.shape_of(f, st))]
@@ -244,7 +241,7 @@ class DLR(Metric):
         feats = _adapt.as_matrix(args_in["features"], "features")
         if (feats.device == "cpu" and 2 <= feats.rows < feats.cols
                 and not (self.dist_sync_on_step and self.distributed_available_fn())):
-            W = self._weights({"p": feats.cols, "M": None}) if self._uses_weights else None
+            W = self._head_weights(feats.cols) if self._uses_weights else None
             self.update(*args, **kwargs)  # validates: a bad batch raises here and changes nothing
             value = self._gram_value(feats, args_in, W)
             self._forward_cache = value
@@ -323,13 +320,19 @@ class DLR(Metric):
             return self._undefined(q.undefined or "")
         return torch.tensor(q.dlr, dtype=torch.float64, device=self.device)
 
+    def _head_weights(self, p: int) -> np.ndarray:
+        """The head's weight W (C x p) now, checked against the feature width."""
+        W = _adapt.weights_of(self.head)[0]
+        if W.shape[1] != p:
+            raise ValueError(f"head weight has {W.shape[1]} input columns but the features have {p}")
+        return W
+
     def _weights(self, st: dict) -> Any:
+        """The head's weight for finishing ``st``, on the state's device."""
         if not self._uses_weights:
             return None
-        W = _adapt.weights_of(self.head)[0]
-        if W.shape[1] != int(st["p"]):
-            raise ValueError(f"head weight has {W.shape[1]} input columns but the features have {st['p']}")
-        if st["M"] is not None and not isinstance(st["M"], np.ndarray):
+        W = self._head_weights(int(st["p"]))
+        if not isinstance(st["M"], np.ndarray):
             W = torch.as_tensor(W, device=st["M"].device)
         return W
 
@@ -382,8 +385,7 @@ class DLR(Metric):
             missing = [k for k in _STATES if k not in incoming_state]
             if missing:
                 raise ValueError(f"incoming DLR state is missing {', '.join(missing)}")
-            other = _from_tensors(incoming_state)
-            _state.validate(other)
+            other = _from_tensors(incoming_state)  # checked by _state.merge
         else:
             raise ValueError(f"Expected incoming state to be a dict or an instance of Metric but got "
                              f"{type(incoming_state)}")

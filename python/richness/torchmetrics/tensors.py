@@ -17,11 +17,17 @@ _STATES = _FIELDS + ("widths",)
 _TORCH_DTYPE = {np.float64: torch.float64, np.int64: torch.int64}
 
 
+def _widths_of(widths: Any) -> Dict[str, Any]:
+    """The integer widths and the precision name from a ``widths`` tensor
+    (the metric's ``_widths_tensor`` writes it)."""
+    vals = torch.as_tensor(widths).tolist()
+    return dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]), precision=_state.PRECISIONS[vals[-1]])
+
+
 def _from_tensors(tensors: Dict[str, Any], prefix: str = "") -> dict:
     """A numpy state dict from DLR state tensors under ``prefix``: ``widths``
     and the fields present (``_state.checked`` fills or refuses the others)."""
-    vals = torch.as_tensor(tensors[prefix + "widths"]).tolist()
-    st = dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]), precision=_state.PRECISIONS[vals[-1]])
+    st = _widths_of(tensors[prefix + "widths"])
     for f in _state.FIELDS:
         if prefix + f.name in tensors:
             st[f.name] = torch.as_tensor(tensors[prefix + f.name]).detach().cpu().numpy()
