@@ -20,8 +20,8 @@ import errno
 import hashlib
 import json
 import os
+import tempfile
 import resource
-import secrets
 import stat
 import zipfile
 from typing import BinaryIO, Dict, NamedTuple, Optional, Tuple
@@ -89,15 +89,6 @@ def _remove_stale_temps(folder: str) -> None:
             pass
 
 
-def _mkstemp(folder: str) -> Tuple[int, str]:
-    while True:
-        tmp = os.path.join(folder, f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}{_TEMP_SUFFIX}")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600), tmp
-        except FileExistsError:
-            continue
-
-
 def file_path(path, what: str = "path") -> str:
     """``path`` (str, bytes or os.PathLike) as a str; TypeError for other
     types (an int would name a file descriptor), ValueError when empty."""
@@ -114,7 +105,7 @@ def file_path(path, what: str = "path") -> str:
 def save_state(state: dict, path: "os.PathLike | str") -> None:
     """Write ``state`` to ``path`` atomically: a temp file in the same folder,
     fsync, then rename over the target. A crash leaves the old file intact
-    (and a temp file that the next save to the same path removes). The file
+    (and a temp file that the next save into the same folder removes). The file
     gets the permissions ``open`` would give a new file under the umask."""
     path = file_path(path)
     if path.endswith(os.sep) or os.path.basename(path) in (".", ".."):
@@ -124,7 +115,7 @@ def save_state(state: dict, path: "os.PathLike | str") -> None:
             "sha256": _digest(arrays, state)}
     folder = os.path.dirname(os.path.abspath(path))
     _remove_stale_temps(folder)
-    fd, tmp = _mkstemp(folder)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", suffix=_TEMP_SUFFIX, dir=folder)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600
         with os.fdopen(fd, "wb") as f:

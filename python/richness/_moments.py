@@ -99,7 +99,7 @@ class Moments(Lockable):
             raise ValueError("group_seed needs groups=k")
         if num_classes is not None and (isinstance(num_classes, (bool, np.bool_))
                                         or not isinstance(num_classes, (int, np.integer))
-                                        or not 1 <= num_classes < 2**63):
+                                        or not 1 <= num_classes <= _state.INT64_MAX):
             raise ValueError(f"num_classes must be an integer from 1 to 2**63 - 1 (or None), got {num_classes!r}")
         if precision is not None and precision not in _state.PRECISIONS:
             raise ValueError(f"precision must be one of {_state.PRECISIONS} or None, got {precision!r}")

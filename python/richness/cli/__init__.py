@@ -18,6 +18,8 @@ import logging
 import sys
 from typing import List, Optional
 
+from .._state import INT64_MAX
+
 log = logging.getLogger("richness")
 
 
@@ -65,7 +67,6 @@ def _alphas(text: str) -> List[float]:
     return [one(a.strip()) for a in text.split(",")] if text.strip() else []
 
 
-_INT64_MAX = 2**63 - 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="epochs of the rich/lazy classifiers")
     d.add_argument("--steps", type=_integer(1, 10**8, "a positive number of steps"), default=400,
                    help="full-batch steps per network of the alpha sweep")
-    d.add_argument("--seed", type=_integer(0, _INT64_MAX, "a non-negative integer"), default=0)
+    d.add_argument("--seed", type=_integer(0, INT64_MAX, "a non-negative integer"), default=0)
     d.add_argument("--alphas", type=_alphas, default="0.1,0.3,1,10",
                    help=f"comma-separated target scales of the sweep, each in [{demo.ALPHA_RANGE[0]:g}, "
                         f"{demo.ALPHA_RANGE[1]:g}] ('' to skip it)")
@@ -105,12 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--test-outputs")
     e.add_argument("--test-labels")
     e.add_argument("--test-targets")
-    e.add_argument("--num-classes", type=_integer(1, _INT64_MAX, "a positive number of classes"), default=None)
+    e.add_argument("--num-classes", type=_integer(1, INT64_MAX, "a positive number of classes"), default=None)
     e.add_argument("--precision", choices=["fp64", "fp32"], default=None,
                    help="precision of the products (default: fp64 for float64 files, else fp32)")
     e.add_argument("--rtol", type=_real(0.0, 1.0, "a relative cut in [0, 1]"), default=None,
                    help="eigenvalue cut (default by precision)")
-    e.add_argument("--chunk", type=_integer(1, _INT64_MAX, "a positive number of rows"), default=8192,
+    e.add_argument("--chunk", type=_integer(1, INT64_MAX, "a positive number of rows"), default=8192,
                    help="rows per chunk (default 8192)")
     e.add_argument("--json", action="store_true", help="print the report as one JSON object")
     e.add_argument("--save", help="write the training state (.npz) for `richness plot` or later merges")
