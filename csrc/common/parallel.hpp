@@ -17,6 +17,10 @@ namespace richness {
 // fn itself cannot throw, neither can this: a merge that has begun completes.
 template <typename Range, typename Fn>
 void run_split(int64_t workers, Range&& range_of, Fn&& fn) {
+  if (workers <= 1) {  // the common case: no thread, no bookkeeping
+    fn(0, range_of(0), range_of(1));
+    return;
+  }
   std::vector<std::exception_ptr> errors;
   std::vector<std::thread> pool;
   try {
@@ -50,10 +54,7 @@ void run_split(int64_t workers, Range&& range_of, Fn&& fn) {
 // split depends only on the worker count, so results are reproducible.
 template <typename Fn>
 void run_workers(int64_t workers, int64_t rows, Fn&& fn) {
-  if (workers <= 1) {
-    fn(0, (int64_t)0, rows);
-    return;
-  }
+  workers = std::max<int64_t>(workers, 1);
   const int64_t step = (rows + workers - 1) / workers;
   run_split(workers, [&](int64_t w) { return std::min(rows, w * step); }, fn);
 }

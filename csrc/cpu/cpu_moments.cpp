@@ -264,10 +264,14 @@ double memory_limit() {
 constexpr double kBlasBuffer = double(32 << 20) + double(1 << 16);
 thread_local bool t_has_blas_buffer = false;
 
-bool address_space_for(double bytes) {
+bool address_space_limited() {
   struct rlimit rl;
-  const bool limited = getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY;
-  if (!limited || !(bytes > 0.0)) return true;  // without a ulimit -v a map this size does not fail
+  return getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY;
+}
+
+// Whether `bytes` of address space can still be mapped (under a ulimit -v).
+bool address_space_for(double bytes) {
+  if (!(bytes > 0.0)) return true;
   if (bytes >= (double)std::numeric_limits<size_t>::max() / 2) return false;
   void* p = mmap(nullptr, (size_t)bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return false;
@@ -280,6 +284,10 @@ bool address_space_for(double bytes) {
 template <typename ScratchOf>
 int64_t blas_workers(int64_t wanted, ScratchOf&& scratch_of) {
   const int64_t own = t_has_blas_buffer ? 0 : 1;
+  if (!address_space_limited()) {  // without a ulimit -v a map this size does not fail
+    t_has_blas_buffer = true;
+    return std::max<int64_t>(wanted, 1);
+  }
   for (int64_t w = std::max<int64_t>(wanted, 1); w >= 1; --w) {
     if (!address_space_for((double)(w - 1 + own) * kBlasBuffer + scratch_of(w))) continue;
     t_has_blas_buffer = true;
