@@ -245,16 +245,71 @@ def label_kwargs(labels: Any, n: int, device: Any) -> dict:
     return {"labels": labels}
 
 
-def layer_rows(act: Any, n: int, name: str) -> Any:
-    """A layer's output as one row per sample: (batch, C, ...) feature maps are
-    averaged over their spatial positions (channels stay), other shapes are
-    flattened. Layers are profiled per sample, so their batch size must match
-    the head's rows (2-D head inputs)."""
+# Pooling policies of a layer's output into one row per sample (``pool_rows``).
+POOLS = ("mean", "flatten", "first", "last")
+
+# ``pool="flatten"`` past this many columns is refused: a similarity state over
+# k such layers holds a float64 (sum of widths)^2 matrix (8 GiB at 32,768).
+FLATTEN_LIMIT = 16_384
+
+
+def pool_rows(act: Any, name: str, pool: str = "mean", n: Optional[int] = None) -> Any:
+    """A layer's output as one row per sample.
+
+    Layouts follow torchvision / timm and Hugging Face: 4-D and wider outputs
+    are ``(N, C, *spatial)`` feature maps (channels first, whatever the memory
+    format), 3-D outputs are ``(N, T, D)`` token sequences, 2-D outputs are
+    rows already. A tuple or list (Hugging Face blocks return ``(hidden, ...)``)
+    gives its first tensor.
+
+    ``pool``: ``"mean"`` averages feature maps over their spatial positions and
+    sequences over their tokens (the width is C or D); ``"flatten"`` keeps every
+    value (refused past ``FLATTEN_LIMIT`` columns, the message giving the
+    memory it would need); ``"first"`` / ``"last"`` take one token of a
+    sequence (a ViT's class token, a causal model's last position).
+    ``n``: the rows expected (the batch size), checked when given."""
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     if isinstance(act, (tuple, list)):
+        if not act:
+            raise ValueError(f"layer {name!r} returned an empty {type(act).__name__}, not a tensor")
         act = act[0]
-    if act.shape[0] != n:
-        raise ValueError(f"layer {name!r} gave {act.shape[0]} rows but the head saw {n} samples "
+    if not hasattr(act, "ndim") or not hasattr(act, "shape"):
+        raise ValueError(f"layer {name!r} returned a {type(act).__name__}, not a tensor")
+    if act.ndim < 2:
+        raise ValueError(f"layer {name!r} gave shape {tuple(act.shape)}: need (batch, width), "
+                         "(batch, tokens, width) or (batch, channels, *spatial)")
+    if n is not None and act.shape[0] != n:
+        raise ValueError(f"layer {name!r} gave {act.shape[0]} rows but the batch has {n} samples")
+    rows = act.shape[0]
+    if pool in ("first", "last"):
+        if act.ndim != 3:
+            raise ValueError(f"pool={pool!r} takes a token of a (batch, tokens, width) output; layer {name!r} "
+                             f"gave shape {tuple(act.shape)}")
+        return act[:, 0 if pool == "first" else -1, :]
+    if pool == "flatten":
+        width = 1
+        for s in act.shape[1:]:
+            width *= int(s)
+        if width > FLATTEN_LIMIT:
+            raise ValueError(f"pool='flatten' gives layer {name!r} {width:,} columns (shape {tuple(act.shape)}), past "
+                             f"the limit of {FLATTEN_LIMIT:,}: its float64 covariance alone would need "
+                             f"{8 * width * width / 2**30:,.1f} GiB; use pool='mean'")
+        return act.reshape(rows, width)
+    if act.ndim == 3:
+        return act.mean(dim=1)
+    if act.ndim > 3:
+        return act.flatten(2).mean(dim=2)
+    return act
+
+
+def layer_rows(act: Any, n: int, name: str) -> Any:
+    """A layer's output as one row per sample for ``evaluate(layers=...)``:
+    ``pool_rows`` with ``"mean"`` (feature maps over positions, sequences over
+    tokens). Layers are profiled per sample, so their batch size must match the
+    head's rows (2-D head inputs)."""
+    first = act[0] if isinstance(act, (tuple, list)) and act else act
+    if hasattr(first, "shape") and first.shape[0] != n:
+        raise ValueError(f"layer {name!r} gave {first.shape[0]} rows but the head saw {n} samples "
                          "(layer profiles need one head row per sample: 2-D head inputs)")
-    if act.ndim > 2:
-        act = act.flatten(2).mean(dim=2)
-    return act.reshape(n, -1)
+    return pool_rows(act, name, "mean")
