@@ -22,7 +22,7 @@ import math
 import os
 import warnings
 import zipfile
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional
+from typing import Any, List, Mapping, NamedTuple, Optional
 
 import numpy as np
 
@@ -103,12 +103,13 @@ def _as_batch(x: Any, name: str) -> Any:
     return x
 
 
-def _all_finite(x: Any) -> bool:
+def _nonfinite(x: Any) -> int:
+    """The number of NaN or Inf values (for a CUDA tensor this waits for the device)."""
     if _is_torch(x):
         import torch
 
-        return bool(torch.isfinite(x).all())
-    return bool(np.isfinite(x).all())
+        return int((~torch.isfinite(x)).sum())
+    return int(np.count_nonzero(~np.isfinite(x)))
 
 
 class Similarity:
@@ -194,12 +195,13 @@ class Similarity:
         if next(iter(rows.values())) == 0:
             return
         for nm, x in zip(names, xs):
-            if not _all_finite(x):
-                raise ValueError(f"update: representation {nm!r} contains NaN or Inf")
+            bad_values = _nonfinite(x)
+            if bad_values:
+                raise ValueError(f"update: representation {nm!r} contains {bad_values} NaN or Inf values")
         shift = self._shift
         if shift is None:
             shift = np.concatenate([_mean64(x) for x in xs])
-        joint = _joint(xs, shift)
+        joint = _joint(xs, shift, wide=self.precision == "fp64")
         self._moments.update(joint)  # validated by the core; on error nothing changed
         if self._names is None:
             self._names, self._widths, self._shift = names, widths, shift
@@ -230,7 +232,7 @@ class Similarity:
         and no rank's state changes."""
         from ._distributed import _dist, all_reduce_states
 
-        torch, dist = _dist()
+        _, dist = _dist()
         world = dist.get_world_size(group)
         mine = None if self.n == 0 else (self._names, self._widths, self._shift.tolist())
         gathered: List[Any] = [None] * world
@@ -362,20 +364,20 @@ def _mean64(x: Any) -> np.ndarray:
     return x.astype(np.float64).mean(axis=0)
 
 
-def _joint(xs: List[Any], shift: np.ndarray) -> Any:
+def _joint(xs: List[Any], shift: np.ndarray, wide: bool = False) -> Any:
     """``[x_1 .. x_k, a_1 .. a_k]`` with ``a_r = ||x_r - c_r||^2`` formed in
-    float64; float64 when every input is, else float32."""
+    float64; float64 when every input is (or ``wide``), else float32."""
     offs = np.cumsum([0] + [int(x.shape[1]) for x in xs])
     if _is_torch(xs[0]):
         import torch
 
-        dt = torch.float64 if all(x.dtype == torch.float64 for x in xs) else torch.float32
+        dt = torch.float64 if wide or all(x.dtype == torch.float64 for x in xs) else torch.float32
         c = torch.as_tensor(shift, device=xs[0].device)
         cols = [x.to(dt) for x in xs]
         cols += [((x.to(torch.float64) - c[offs[r]:offs[r + 1]]) ** 2).sum(dim=1, keepdim=True).to(dt)
                  for r, x in enumerate(xs)]
         return torch.cat(cols, dim=1)
-    dt = np.float64 if all(x.dtype == np.float64 for x in xs) else np.float32
+    dt = np.float64 if wide or all(x.dtype == np.float64 for x in xs) else np.float32
     n, k = xs[0].shape[0], len(xs)
     out = np.empty((n, offs[-1] + k), dtype=dt)
     for r, x in enumerate(xs):
