@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--title")
     pl.set_defaults(func=commands.plot_cmd)
 
+    from . import cka
+
+    cka.add_parser(sub)
+
     i = sub.add_parser("info", help="version, backends, BLAS, GPU architectures")
     i.set_defaults(func=commands.info)
     return p
