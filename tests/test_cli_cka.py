@@ -7,7 +7,7 @@ import pytest
 
 from reference import cka_debiased_naive, cka_naive
 from richness.cli import main
-from richness.similarity import Similarity
+from richness import Similarity
 
 
 def data(n=150, offset=0.0, seed=0):

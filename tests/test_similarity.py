@@ -9,7 +9,7 @@ import pytest
 
 import richness
 from reference import cka_debiased_naive, cka_naive
-from richness.similarity import Similarity
+from richness import Similarity
 
 
 def reps(seed=0, n=120, widths=(6, 4, 3), offset=0.0):

@@ -16,7 +16,8 @@ from ._moments import Moments, dlr
 from ._report import Report
 from .model.evaluate import RichnessWarning, evaluate
 from .monitor import Monitor
-from .similarity import Similarity, cka
+from ._similarity import Similarity, SimilarityReport, cka
+from .model.similarity import similarity
 
 try:
     from importlib.metadata import PackageNotFoundError as _NotFound, version as _version
@@ -41,4 +42,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["Moments", "Monitor", "Report", "RichnessWarning", "dlr", "evaluate", "blas_info", "__version__",
-           "Similarity", "cka"]
+           "Similarity", "SimilarityReport", "cka", "similarity"]

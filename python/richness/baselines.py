@@ -46,7 +46,7 @@ class InitSimilarity:
     _NAMES = ("now", "init")
 
     def __init__(self) -> None:
-        from .similarity import Similarity
+        from ._similarity import Similarity
 
         self._sim = Similarity(precision="fp64")
 

@@ -26,7 +26,7 @@ def _open(spec: str) -> ArrayFile:
 
 
 def cka_cmd(args: argparse.Namespace) -> int:
-    from ..similarity import Similarity
+    from .._similarity import Similarity
 
     if len(set(args.inputs)) != len(args.inputs):
         raise UserError(f"the same representation is given twice: {args.inputs}")
