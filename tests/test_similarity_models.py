@@ -1,5 +1,7 @@
 """richness.similarity over two small torch models against the test's own hooks and the n x n oracles."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -149,3 +151,18 @@ def test_all_reduce_two_ranks(tmp_path):
         np.testing.assert_allclose(res["cka"], b, rtol=1e-9)
         np.testing.assert_allclose(res["deb"], d, rtol=1e-9)
         assert "different representations" in res["err"] and res["t_n"] == 5
+
+
+def test_plot_similarity(tmp_path):
+    pytest.importorskip("matplotlib")
+    import richness.plot
+
+    ms = {k: v.double() for k, v in models().items()}
+    rep = richness.similarity(ms, loader(), {"cnn": ["1", "3"], "mlp": ["1"]}, progress=False)
+    paths = richness.plot.similarity(rep, tmp_path / "heat", debiased=True)
+    assert all(os.path.getsize(p) > 1000 for p in paths)
+    svg = open(paths[1]).read()
+    assert "debiased" in svg and "cnn" in svg and "mlp" in svg
+    assert f"{rep.cka_debiased[0, 2]:.2f}" in svg
+    with pytest.raises(TypeError, match="SimilarityReport"):
+        richness.plot.similarity({"cka": 1}, tmp_path / "x")
