@@ -252,11 +252,11 @@ def test_verbose_logs_what_is_read_and_json_warnings_go_to_stderr(tmp_path, caps
     rep = json.loads(cap.out)
     assert abs(rep["dlr"] - dlr_naive(X, F)[0]) < 1e-12
     assert f"richness: features: {tmp_path / 'd.npz'}:features, shape (60, 12)" in cap.err
-    assert "richness: warning: n = 60 is below 10 p = 120" in cap.err
+    assert "richness: warning: n = 60 is below 10 x p = 120 (p = 12)" in cap.err
     # without -v: the warning, not the info
     assert main(["eval", str(tmp_path / "d.npz"), "--json", "--no-progress"]) == 0
     err = capsys.readouterr().err
-    assert "below 10 p" in err and "features:" not in err
+    assert "below 10 x p" in err and "features:" not in err
 
 
 # -- file formats -----------------------------------------------------------------
@@ -506,7 +506,7 @@ def test_evaluate_emits_report_caveats_as_warnings():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
     X = torch.randn(40, 6, dtype=torch.float64)  # n = 40 < 10 p = 160
-    with pytest.warns(richness.RichnessWarning, match="n = 40 is below 10 p = 160") as rec:
+    with pytest.warns(richness.RichnessWarning, match=r"n = 40 is below 10 x p = 160 \(p = 16\)") as rec:
         rep = richness.evaluate(model, [X[:20], X[20:]], progress=False)
     assert [str(w.message) for w in rec if w.category is richness.RichnessWarning] == rep.warnings
     assert rec[0].filename == __file__  # points at the caller's line

@@ -330,6 +330,11 @@ class Monitor:
     def _finish_records(self, meta: tuple, v: np.ndarray) -> None:
         """Finish a reduced group's rows (``finish_group``) and emit their records."""
         metas, n, c, k, rtol, sample_space = meta
+        bad = [step for (step, _), norm_m in zip(metas, v[:, 0]) if math.isnan(norm_m)]  # _to_unit_spread
+        if bad:
+            warnings.warn(f"richness.Monitor: the head's input or output had NaN or Inf values at step(s) "
+                          f"{', '.join(map(str, bad))}: their records have dlr, rank and nc1 None", UserWarning,
+                          stacklevel=4)
         for (step, t), dlr, rank, nc1 in zip(metas, *finish_group(v, n, c, k, rtol, sample_space)):
             self._dispatch({"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank,
                             "nc1": _num(nc1), "effective_dim": None, "time": t})
