@@ -1,0 +1,121 @@
+"""Numbers that must stay right at the edges: stray class labels, activations at
+extreme scales or with NaN in one step of Monitor(every=1), NC1 near collapse in
+float32, crafted states, fully padded sequences. Every value is compared with the
+float64 n x n oracles of reference.py."""
+
+import json
+import tracemalloc
+import warnings
+
+import numpy as np
+import pytest
+
+import richness
+from reference import center_rows, cumulative_curve, dlr_naive, eigenfunctions, nc1_naive, one_hot, pad_curve, \
+    spectrum_naive
+
+torch = pytest.importorskip("torch")
+
+
+# -- class matrices: the classes present, not the largest label ---------------------
+
+def test_a_stray_large_label_costs_the_classes_present():
+    rng = np.random.default_rng(5)
+    n, p = 300, 8
+    X = rng.normal(size=(n, p)) + rng.normal(size=(4, p))[rng.integers(0, 4, n)] * 3
+    F = X @ rng.normal(size=(p, 3))
+    y = rng.integers(0, 4, n)
+    y[:3] = 3000  # one stray label: K = 3001 classes, 5 present
+    m = richness.Moments()
+    m.update(X, outputs=F, labels=y)
+    tracemalloc.start()
+    try:
+        rep = m.compute()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8e6  # a 3001 x 3001 float64 matrix alone is 72 MB
+    assert rep.nc1 == pytest.approx(nc1_naive(X, y), rel=1e-9)
+    rho, V, r = spectrum_naive(X)
+    E = eigenfunctions(X, X.mean(axis=0), V[:, :r], rho[:r])
+    present = np.unique(y)
+    Y = one_hot(np.searchsorted(present, y), len(present))
+    np.testing.assert_allclose(rep.quality, pad_curve(cumulative_curve(E, Y), p), rtol=0, atol=1e-10)
+
+
+# -- Monitor(every=1): scale and non-finite steps -------------------------------------
+
+def _one_batch_run(scale, labels, core, bad=None, lag=16, steps=6):
+    """A linear head on features of the given scale, n = 16 < p = 40: the
+    every=1 route. Returns the records, the oracle DLRs and NC1s, the warnings."""
+    from richness.monitor import monitor as monitor_module
+
+    torch.manual_seed(1)
+    n, p, C, K = 16, 40, 5, 4
+    head = torch.nn.Linear(p, C)
+    with torch.no_grad():
+        head.weight.div_(scale)
+    recs, want, want_nc1 = [], [], []
+    old = monitor_module.CORE_GRAMS
+    monitor_module.CORE_GRAMS = core
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with richness.Monitor(head, every=1, lag=lag, log=recs.append) as mon:
+                for i in range(steps):
+                    y = torch.arange(n) % K
+                    x = (torch.randn(n, p) + torch.randn(K, p)[y] * 2) * scale
+                    if bad is not None and i in bad:
+                        x[3, 7] = bad[i]
+                    out = head(x)
+                    finite = bool(torch.isfinite(x).all())
+                    xd, fd = x.double().numpy(), out.detach().double().numpy()
+                    want.append(dlr_naive(xd, fd, rtol=1e-5)[0] if finite else None)
+                    want_nc1.append(nc1_naive(xd, y.numpy(), rtol=1e-5) if finite else None)
+                    mon.step(labels=y if labels else None)
+    finally:
+        monitor_module.CORE_GRAMS = old
+    return recs, want, want_nc1, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("core", [False, True])
+@pytest.mark.parametrize("scale", [1e9, 1e-12])
+def test_one_batch_route_is_scale_invariant(scale, core):
+    recs, want, want_nc1, _ = _one_batch_run(scale, labels=True, core=core)
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    for r, d, c in zip(recs, want, want_nc1):
+        assert r["dlr"] == pytest.approx(d, abs=2e-5)
+        assert r["nc1"] == pytest.approx(c, rel=1e-3)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e30])
+def test_one_batch_route_non_finite_step_is_its_own_record(value, tmp_path):
+    log = tmp_path / "r.jsonl"
+    recs, want, _, messages = _one_batch_run(1.0, labels=False, core=False, bad={3: value}, lag=4, steps=8)
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    for i, (r, d) in enumerate(zip(recs, want)):
+        if i == 3 and value != 1e30:
+            assert r["dlr"] is None and r["rank"] is None
+        else:  # 1e30 is finite: that step's DLR is the oracle's, like the others
+            assert r["dlr"] == pytest.approx(d, abs=2e-5)
+    flagged = [m for m in messages if "NaN or Inf" in m]
+    assert (flagged == ["richness.Monitor: the head's input or output had NaN or Inf values at step(s) 4: their "
+                        "records have dlr, rank and nc1 None"]) == (value != 1e30)
+    del log
+
+
+def test_one_batch_route_records_before_a_bad_step_reach_the_log(tmp_path):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(40, 3)
+    log = tmp_path / "r.jsonl"
+    with pytest.warns(UserWarning, match="NaN or Inf values at step"):
+        with richness.Monitor(head, every=1, lag=16, log=str(log)) as mon:
+            for i in range(20):
+                x = torch.randn(8, 40)
+                if i == 12:
+                    x[0, 0] = float("nan")
+                head(x)
+                mon.step()
+    lines = [json.loads(s) for s in log.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 21))
+    assert [r["dlr"] is None for r in lines] == [i == 12 for i in range(20)]
