@@ -119,3 +119,33 @@ def test_one_batch_route_records_before_a_bad_step_reach_the_log(tmp_path):
     lines = [json.loads(s) for s in log.read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 21))
     assert [r["dlr"] is None for r in lines] == [i == 12 for i in range(20)]
+
+
+# -- NC1 near collapse: float32 products resolve it to their floor, and say so below it ----
+
+@pytest.mark.parametrize("K,p,n,bs", [(4, 16, 400, 400), (10, 64, 2000, 500), (3, 8, 300, 300)])
+@pytest.mark.parametrize("spread,mean", [(1e-6, 0.0), (1e-4, 0.0), (1e-3, 0.0), (1e-2, 0.0), (1e-3, 1e6),
+                                         (3e-2, 1e6), (1e-1, 0.0)])
+def test_nc1_near_collapse_float32_is_right_or_flagged(K, p, n, bs, spread, mean):
+    from reference import simplex_etf
+
+    rng = np.random.default_rng(K * 1000 + int(-np.log10(spread) * 7) + int(mean > 0))
+    y = np.repeat(np.arange(K), n // K)
+    rng.shuffle(y)
+    X = (simplex_etf(K, p, rng) + mean)[y] + spread * rng.normal(size=(n, p))
+    X = X.astype(np.float32)
+    want = nc1_naive(X, y)  # float64 oracle of the same float32 values
+    for dtype in (np.float32, np.float64):
+        m = richness.Moments()
+        for i in range(0, n, bs):
+            m.update(X[i:i + bs].astype(dtype), labels=y[i:i + bs])
+        rep = m.compute(spectrum=False)
+        flagged = [w for w in rep.warnings if w.startswith("NC1 = ")]
+        if flagged:
+            assert dtype is np.float32 and want < 1.5e-4 and "fp32 products" in flagged[0]
+        else:
+            assert rep.nc1 == pytest.approx(want, rel=1e-2 if dtype is np.float32 else 1e-4)
+    if spread <= 1e-4:  # deep in collapse: float32 products must say so
+        m = richness.Moments()
+        m.update(X, labels=y)
+        assert any(w.startswith("NC1 = ") for w in m.compute(spectrum=False).warnings)
