@@ -4,6 +4,7 @@ float32, crafted states, fully padded sequences. Every value is compared with th
 float64 n x n oracles of reference.py."""
 
 import json
+import re
 import tracemalloc
 import warnings
 
@@ -149,3 +150,63 @@ def test_nc1_near_collapse_float32_is_right_or_flagged(K, p, n, bs, spread, mean
         m = richness.Moments()
         m.update(X, labels=y)
         assert any(w.startswith("NC1 = ") for w in m.compute(spectrum=False).warnings)
+
+
+# -- crafted states: indefinite M, a cross-moment beyond Cauchy-Schwarz ---------------
+
+def _legit_state():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(200, 3)) @ rng.normal(size=(3, 3)) + 1.0
+    F = X @ rng.normal(size=(3, 2)) + rng.normal(size=(200, 2))
+    m = richness.Moments()
+    m.update(X, outputs=F, labels=rng.integers(0, 3, 200), targets=rng.normal(size=(200, 1)))
+    return m
+
+
+def _indefinite_m(st):
+    Q = np.stack([np.ones(3) / np.sqrt(3), np.array([1.0, -1.0, 0.0]) / np.sqrt(2),
+                  np.array([1.0, 1.0, -2.0]) / np.sqrt(6)], axis=1)
+    M = Q @ np.diag([-75.0, 78.0, 244.0]) @ Q.T
+    assert (np.diag(M) > 0).all() and np.linalg.eigvalsh(M)[0] < -74  # every variance positive, M indefinite
+    st["M"] = (M + M.T) / 2
+
+
+def _cross_beyond(key, gram):
+    def edit(st):
+        M, G = st["M"], st[gram]
+        st[key] = st[key] * 1.0
+        # the largest cross-moment Cauchy-Schwarz allows, times 1.5, on one entry
+        st[key][0, 0] = 1.5 * np.sqrt(M[0, 0] * G[0, 0])
+    return edit
+
+
+def _class_mean_beyond(st):
+    s = st["class_sums"].copy()
+    # class 0's mean moved 3 standard deviations out, class 1's sum back by as much (the total still agrees)
+    shift = 3.0 * np.sqrt(st["M"][0, 0] / st["n"]) * st["class_counts"][0]
+    s[0, 0] += shift
+    s[1, 0] -= shift
+    st["class_sums"] = s
+
+
+@pytest.mark.parametrize("edit,what", [(_indefinite_m, "'M' is not positive semi-definite"),
+                                       (_cross_beyond("B", "A"), "[[M, B], [B^T, A]]"),
+                                       (_cross_beyond("Bt", "At"), "[[M, Bt], [Bt^T, At]]"),
+                                       (_class_mean_beyond, "within-class scatter")])
+def test_crafted_states_are_refused_and_change_nothing(edit, what, tmp_path):
+    from reference import states_equal
+
+    st = _legit_state().state_dict()
+    edit(st)
+    target = _legit_state()
+    target.update(np.ones((4, 3)) + np.arange(12.0).reshape(4, 3) ** 1.5, outputs=np.arange(8.0).reshape(4, 2) ** 2,
+                  labels=np.array([0, 1, 2, 0]), targets=np.arange(4.0)[:, None])
+    before = target.state_dict()
+    with pytest.raises(ValueError, match=re.escape(what)):
+        target.load_state_dict(st)
+    assert states_equal(target.state_dict(), before)
+    # the same state in a save file: refused on load
+    from richness import _io
+    _io.save_state(st, tmp_path / "crafted.npz")
+    with pytest.raises(ValueError, match=re.escape(what)):
+        richness.Moments.load(tmp_path / "crafted.npz")
