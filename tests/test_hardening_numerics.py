@@ -210,3 +210,23 @@ def test_crafted_states_are_refused_and_change_nothing(edit, what, tmp_path):
     _io.save_state(st, tmp_path / "crafted.npz")
     with pytest.raises(ValueError, match=re.escape(what)):
         richness.Moments.load(tmp_path / "crafted.npz")
+
+
+# -- tokens="last": a fully padded sequence is no sample ---------------------------------
+
+def test_last_token_skips_fully_padded_sequences():
+    from tiny_models import lm_feats, lm_setup
+
+    model, ids, mask, lengths = lm_setup()
+    mask[[3, 17, 30]] = False  # three sequences that are padding only
+    labels = torch.randint(0, 4, (40,))
+    batches = [{"input_ids": ids[i:i + 8], "attention_mask": mask[i:i + 8], "labels": labels[i:i + 8]}
+               for i in range(0, 40, 8)]
+    rep = richness.evaluate(model, batches, progress=False, tokens="last")
+    H, F = lm_feats(model, ids)
+    real = mask.any(dim=1)
+    rows = torch.arange(40)[real]
+    Hs, Fs = H[rows, lengths[real] - 1], F[rows, lengths[real] - 1]
+    assert rep.n == 37
+    assert rep.dlr == pytest.approx(dlr_naive(Hs.numpy(), Fs.numpy())[0], abs=1e-10)
+    assert rep.nc1 == pytest.approx(nc1_naive(Hs.numpy(), labels[real].numpy()), rel=1e-8)
