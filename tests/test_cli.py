@@ -127,8 +127,9 @@ def test_eval_prints_dlr_beside_its_isotropic_reference(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     want = dlr_naive(X, F)[0]
     line = [ln for ln in out if "isotropic reference" in ln]
-    assert line == [f"DLR {want:.4f}   isotropic reference {rep['dlr_isotropic']:.4f}   "
-                    f"DLR/iso {want / rep['dlr_isotropic']:.3f}"]
+    assert line == [f"isotropic reference {rep['dlr_isotropic']:.4f}   DLR/iso {want / rep['dlr_isotropic']:.3f}"]
+    assert [ln for ln in out if ln.startswith("DLR ")] == [  # DLR printed once, on the report's first line
+        f"DLR {want:.4f}  (0 = rich, 1 = lazy)   rank {rep['rank']}   n 200"]
     assert want < 0.8 and abs(want / rep["dlr_isotropic"] - 1) < 0.05
     assert any(ln.startswith("how to read: DLR/iso near 1 = as lazy as isotropic") for ln in out)
 

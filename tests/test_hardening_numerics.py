@@ -230,3 +230,60 @@ def test_last_token_skips_fully_padded_sequences():
     assert rep.n == 37
     assert rep.dlr == pytest.approx(dlr_naive(Hs.numpy(), Fs.numpy())[0], abs=1e-10)
     assert rep.nc1 == pytest.approx(nc1_naive(Hs.numpy(), labels[real].numpy()), rel=1e-8)
+
+
+# -- what a reader sees: help texts, plot axes, the report's repr -----------------------
+
+def test_every_command_line_option_has_help(capsys):
+    from richness.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name, sub in subs.choices.items():
+        for action in sub._actions:
+            if action.__class__.__name__ != "_HelpAction":
+                assert action.help, f"richness {name} {action.option_strings or action.dest} has no help text"
+
+
+def test_report_repr_summarises_arrays():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(3000, 300))
+    m = richness.Moments()
+    m.update(X, outputs=X[:, :4] + rng.normal(size=(3000, 4)))
+    rep = m.compute()
+    text = repr(rep)
+    assert len(text) < 2000 and "array(shape=(300,)" in text
+    assert f"dlr={rep.dlr!r}" in text and "rank=4" in text
+
+
+def test_plot_axes_read_against_zero_and_held_out_is_not_a_fraction(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    from richness import plot
+
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(200, 6))
+    Xt = 5 * rng.normal(size=(100, 6))  # held-out features at 5 times the spread: projections past 1
+    m, t = richness.Moments(), richness.Moments()
+    m.update(X, outputs=X[:, :2], labels=(X[:, 0] > 0).astype(int))
+    t.update(Xt, outputs=Xt[:, :2], labels=(Xt[:, 0] > 0).astype(int))
+    rep = m.compute(test=t)
+    assert rep.test_quality[-1] > 1  # the Nystrom-extended curve exceeds 1 here
+    captured = {}
+    real_save = plot._save
+
+    def keep(fig, prefix):
+        captured.setdefault("figs", []).append(fig)
+        return real_save(fig, prefix)
+
+    plot._save = keep
+    try:
+        plot.sweep([0.1, 1, 10], {"DLR": [0.6, 0.7, 0.8]}, tmp_path / "s2", xlabel="alpha")
+        plot.curves(rep, tmp_path / "c")
+    finally:
+        plot._save = real_save
+    sweep_fig, curves_fig = captured["figs"]
+    assert sweep_fig.axes[0].get_ylim()[0] == 0.0
+    labels = [ax.get_ylabel() for ax in curves_fig.axes[:2]]
+    assert all("fraction of variance explained" not in lab and "can exceed 1" in lab for lab in labels)
