@@ -202,7 +202,7 @@ class Monitor:
         self._head_name, self._head = name, head
         self._head_ran = self._head_ran or (x is not None and _grad_enabled())
         self._capture = _PendingCapture(head, self)
-        if x is not None and self._hook_active():
+        if x is not None and self._hook_active():  # (pooled already when the model pooled the head's output)
             self._captured((x.detach(), y.detach() if hasattr(y, "detach") else y))
 
     def _captured(self, capture: tuple) -> None:
