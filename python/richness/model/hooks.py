@@ -125,7 +125,11 @@ class ModelHook:
         return ModelHook()
 
     def __deepcopy__(self, memo: dict) -> "ModelHook":
-        return ModelHook()
+        # ``fn.copied(memo)``: what the copy of the module this hook sits on
+        # should call instead (a metric copied by the same deep copy follows
+        # its own head); inert otherwise
+        copied = getattr(self.fn, "copied", None)
+        return ModelHook(copied(memo) if copied is not None else None)
 
     def __reduce__(self) -> tuple:
         return (ModelHook, ())
