@@ -79,6 +79,7 @@ class RawRows:
         p, s1 = self.shape[1], self.strides[1]
         if self.row_major:
             buf = self._read(self.offset + a * s0, (n - 1) * s0 + (p - 1) * s1 + item, a, b)
+            self._prefetch(self.offset + b * s0, n * s0)  # the next chunk, read ahead while this one is used
             x = np.ndarray((n, p), self.dtype, buffer=buf, strides=(s0, s1))
             return x if (s0, s1) == (p * item, item) else np.ascontiguousarray(x)
         out = np.empty((p, n), self.dtype)  # one column at a time, returned transposed
@@ -90,6 +91,15 @@ class RawRows:
                 buf = self._read(pos, (n - 1) * s0 + item, a, b)
                 out[j] = np.ndarray((n,), self.dtype, buffer=buf, strides=(s0,))
         return out.T
+
+    def _prefetch(self, pos: int, length: int) -> None:
+        """Start reading ``length`` bytes from ``pos`` into the page cache in the background
+        (posix_fadvise WILLNEED), where the system can."""
+        if hasattr(os, "posix_fadvise") and pos < self.end:
+            try:
+                os.posix_fadvise(self.raw.fileno(), pos, min(length, self.end - pos), os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
 
     def release(self, b: int) -> None:
         """Tell the kernel the rows before ``b`` of row-major data will not be read again
