@@ -179,6 +179,18 @@ def test_hdf5_external_and_virtual_datasets_are_refused(tmp_path, capsys, monkey
     assert "d.h5:empty" in line and "empty dataset" in line
 
 
+def test_parquet_column_chunks_in_other_files_are_refused(tmp_path, capsys, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    monkeypatch.chdir(tmp_path)
+    pq.write_table(pa.table({"features": [list(r) for r in features(n=50, p=3)]}), "data.parquet")
+    md = pq.read_metadata("data.parquet")
+    md.set_file_path("data.parquet")  # a metadata file whose column chunks point at another file
+    md.write_metadata_file("meta.parquet")
+    line = run_error(["eval", "meta.parquet", "--no-progress"], capsys)
+    assert "meta.parquet:features" in line and "stored in other files (data.parquet)" in line
+
+
 # -- ambiguous archives -----------------------------------------------------------------------
 
 def _npy_bytes(a):

@@ -179,8 +179,11 @@ class ArrayFile:
 
     def _open_safetensors(self, path: str) -> None:
         st = _optional("safetensors", "safetensors", ".safetensors")
-        try:  # the library validates the header; the data is read by RawRows
-            handle = st.safe_open(path, framework="numpy")
+        try:  # the library validates the header (by pread where it can: no mapping); RawRows reads the data
+            try:
+                handle = st.safe_open(path, framework="numpy", backend="pread")
+            except TypeError:  # a safetensors without the pread backend
+                handle = st.safe_open(path, framework="numpy")
         except st.SafetensorError as e:
             raise UserError(f"{path}: not a valid safetensors file ({reason(e)})") from None
         key = self._pick(list(handle.keys()), "tensor")
@@ -288,6 +291,12 @@ class ArrayFile:
         pq = _optional("pyarrow.parquet", "pyarrow", ".parquet")
         pf = pq.ParquetFile(path)
         key = self._pick(list(pf.schema_arrow.names), "column")
+        md = pf.metadata
+        chunks = [md.row_group(g).column(c) for g in range(md.num_row_groups) for c in range(md.num_columns)]
+        others = sorted({c.file_path for c in chunks if c.file_path and c.path_in_schema.split(".")[0] == key})
+        if others:
+            raise UserError(f"{self.label}: its column chunks are stored in other files ({', '.join(others)}); "
+                            "richness reads only data stored in the file itself")
         typ = pf.schema_arrow.field(key).type
         is_list = pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ)
         value = typ.value_type if is_list else typ
