@@ -134,6 +134,25 @@ def test_transposed_pt_file_gives_the_oracle_dlr(tmp_path, capsys):
     assert rep["n"] == 600 and rep["rank"] == rank and abs(rep["dlr"] - want) < 1e-12
 
 
+def test_big_endian_pt_file_is_read_in_its_byte_order(tmp_path):
+    """torch swaps a big-endian file's tensors in its own copy; the bytes read from the file are
+    the file's, read in the order the file records."""
+    torch = pytest.importorskip("torch")
+    X = features(n=300, p=5, seed=4)
+    torch.save(torch.from_numpy(X), tmp_path / "le.pt")
+    with zipfile.ZipFile(tmp_path / "le.pt") as zin, zipfile.ZipFile(tmp_path / "be.pt", "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename and not info.filename.endswith("serialization_id"):
+                data = np.frombuffer(data, "<f8").astype(">f8").tobytes()
+            zout.writestr(info, data)
+    assert np.array_equal(torch.load(tmp_path / "be.pt", weights_only=True).numpy(), X)  # the file is right
+    f = ArrayFile(str(tmp_path / "be.pt"))
+    assert np.array_equal(f.chunk(0, 300), X) and np.array_equal(f.chunk(17, 99), X[17:99])
+
+
 def test_file_truncated_inside_one_read(tmp_path, monkeypatch):
     """Truncated between the size check and the read: the short read is the same one-line error."""
     path, spec, _ = _write("npy", tmp_path, features(n=1000))

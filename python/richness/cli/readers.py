@@ -5,6 +5,7 @@ refusal a :class:`~richness.cli.UserError` naming the file."""
 from __future__ import annotations
 
 import os
+import sys
 import zipfile
 from typing import List, Optional
 
@@ -242,6 +243,8 @@ class ArrayFile:
         shape = tuple(int(s) for s in t.shape)
         start = mapped_file_offset(t.untyped_storage().data_ptr(), path) if mapped and t.numel() else None
         if start is not None:  # read from the file by offset; the mapping goes with t
+            if _torch_byteorder(path) != sys.byteorder:  # torch swapped its copy; the file's bytes are read
+                dtype = dtype.newbyteorder()
             strides = tuple(int(s) * dtype.itemsize for s in t.stride())
             offset = start + t.storage_offset() * dtype.itemsize
             del t
@@ -343,6 +346,16 @@ class ArrayFile:
         """The rows before ``b`` will not be read again (raw data: dropped from the page cache)."""
         if isinstance(self._reader, RawRows):
             self._reader.release(b)
+
+
+def _torch_byteorder(path: str) -> str:
+    """The byte order a zip-format .pt file records for its tensors (native where it records none)."""
+    with zipfile.ZipFile(path) as z:
+        for name in z.namelist():
+            if name.count("/") == 1 and name.endswith("/byteorder"):
+                order = z.read(name).decode(errors="replace")
+                return order if order in ("little", "big") else sys.byteorder
+    return sys.byteorder
 
 
 class _NpzRows:
