@@ -316,6 +316,9 @@ def test_evaluate_refuses_unbatched_samples():
     dataset = [(torch.randn(4), torch.tensor(i % 3)) for i in range(20)]
     with pytest.raises(ValueError, match=r"head's input has shape \(8,\): the loader yields unbatched samples"):
         richness.evaluate(model, dataset, progress=False)
+    batches = [(torch.randn(5, 4), torch.tensor(1)) for _ in range(3)]  # a batch with one label
+    with pytest.raises(ValueError, match=r"the labels are one value \(shape \(\)\) but the head saw 5 samples"):
+        richness.evaluate(model, batches, progress=False)
 
 
 def test_rtol_of_any_real_type():
