@@ -82,7 +82,8 @@ def curves(reports: Union[Report, Mapping[str, Report]], prefix: "str | os.PathL
         ax.set_xscale("log")
         ax.set_xlabel("k (top-k feature eigenfunctions)")
         # Nystrom-extended curves are monotone but can exceed 1 (docs/MATH.md, held-out curves)
-        ax.set_ylabel("fraction of variance explained" + ("\n(held-out dashed: not bounded by 1)" if held_out else ""))
+        ax.set_ylabel("cumulative projection (training: fraction of\nvariance; held-out dashed: can exceed 1)"
+                      if held_out else "fraction of variance explained")
         if not held_out:
             ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
@@ -238,6 +239,7 @@ def sweep(x: Iterable[float], series: Mapping[str, Iterable[float]], prefix: "st
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(name)
+        ax.set_ylim(bottom=min(0.0, float(np.nanmin(ax.get_ylim()))))  # values read against 0
         ax.grid(alpha=0.3, which="both")
     if title:
         fig.suptitle(title)

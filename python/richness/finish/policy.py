@@ -17,7 +17,7 @@ import numpy as np
 
 from ._xp import ns
 from .dlr import DEFAULT_RTOL, dlr_of_state, dlr_values, span_of_grams
-from .nc1 import NC1_RELIABLE, nc1, nc1_from_grams
+from .nc1 import NC1_RELIABLE, nc1_floor, nc1_from_grams, nc1_with_scale
 
 
 def check_rtol(rtol: Optional[float]) -> Optional[float]:
@@ -51,7 +51,14 @@ def nc1_reported(st: dict, rtol: float) -> tuple:
         return None, None
     if st["precision"] not in NC1_RELIABLE:
         return None, f"NC1 not reported: {st['precision']} products cannot resolve within-class spread"
-    return nc1(st, rtol), None
+    value, scale = nc1_with_scale(st, rtol)
+    floor = nc1_floor(st["precision"], scale)
+    if value is not None and value < floor:
+        return value, (f"NC1 = {value:.3g} is below {floor:.1g}, the smallest value {st['precision']} products "
+                       "give to 1% here (the within-class spread is near their rounding level): the true NC1 is "
+                       f"below about {floor:.1g}, this value may be off by 100% or more; float64 inputs or "
+                       "precision='fp64' resolve it")
+    return value, None
 
 
 class Quick(NamedTuple):

@@ -153,6 +153,11 @@ def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch
                 labels = labels.to(feats.device)[rows, idx]
             elif labels.shape[0] != b:
                 raise ValueError(f"labels of shape {tuple(labels.shape)} do not match {b} sequences")
+        if mask is not None:  # a sequence with no position kept (all padding) is no sample
+            keep = mask.any(dim=1)  # boolean indexing below: a device sync on CUDA (documented)
+            f2 = f2[keep]
+            o2 = o2[keep] if o2 is not None and o2.shape[:1] == (b,) else o2
+            labels = labels.to(keep.device)[keep] if labels is not None else None
         return f2, o2, labels
     if mask is None:
         f2 = feats.reshape(b * T, p)

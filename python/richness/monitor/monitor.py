@@ -202,7 +202,7 @@ class Monitor:
         self._head_name, self._head = name, head
         self._head_ran = self._head_ran or (x is not None and _grad_enabled())
         self._capture = _PendingCapture(head, self)
-        if x is not None and self._hook_active():
+        if x is not None and self._hook_active():  # (pooled already when the model pooled the head's output)
             self._captured((x.detach(), y.detach() if hasattr(y, "detach") else y))
 
     def _captured(self, capture: tuple) -> None:
@@ -330,6 +330,11 @@ class Monitor:
     def _finish_records(self, meta: tuple, v: np.ndarray) -> None:
         """Finish a reduced group's rows (``finish_group``) and emit their records."""
         metas, n, c, k, rtol, sample_space = meta
+        bad = [step for (step, _), norm_m in zip(metas, v[:, 0]) if math.isnan(norm_m)]  # _to_unit_spread
+        if bad:
+            warnings.warn(f"richness.Monitor: the head's input or output had NaN or Inf values at step(s) "
+                          f"{', '.join(map(str, bad))}: their records have dlr, rank and nc1 None", UserWarning,
+                          stacklevel=4)
         for (step, t), dlr, rank, nc1 in zip(metas, *finish_group(v, n, c, k, rtol, sample_space)):
             self._dispatch({"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank,
                             "nc1": _num(nc1), "effective_dim": None, "time": t})
