@@ -28,14 +28,8 @@ Recipes (``import dask, dask.array as da, numpy as np``)::
     features = da.concatenate([da.from_delayed(dask.delayed(np.load)(p, mmap_mode="r"), h.shape, h.dtype)
                                for p, h in zip(paths, heads)])
 
-Other engines: the state is a mergeable aggregate, so any engine with a
-tree aggregation carries it the same way. In Ray Data, an ``AggregateFnV2``
-whose ``aggregate_block`` returns ``Moments().update(block)``'s
-``state_dict()``, whose ``combine`` loads two state dicts and returns the
-``state_dict()`` of their ``Moments.merge``, and whose ``finalize`` loads
-the last into a ``Moments``; in Spark, ``rdd.mapPartitions`` yielding one
-partition's state dict, then ``treeAggregate`` (or ``treeReduce``) with the
-same load-and-merge as its combiner. Neither is built here.
+Other engines (Ray Data's ``AggregateFnV2``, Spark's ``treeAggregate``) carry
+the same state dicts and merge: README.md, "Data bigger than one machine".
 """
 
 from __future__ import annotations
