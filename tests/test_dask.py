@@ -105,6 +105,16 @@ def test_local_cluster_equals_the_reference_and_uses_both_workers(client):
     assert len(combines) == 4 + 2 + 1
 
 
+def test_grouped_chunks_give_the_same_state_from_fewer_tasks(client):
+    features, outputs, labels, targets = as_dask(7)
+    with distributed.get_task_stream(client) as ts:
+        m = rd.moments(features, outputs, labels, targets, chunks_per_task=3, split_every=2)
+    check(m, 7)
+    assert len([t for t in ts.data if str(t["key"]).startswith("_chunk")]) == 3  # 3 + 3 + 1 chunks
+    with pytest.raises(ValueError, match="chunks_per_task must be a positive integer"):
+        rd.moments(features, chunks_per_task=0)
+
+
 def test_fixed_classes_and_precision_pass_through(client):
     X, F, y, _ = full(3)
     m = rd.moments(da.from_array(X.astype(np.float32), chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)),

@@ -85,14 +85,18 @@ def _checked(features: Any, others: dict) -> List[Optional[Any]]:
     return out
 
 
-def _chunk(start: int, features, outputs, labels, targets, num_classes, precision) -> dict:
-    """One row chunk's state, on the worker that holds the chunk."""
+def _chunk(start: int, blocks: list, num_classes, precision) -> dict:
+    """The state of consecutive row chunks (each a tuple of the features'
+    block and its partners'), on the worker that holds them."""
     m = Moments(num_classes, precision=precision)
-    if features.shape[0]:
-        try:
-            m.update(features, outputs, labels, targets)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"rows {start}..{start + features.shape[0] - 1}: {e}") from None
+    for block in blocks:
+        rows = block[0].shape[0]
+        if rows:
+            try:
+                m.update(*block)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"rows {start}..{start + rows - 1}: {e}") from None
+        start += rows
     return m.state_dict()
 
 
@@ -118,7 +122,7 @@ def _tree(kind: str, states: list, split_every: Optional[int]):
 
 def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any = None, *,
             num_classes: Optional[int] = None, precision: Optional[str] = None,
-            split_every: Optional[int] = None) -> Moments:
+            split_every: Optional[int] = None, chunks_per_task: int = 1) -> Moments:
     """The ``Moments`` of dask arrays, computed on the active scheduler.
 
     Args:
@@ -128,6 +132,11 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
         num_classes, precision: as for ``Moments``.
         split_every: states merged per task of the tree (default 8); each
             merge task holds that many states.
+        chunks_per_task: consecutive row chunks added to one state (default
+            1). Each state costs a fixed time to start, export, send,
+            validate and merge (about 0.2 s at p = 1024 with 1000 classes;
+            benchmarks/RESULTS.md, "Sharded features"), so many small chunks
+            are better grouped; a task holds its chunks at once.
 
     A chunk refused by the core (NaN, labels out of range, ...) raises its
     ValueError/TypeError here, naming its rows; a worker lost mid-run is
@@ -137,13 +146,18 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
     import dask
 
     Moments(num_classes, precision=precision)  # the options are checked before any work
+    if (isinstance(chunks_per_task, (bool, np.bool_)) or not isinstance(chunks_per_task, (int, np.integer))
+            or chunks_per_task < 1):
+        raise ValueError(f"chunks_per_task must be a positive integer, got {chunks_per_task!r}")
     arrays = _checked(features, {"outputs": (outputs, (1, 2), "f"), "labels": (labels, (1,), "iu"),
                                  "targets": (targets, (1, 2), "f")})
     blocks = [None if x is None else x.to_delayed().ravel() for x in arrays]
     chunk = dask.delayed(_chunk, pure=True)
     starts = np.concatenate([[0], np.cumsum(features.chunks[0])[:-1]]).astype(int)
-    states = [chunk(int(starts[i]), *(None if b is None else b[i] for b in blocks), num_classes, precision)
-              for i in range(len(starts))]
+    per = int(chunks_per_task)
+    states = [chunk(int(starts[i]), [tuple(None if b is None else b[j] for b in blocks)
+                                     for j in range(i, min(i + per, len(starts)))], num_classes, precision)
+              for i in range(0, len(starts), per)]
     (state,) = dask.compute(_tree("moments", states, split_every))
     m = Moments(num_classes, precision=precision)
     m.load_state_dict(state)
