@@ -8,15 +8,16 @@ a mean), their int64 labels (``--classes`` classes) and float32 head weights
 
 * the CLI in a fresh interpreter, its core on 1 thread and on 2
   (OPENBLAS_NUM_THREADS), ``richness eval 'DIR/features-*.npy' --labels
-  'DIR/labels-*.npy' --head W --json``: wall time of ``main`` and the
-  process's peak resident set (VmHWM);
+  'DIR/labels-*.npy' --head W --json``: wall time of ``main``, the same less
+  the finishing (``Moments.compute``), and the process's peak resident set
+  (VmHWM);
 * ``richness.dask.moments`` on a ``LocalCluster(n_workers=k,
   threads_per_worker=1, processes=True)`` for k = 1, 2 (the nanny runs each
   worker's BLAS, so the core, on one thread), the shards read by the
   "list of .npy files" recipe, one chunk per shard, one state per shard and
   one per ``--chunks-per-task`` shards (default 5); then ``compute(head=W)``.
-  Wall time from building the graph to the report (the cluster's start is
-  given apart) and each worker's peak resident set (VmHWM, read on the
+  Wall time from building the graph to the report, and to the reduced
+  ``Moments`` (the cluster's start is given apart) and each worker's peak resident set (VmHWM, read on the
   worker after the run; it includes the worker's own interpreter, whose
   resident set before the run is given too). The driver runs in a fresh
   interpreter with the CLI run's BLAS threads (the finishing runs there).
@@ -42,6 +43,19 @@ import time
 import numpy as np
 
 from bench_eval_large import CHILD  # richness.cli.main in a fresh interpreter, its wall time and VmHWM
+
+# The same, with the time of Moments.compute (the finishing) noted apart.
+TIMED_CHILD = """
+import time, richness
+_compute = richness.Moments.compute
+def compute(self, *a, **k):
+    t = time.time()
+    try:
+        return _compute(self, *a, **k)
+    finally:
+        print(f"@@finish_s={time.time() - t:.2f}", file=sys.stderr)
+richness.Moments.compute = compute
+""" + CHILD
 
 
 def proc_mb(field: str) -> float:
@@ -69,16 +83,18 @@ def generate(folder: str, shards: int, rows: int, p: int, classes: int, seed: in
 
 def run_cli(folder: str, threads: int) -> dict:
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-c", CHILD, "eval", os.path.join(folder, "features-*.npy"), "--labels",
+    cmd = [sys.executable, "-c", "import sys" + TIMED_CHILD, "eval", os.path.join(folder, "features-*.npy"), "--labels",
            os.path.join(folder, "labels-*.npy"), "--head", os.path.join(folder, "head.npy"), "--json",
            "--no-progress"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0 or "@@" not in r.stderr:
         sys.exit(f"eval failed: {r.stderr[-2000:]}")
     stats = dict(kv.split("=") for kv in r.stderr.strip().splitlines()[-1].split()[1:])
+    finish = float(next(ln for ln in r.stderr.splitlines() if ln.startswith("@@finish_s=")).split("=")[1])
     rep = json.loads(r.stdout)
     return {"route": f"CLI, 1 process, {threads} core thread{'s' if threads > 1 else ''}",
-            "wall_s": float(stats["wall_s"]), "peak_mb": [float(stats["vmhwm_mb"])], "dlr": rep["dlr"],
+            "wall_s": float(stats["wall_s"]), "reduce_s": round(float(stats["wall_s"]) - finish, 2),
+            "peak_mb": [float(stats["vmhwm_mb"])], "dlr": rep["dlr"],
             "nc1": rep["nc1"], "n": rep["n"]}
 
 
@@ -119,7 +135,8 @@ def run_dask(folder: str, workers: int, per_task: int) -> dict:
         cluster.close()
     return {"route": f"richness.dask, LocalCluster {workers} worker{'s' if workers > 1 else ''} x 1 thread, "
                      f"{per_task} shard{'s' if per_task > 1 else ''} per state",
-            "wall_s": round(wall, 2), "reduce_s": round(reduce_s, 2), "peak_mb": sorted(peak.values()), "before_mb": sorted(before.values()),
+            "wall_s": round(wall, 2), "reduce_s": round(reduce_s, 2), "peak_mb": sorted(peak.values()),
+            "before_mb": sorted(before.values()),
             "cluster_start_s": round(start_s, 1), "dlr": rep.dlr, "nc1": rep.nc1, "n": rep.n,
             "blas": sorted(set(blas.values()))}
 
