@@ -342,6 +342,23 @@ class ArrayFile:
             x = (x.astype(np.uint32) << 16).view(np.float32)
         return x
 
+    def close(self) -> None:
+        """Let go of the file (its mapping, descriptor and open reader); chunks
+        already read stay valid."""
+        self.array, self._reader = None, None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a chunk still views the mapping: it goes with the last view
+                pass
+            self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._keep is not None:
+            self._keep.close()
+            self._keep = None
+
     def release(self, b: int) -> None:
         """The rows before ``b`` will not be read again (raw data: dropped from the page cache)."""
         if isinstance(self._reader, RawRows):
