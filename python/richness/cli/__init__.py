@@ -1,4 +1,4 @@
-"""Command line: ``richness demo | eval | plot | info`` (also ``python -m richness``).
+"""Command line: ``richness demo | eval | merge | plot | info`` (also ``python -m richness``).
 
 User errors (a missing file, a wrong shape, a bad key, a folder that cannot be
 written) print one line naming the file and the problem and exit with code 2,
@@ -6,8 +6,9 @@ without a traceback. Progress and notes go to the ``richness`` logger
 (``-v`` shows the info level).
 
 The parser and the reporting of errors are here; the commands are in
-:mod:`richness.cli.commands` (eval, plot, info) and :mod:`richness.cli.demo`,
-the file readers in :mod:`richness.cli.readers`. They are imported when the
+:mod:`richness.cli.commands` (eval, plot, info), :mod:`richness.cli.merge` and
+:mod:`richness.cli.demo`, the file readers in :mod:`richness.cli.readers`, sharded
+inputs (globs, directories) in :mod:`richness.cli.shards`. They are imported when the
 parser is built, so that they can raise :class:`UserError` from this module.
 """
 
@@ -73,7 +74,7 @@ def _alphas(text: str) -> List[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
-    from . import commands, demo
+    from . import commands, demo, merge
 
     p = _Parser(prog="richness", description="Measure how rich or lazy training was (DLR).")
     p.add_argument("--version", action="version", version=f"richness {__version__}")
@@ -100,8 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Stream arrays from .npy, .npz, .safetensors, .pt (torch.load, weights only), "
                                    ".h5/.hdf5 (h5py) or .parquet (pyarrow) files (FILE or FILE:KEY) in chunks. A "
                                    "bundle (any but .npy) with arrays named features, outputs, labels, targets "
-                                   "supplies them all. Parquet: one sample per row, vectors as list columns.")
-    e.add_argument("features", help="features (samples x p): FILE or FILE:KEY, or a bundle")
+                                   "supplies them all. Parquet: one sample per row, vectors as list columns. Every array "
+                                   "argument also takes a quoted glob or a directory (its files, of one format): "
+                                   "shards read in sorted order and paired by position across the arguments.")
+    e.add_argument("features", help="features (samples x p): FILE or FILE:KEY, a bundle, or shards ('DIR/*.npy', DIR)")
     e.add_argument("--outputs", help="outputs / logits (samples x C)")
     e.add_argument("--labels", help="integer class labels (samples,)")
     e.add_argument("--targets", help="float regression targets (samples,) or (samples x T)")
@@ -123,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--save-test", help="write the held-out state (.npz)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=commands.eval_cmd)
+
+    mg = sub.add_parser("merge", help="merge saved states into one (exact: the state of all their samples)",
+                        description="Merge states saved by `richness eval --save` or Moments.save (e.g. one per "
+                                    "shard or machine). Every input is validated first; OUT is written atomically, "
+                                    "and not at all when any input is refused.")
+    mg.add_argument("out", metavar="OUT", help="the merged state (.npz)")
+    mg.add_argument("inputs", metavar="IN", nargs="+", help="saved states: files, quoted globs or directories")
+    mg.add_argument("--json", action="store_true", help="print the merged state's report as one JSON object")
+    mg.set_defaults(func=merge.merge_cmd)
 
     pl = sub.add_parser("plot", help="curves from a saved state, or DLR over steps from a Monitor log")
     pl.add_argument("input", help="a state saved by `richness eval --save` / Moments.save, or a .jsonl/.csv log")

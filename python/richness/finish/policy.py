@@ -10,6 +10,7 @@ as small Gram matrices (docs/MATH.md, per-batch sample-space form).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -20,16 +21,19 @@ from .nc1 import NC1_RELIABLE, nc1_floor, nc1_from_grams, nc1_with_scale
 
 
 def check_rtol(rtol: Optional[float]) -> Optional[float]:
-    """``rtol`` itself; ValueError unless it is None or a number in (0, 1)."""
-    if rtol is not None and not (isinstance(rtol, (int, float)) and 0.0 < rtol < 1.0):
+    """``rtol`` as a float (any real number type: numpy scalars too); ValueError
+    unless it is None or a number in (0, 1)."""
+    if rtol is None:
+        return None
+    if isinstance(rtol, (bool, np.bool_)) or not isinstance(rtol, numbers.Real) or not 0.0 < float(rtol) < 1.0:
         raise ValueError(f"rtol must be a number in (0, 1), got {rtol!r}")
-    return rtol
+    return float(rtol)
 
 
 def rtol_for(precision: str, rtol: Optional[float] = None) -> float:
     """The eigenvalue cut: ``rtol`` (checked), or by default the product
     precision's (docs/MATH.md, rank cut)."""
-    check_rtol(rtol)
+    rtol = check_rtol(rtol)
     return DEFAULT_RTOL[precision] if rtol is None else rtol
 
 

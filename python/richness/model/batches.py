@@ -92,6 +92,13 @@ def check_tokens(tokens: Any) -> None:
         raise TypeError(f"a tokens mask must be a boolean tensor, got dtype {tokens.dtype}")
 
 
+def refuse_scalar_labels(labels: Any, n: int) -> None:
+    """ValueError for a single label (shape ()) given with a batch: it cannot be matched to rows."""
+    if getattr(labels, "ndim", None) == 0:
+        raise ValueError(f"the labels are one value (shape ()) but the head saw {n} samples: give one label per "
+                         "sample (a batch of labels)")
+
+
 def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch: Any = None,
                 attention_mask: Any = None) -> Tuple[Any, Any, Any]:
     """Flatten head activations to rows: 2-D passes through; 3-D ``(b, T, p)``
@@ -104,6 +111,7 @@ def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch
         raise ValueError(f"the head's input is not a tensor (got {type(feats).__name__})")
     if isinstance(outs, torch.Tensor) is False:
         outs = None
+    refuse_scalar_labels(labels, feats.shape[0] if feats.ndim > 1 else 1)
     if feats.ndim == 2:
         if labels is not None and labels.shape[0] != feats.shape[0]:
             raise ValueError(f"labels have {labels.shape[0]} rows but the head saw {feats.shape[0]} samples")
@@ -240,6 +248,7 @@ def label_kwargs(labels: Any, n: int, device: Any) -> dict:
         return {}
     if not isinstance(labels, torch.Tensor):
         labels = torch.as_tensor(labels)
+    refuse_scalar_labels(labels, n)
     if labels.shape[0] != n:
         raise ValueError(f"labels have {labels.shape[0]} rows but the head saw {n} samples")
     labels = labels.to(device, non_blocking=True)

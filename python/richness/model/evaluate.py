@@ -134,6 +134,10 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
                 out = call_model(model, inputs)
                 x, y = pooled_rows(*tap.take(model, inputs, out), out)  # a head pooled after it ran
                 head_mod = tap.module
+                if isinstance(x, torch.Tensor) and x.ndim < 2:
+                    raise ValueError(f"the head's input has shape {tuple(x.shape)}: the loader yields unbatched "
+                                     "samples; evaluate needs batches (pass DataLoader(dataset, batch_size=...), "
+                                     "not the dataset)")
                 del out
                 tok = tokens
                 if shift_labels:
