@@ -287,3 +287,43 @@ def test_plot_axes_read_against_zero_and_held_out_is_not_a_fraction(tmp_path):
     assert sweep_fig.axes[0].get_ylim()[0] == 0.0
     labels = [ax.get_ylabel() for ax in curves_fig.axes[:2]]
     assert all("fraction of variance explained" not in lab and "can exceed 1" in lab for lab in labels)
+
+
+# -- a linear head with more outputs than features: the choice is explicit ---------------
+
+@pytest.mark.parametrize("wide_head", ["weights", "outputs"])
+def test_wide_head_dlr_source_is_explicit_with_its_rank_cut_range(wide_head):
+    from tiny_models import TinyLM
+
+    torch.manual_seed(3)
+    model = TinyLM().double()  # p = 6 features, C = 11 outputs
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    feats, outs = [], []
+
+    def keep(mod, args, out):  # the oracle's own copy of the head's input and output
+        feats.append(args[0].detach().reshape(-1, 6))
+        outs.append(out.detach().reshape(-1, 11))
+
+    model.lm_head.register_forward_hook(keep)
+    recs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with richness.Monitor(model, every=2, window=2, log=recs.append, wide_head=wide_head) as mon:
+            for step in range(4):
+                ids = torch.randint(0, 11, (8, 7))
+                logits = model(ids)["logits"]
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), ids.reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step()
+                if step % 2 == 1:  # the emission: the head's weights now
+                    W = model.lm_head.weight.detach().numpy().copy()
+                    H = torch.cat(feats[-2:]).numpy()
+                    F = H @ W.T if wide_head == "weights" else torch.cat(outs[-2:]).numpy()
+                    want = [dlr_naive(H, F, rtol=r)[0] for r in (1e-10, 1e-11, 1e-9)]
+                    rec = recs[-1]
+                    assert rec["dlr_from"] == wide_head
+                    assert rec["dlr"] == pytest.approx(want[0], abs=1e-10)
+                    assert rec["dlr_rtol_range"] == pytest.approx(want[1:], abs=1e-10)
+    assert len(recs) == 2
