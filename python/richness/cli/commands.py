@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from typing import Optional
 
 from .. import _io
@@ -218,7 +219,7 @@ def _print_reference(rep) -> None:
     if rep.dlr is None or rep.dlr_isotropic is None:
         return
     ratio = "n/a" if rep.dlr_normalized is None else f"{rep.dlr_normalized:.3f}"
-    print(f"DLR {rep.dlr:.4f}   isotropic reference {rep.dlr_isotropic:.4f}   DLR/iso {ratio}")
+    print(f"isotropic reference {rep.dlr_isotropic:.4f}   DLR/iso {ratio}")  # DLR itself is on the report's line
     print("how to read: DLR/iso near 1 = as lazy as isotropic (random) features at this n, p and rank; "
           "near 0 = rich (docs/READING_DLR.md)")
 
@@ -250,22 +251,27 @@ def plot_cmd(args: argparse.Namespace) -> int:
     if not os.path.isdir(folder):  # as --save: nothing creates folders on the user's behalf
         raise UserError(f"{out}: cannot write the plots (No such file or directory)")
     low = path.lower()
+    name = plot.escape_mathtext(os.path.basename(path))  # a file name is shown as written, never as mathtext
     try:
-        if low.endswith((".jsonl", ".json", ".csv")):
-            paths = plot.history(plot.read_log(path), out, title=args.title or os.path.basename(path))
-        elif low.endswith(".npz"):
-            m = Moments.load(path)
-            test = Moments.load(args.test) if args.test else None
-            W = head_weights(args.head)
-            rep = m.compute(head=W, test=test)
-            paths = plot.curves(rep, out, title=args.title or f"{os.path.basename(path)}: DLR "
-                                + ("n/a" if rep.dlr is None else f"{rep.dlr:.3f}") + f", n = {rep.n}")
-        else:
-            raise UserError(f"{path}: unknown input; give a saved state (.npz) or a Monitor log (.jsonl/.csv)")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if low.endswith((".jsonl", ".json", ".csv")):
+                paths = plot.history(plot.read_log(path), out, title=args.title or name)
+            elif low.endswith(".npz"):
+                m = Moments.load(path)
+                test = Moments.load(args.test) if args.test else None
+                W = head_weights(args.head)
+                rep = m.compute(head=W, test=test)
+                paths = plot.curves(rep, out, title=args.title or f"{name}: DLR "
+                                    + ("n/a" if rep.dlr is None else f"{rep.dlr:.3f}") + f", n = {rep.n}")
+            else:
+                raise UserError(f"{path}: unknown input; give a saved state (.npz) or a Monitor log (.jsonl/.csv)")
     except ValueError as e:
         msg = str(e)
         raise UserError(msg if msg.startswith(path) or (args.test and msg.startswith(args.test)) else f"{path}: {msg}") \
             from None
+    for w in caught:  # one line each, as every message of the command line
+        log.warning("warning: %s%s", "" if str(w.message).startswith(path) else f"{path}: ", w.message)
     for p in paths:
         print(p)
     return 0
