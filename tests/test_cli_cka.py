@@ -63,3 +63,27 @@ def test_cka_refusals(tmp_path, capsys):
                      "--save", str(tmp_path / "never.npz")]) == 2
         assert msg in capsys.readouterr().err
         assert not (tmp_path / "never.npz").exists()
+
+
+def test_richness_merge_of_similarity_states(tmp_path, capsys):
+    from richness import _kinds
+    from richness._similarity import FORMAT
+
+    assert _kinds.get("similarity").format == FORMAT
+    a, b, c = data(offset=300.0)
+    halves = []
+    for i, rows in enumerate((slice(0, 40), slice(40, 150))):
+        s = Similarity()
+        s.update({"a": a[rows], "b": b[rows]})
+        halves.append(tmp_path / f"h{i}.npz")
+        s.save(halves[-1])
+    assert main(["merge", str(tmp_path / "m.npz"), *map(str, halves), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["n"] == 150
+    assert rep["cka"][0][1] == pytest.approx(cka_naive(a, b), rel=1e-9)
+    assert rep["cka_debiased"][0][1] == pytest.approx(cka_debiased_naive(a, b), rel=1e-9)
+    other = Similarity()
+    other.update({"a": a, "c": c})
+    other.save(tmp_path / "o.npz")
+    assert main(["merge", str(tmp_path / "x.npz"), str(halves[0]), str(tmp_path / "o.npz")]) == 2
+    assert "different representations" in capsys.readouterr().err and not (tmp_path / "x.npz").exists()

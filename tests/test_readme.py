@@ -10,6 +10,7 @@ the float64 n x n reference.
 """
 
 import ast
+import json
 import importlib.util
 import os
 import re
@@ -22,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import richness  # noqa: E402
-from reference import cka_debiased_naive, cka_naive, dlr_naive  # noqa: E402
+from reference import cka_debiased_naive, cka_naive, dlr_naive, nc1_naive  # noqa: E402
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 NEEDS = re.compile(r"#\s*needs:\s*([A-Za-z_]+(?:\.[A-Za-z_]+)*)")
@@ -83,25 +84,27 @@ def run_section(i: int) -> tuple:
 
 @pytest.fixture
 def trackers_offline(tmp_path, monkeypatch):
-    """The examples' W&B run offline and MLflow's store in a temporary folder."""
+    """The examples as pasted: no environment variable the README does not show
+    (those of the trackers are cleared; W&B runs offline and MLflow's store is a
+    temporary folder because the README says so), in a folder of their own."""
     monkeypatch.chdir(tmp_path)  # the examples write state.npz, richness.jsonl, depth.png here
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    for name in list(os.environ):
+        if name.startswith(("WANDB_", "MLFLOW_")):
+            monkeypatch.delenv(name)
     yield tmp_path
     if "wandb" in sys.modules:
         sys.modules["wandb"].teardown()  # stops W&B's service process
     if "mlflow" in sys.modules:
         sys.modules["mlflow"].set_tracking_uri(None)
+    os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)  # set by the MLflow example itself
 
 
 def test_readme_has_the_examples():
     secs = sections()
-    assert len(secs) == 4 and all(setup is not None for setup, _ in secs[:2]) and secs[2][0] is None
+    assert len(secs) == 5 and all(setup is not None for setup, _ in secs[:2]) and secs[2][0] is None
     assert "richness.dlr(features, outputs)" in secs[0][1] and "richness.evaluate(model" in secs[1][1]
     assert "RichnessCallback(trainer" in secs[2][1]
+    assert "richness.dask.moments(" in secs[3][1] and secs[3][0] is None
 
 
 def test_first_block_runs_and_agrees_with_the_reference(trackers_offline):
@@ -131,6 +134,11 @@ def test_second_block_runs(trackers_offline):
     assert set(report.layers) == {"layer2", "layer3", "layer4"}
     assert 0.0 <= report.layers["layer3"].dlr <= 1.0
     assert os.path.exists("richness.jsonl") and os.path.exists("depth.png")
+    # the trackers wrote to the example's own temporary folder, not into the current one
+    assert sorted(os.listdir(".")) == ["depth.png", "depth.svg", "richness.jsonl"]
+    if available("tensorboard"):
+        assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(ns["runs"], "exp1")))
+        assert [r["step"] for r in map(json.loads, open("richness.jsonl"))][:2] == [4, 8]
     # the metric saw the example's (logits, labels, features=h) twice: update, then forward
     H, F = ns["h"].double().numpy(), ns["logits"].double().numpy()
     # float32 inputs: fp32 products and their eigenvalue cut, rtol 1e-5 (README, Precision)
@@ -145,17 +153,39 @@ def test_hugging_face_block_runs(trackers_offline):
         warnings.simplefilter("ignore")  # finite-n caveats of the tiny data
         ns, skipped = run_section(2)
     assert skipped == []
+    assert os.listdir(".") == []  # the Trainer's output folder is a temporary one
     logged = [e for e in ns["trainer"].state.log_history if "richness/dlr" in e]
     assert [e["step"] for e in logged] == [2, 4]
     assert all(0.0 <= e["richness/dlr"] <= 1.0 and e["richness/nc1"] > 0 for e in logged)
 
 
+def test_data_bigger_than_one_machine_block_runs(trackers_offline):
+    pytest.importorskip("distributed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the LocalCluster's notices (a dashboard port in use)
+        ns, skipped = run_section(3)
+    for text in skipped:  # only the zarr lines may be left out, where zarr is missing
+        assert "needs: zarr" in text and not available("zarr"), text
+    folder = ns["folder"]
+    X = np.vstack([np.load(f"{folder}/features-{i:05d}.npy") for i in range(4)]).astype(np.float64)
+    y = np.concatenate([np.load(f"{folder}/labels-{i:05d}.npy") for i in range(4)])
+    assert ns["m"].n == 2000 and np.array_equal(ns["m"].state_dict()["class_counts"], np.bincount(y, minlength=10))
+    want, _ = dlr_naive(X, X @ ns["W"].T, rtol=1e-5)  # float32 features: fp32 products and their cut
+    assert abs(ns["report"].dlr - want) < 1e-6
+    assert abs(ns["report"].nc1 - nc1_naive(X, y, rtol=1e-5)) < 1e-5 * ns["report"].nc1
+    assert richness.Moments.load(f"{folder}/state.npz").n == 2000
+    Xc = X - X.mean(0)
+    for name in ("s", "z") if available("zarr") else ("s",):
+        M = ns[name].state_dict()["M"]
+        assert ns[name].n == 2000 and np.abs(M - Xc.T @ Xc).max() < 1e-5 * np.abs(Xc.T @ Xc).max()
+
+
 def test_similarity_section_runs_and_agrees_with_the_reference(trackers_offline):
-    setup, example = sections()[3]
+    setup, example = sections()[4]
     assert setup is None and "richness.similarity(" in example
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ns, skipped = run_section(3)
+        ns, skipped = run_section(4)
     for text in skipped:
         assert NEEDS.search(text), text
     x, y = ns["x"], ns["y"]

@@ -98,6 +98,13 @@ class Monitor:
             kernel launches, paid on the host while training waits for it).
             The buffered inputs of a group are capped at 32 MiB (its
             reduction's scratch takes about as much again).
+        wide_head: a linear head with more outputs than features (a language
+            model's vocabulary): ``"weights"`` (default) finishes DLR from the
+            head's weights at emission time and the window's features (no
+            C x C Gram; the weights have moved since the window's first step);
+            ``"outputs"`` streams the head's outputs as for any other head
+            (the functions at the steps that made the features; a C x C Gram,
+            8 C^2 bytes). Records say which in ``dlr_from``.
 
     Use as a context manager (hooks removed on exit) and call ``step(labels)``
     after every optimizer step. Window mode captures the head's forwards that
@@ -108,7 +115,10 @@ class Monitor:
     of a step skipped after its forward are dropped with a warning); labels
     matching none are refused with nothing recorded and the step not counted.
     ``history`` holds the emitted records ``{step, mode, n, dlr, rank, nc1,
-    effective_dim, time}``.
+    effective_dim, time, dlr_rtol_range, dlr_from}``: ``dlr_rtol_range`` is
+    DLR at rtol / 10 and rtol * 10 (how much the rank cut matters; None in
+    one-batch windows), ``dlr_from`` ``"weights"`` or ``"outputs"`` (see
+    ``wide_head``). CSV logs keep the first eight columns.
 
     Example::
 
@@ -122,7 +132,8 @@ class Monitor:
     def __init__(self, model: Any, head: Any = None, *, every: int = 100, window: Optional[int] = None,
                  probe: Any = None, log: Any = None, precision: Optional[str] = None, tokens: Any = "all",
                  batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness",
-                 distributed: bool = False, lag: Optional[int] = None, first_step: int = 1) -> None:
+                 distributed: bool = False, lag: Optional[int] = None, first_step: int = 1,
+                 wide_head: str = "weights") -> None:
         torch = require_torch("richness.Monitor")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -136,7 +147,10 @@ class Monitor:
             raise ValueError(f"lag must be a positive integer or None, got {lag!r}")
         if isinstance(first_step, bool) or not isinstance(first_step, int):
             raise ValueError(f"first_step must be an integer, got {first_step!r}")
+        if wide_head not in ("weights", "outputs"):
+            raise ValueError(f"wide_head must be 'weights' or 'outputs', got {wide_head!r}")
         check_tokens(tokens)
+        self.wide_head = wide_head
         self.model = model
         self.first_step = first_step
         self.every, self.window = every, window
@@ -202,7 +216,7 @@ class Monitor:
         self._head_name, self._head = name, head
         self._head_ran = self._head_ran or (x is not None and _grad_enabled())
         self._capture = _PendingCapture(head, self)
-        if x is not None and self._hook_active():
+        if x is not None and self._hook_active():  # (pooled already when the model pooled the head's output)
             self._captured((x.detach(), y.detach() if hasattr(y, "detach") else y))
 
     def _captured(self, capture: tuple) -> None:
@@ -330,9 +344,15 @@ class Monitor:
     def _finish_records(self, meta: tuple, v: np.ndarray) -> None:
         """Finish a reduced group's rows (``finish_group``) and emit their records."""
         metas, n, c, k, rtol, sample_space = meta
+        bad = [step for (step, _), norm_m in zip(metas, v[:, 0]) if math.isnan(norm_m)]  # _to_unit_spread
+        if bad:
+            warnings.warn(f"richness.Monitor: the head's input or output had NaN or Inf values at step(s) "
+                          f"{', '.join(map(str, bad))}: their records have dlr, rank and nc1 None", UserWarning,
+                          stacklevel=4)
         for (step, t), dlr, rank, nc1 in zip(metas, *finish_group(v, n, c, k, rtol, sample_space)):
             self._dispatch({"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank,
-                            "nc1": _num(nc1), "effective_dim": None, "time": t})
+                            "nc1": _num(nc1), "effective_dim": None, "time": t, "dlr_rtol_range": None,
+                            "dlr_from": "outputs"})
 
     @property
     def _group(self) -> Optional[_BatchGroup]:
@@ -354,7 +374,8 @@ class Monitor:
         import torch
 
         head = self._head
-        return isinstance(head, torch.nn.Linear) and head.out_features > head.in_features
+        return (self.wide_head == "weights" and isinstance(head, torch.nn.Linear)
+                and head.out_features > head.in_features)
 
     # -- emission -------------------------------------------------------------
 
@@ -373,10 +394,13 @@ class Monitor:
         for sink in self._sinks:
             sink(rec)
 
-    def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, eff: Any, mode: str) -> dict:
+    def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, eff: Any, mode: str, dlr_range: Any = None,
+                weights: bool = False) -> dict:
         return {"step": self._step_label(), "mode": mode, "n": int(n), "dlr": _num(dlr),
                 "rank": None if rank is None else int(rank), "nc1": _num(nc1), "effective_dim": _num(eff),
-                "time": round(time.time() - self._t0, 6)}
+                "time": round(time.time() - self._t0, 6),
+                "dlr_rtol_range": None if dlr_range is None else [_num(d) for d in dlr_range],
+                "dlr_from": "weights" if weights else "outputs"}
 
     def _emit_window(self) -> Optional[dict]:
         if self._deferred:  # the record comes from the group, at most `lag` steps later
@@ -389,7 +413,10 @@ class Monitor:
             values = self._window_route.finish(self._threads, self.distributed, self.rtol, head)
         finally:
             self._window_labels = None
-        return None if values is None else self._record(*values, None, "window")
+        if values is None:
+            return None
+        n, dlr, rank, nc1, dlr_range = values
+        return self._record(n, dlr, rank, nc1, None, "window", dlr_range, head is not None)
 
     def _emit_probe(self) -> Optional[dict]:
         import torch
@@ -404,7 +431,8 @@ class Monitor:
             rep = moments.compute(head=head if isinstance(head, torch.nn.Linear) else None, rtol=self.rtol)
         except ValueError:
             return self._record(moments.n, None, None, None, None, "probe")
-        return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, rep.effective_dim, "probe")
+        return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, rep.effective_dim, "probe", rep.dlr_rtol_range,
+                            isinstance(head, torch.nn.Linear))
 
     # -- lifetime -------------------------------------------------------------
 

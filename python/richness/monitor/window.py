@@ -48,7 +48,7 @@ class WindowRoute:
 
     def finish(self, threads: BlasThreads, distributed: bool, rtol: Optional[float],
                head: Any = None) -> Optional[tuple]:
-        """(n, DLR, rank, NC1) of the window, None below 2 samples; the Moments
+        """(n, DLR, rank, NC1, DLR at rtol / 10 and rtol * 10) of the window, None below 2 samples; the Moments
         are empty after. ``head``: a linear head whose weights DLR uses instead
         of the streamed outputs (C > p; docs/MATH.md, many outputs)."""
         import torch
@@ -67,6 +67,6 @@ class WindowRoute:
             st = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in st.items()}
             W = None if head is None else head.weight.detach().to("cpu", torch.float64)
             q = dlr_only(st, W, rtol)  # None where undefined (constant features or outputs)
-            return q.n, q.dlr, q.rank, q.nc1
+            return q.n, q.dlr, q.rank, q.nc1, q.dlr_range
         finally:
             m.reset()
