@@ -19,7 +19,7 @@ import numpy as np
 
 from .._report import Report
 from ._xp import host, ns
-from .diagnostics import MEASURES, check_measures, diagnostics
+from .diagnostics import MEASURES, check_measures, measure_values
 from .dlr import DEFAULT_RTOL, check_features, dlr_of_state, dlr_values, dlr_with_range, finishing, \
     function_moments, logits, span_of_grams
 from .isotropic import isotropic_dlr, reference
@@ -69,7 +69,7 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
             wanted = MEASURES if spectrum else ()
         if wanted:
             rho = None if report.eigenvalues is None else ns(st["M"]).asarray(report.eigenvalues)
-            values, warnings = diagnostics(st, W, rtol, wanted, lam=rho, centered=centered)
+            values, warnings = measure_values(st, W, rtol, wanted, lam=rho, centered=centered)
             for name, v in values.items():
                 setattr(report, name, v)
             report.warnings += warnings

@@ -197,7 +197,7 @@ def class_report(st: dict, W: Any, wanted: tuple) -> tuple:
     return out, warnings
 
 
-def diagnostics(st: dict, W: Any, rtol: float, wanted: tuple, lam: Any = None, centered: bool = True) -> tuple:
+def measure_values(st: dict, W: Any, rtol: float, wanted: tuple, lam: Any = None, centered: bool = True) -> tuple:
     """(values, warnings) of the measures in ``wanted`` from a state dict:
     ``lam`` the eigenvalues of M (descending; any positive multiple) when the
     spectrum was computed, else they are computed here when a spectral

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from .._report import Report
-from .diagnostics import diagnostics
+from .diagnostics import measure_values
 from .dlr import dlr_of_state
 
 # Two-sided 95% Student t quantiles, df = 1..30 (larger df: Cornish-Fisher).
@@ -43,7 +43,7 @@ def add_measure_jackknife(report: Report, loo_states: list, W, names: list, cent
     state has no standard error (None)."""
     if not names:
         return
-    values = [diagnostics(st, W, report.rtol, tuple(names), centered=centered)[0] for st in loo_states]
+    values = [measure_values(st, W, report.rtol, tuple(names), centered=centered)[0] for st in loo_states]
     out = {}
     for name in names:
         theta = [v[name] for v in values]
