@@ -40,6 +40,7 @@ from .onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group
                                OneBatchRoute)
 from .sinks import FIELDS, _make_sinks  # noqa: F401
 from .window import WindowRoute
+from .layer import RECORD_MEASURES, LayerCapture, layer_rows, monitor_measures, resolve_layer
 from .._optional import require_torch
 from ..model.threads import BlasThreads
 
@@ -98,6 +99,23 @@ class Monitor:
             kernel launches, paid on the host while training waits for it).
             The buffered inputs of a group are capped at 32 MiB (its
             reduction's scratch takes about as much again).
+        layer: the features-only Monitor, for self-supervised training (no
+            head, no labels): a module of the model or its dotted name, whose
+            output is pooled into rows (``pool``) and recorded on its own:
+            records carry ``rankme``, ``alpha_req``, ``effective_dim`` and
+            ``participation_ratio`` of that representation (``dlr``, ``rank``
+            and ``nc1`` stay None; labels given to ``step`` are ignored).
+            Not with ``head`` or ``probe``.
+        pool: how a layer's output becomes rows (``"mean"`` over spatial
+            positions or tokens, ``"first"``/``"last"`` token, ``"flatten"``;
+            ``richness.model.batches.pool_rows``).
+        measures: representation diagnostics to add to each record (names
+            from ``richness.finish.MEASURES`` or ``"all"``): RankMe, alpha-ReQ
+            and the participation ratio from the window's eigenvalues (or, at
+            every=1, the batch's n x n Gram's), NC2 with labels, NC3 with a
+            linear head (window route only). Default: none with a head (each
+            costs a p x p eigenvalue decomposition per emission), the
+            spectral ones with ``layer``.
 
     Use as a context manager (hooks removed on exit) and call ``step(labels)``
     after every optimizer step. Window mode captures the head's forwards that
@@ -122,7 +140,8 @@ class Monitor:
     def __init__(self, model: Any, head: Any = None, *, every: int = 100, window: Optional[int] = None,
                  probe: Any = None, log: Any = None, precision: Optional[str] = None, tokens: Any = "all",
                  batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness",
-                 distributed: bool = False, lag: Optional[int] = None, first_step: int = 1) -> None:
+                 distributed: bool = False, lag: Optional[int] = None, first_step: int = 1,
+                 layer: Any = None, pool: str = "mean", measures: Any = None) -> None:
         torch = require_torch("richness.Monitor")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -137,6 +156,10 @@ class Monitor:
         if isinstance(first_step, bool) or not isinstance(first_step, int):
             raise ValueError(f"first_step must be an integer, got {first_step!r}")
         check_tokens(tokens)
+        if layer is not None and (head is not None or probe is not None):
+            raise ValueError("layer= is the features-only Monitor (no head, no probe): drop head= and probe=, "
+                             "or drop layer=")
+        self.measures = monitor_measures(measures, layer)
         self.model = model
         self.first_step = first_step
         self.every, self.window = every, window
@@ -147,11 +170,14 @@ class Monitor:
         self.steps = 0
         resolved = resolve_head(model, head)
         self._head_name, self._head = (resolved if resolved is not None else (None, None))
+        self._layer_name, self._layer = resolve_layer(model, layer) if layer is not None else (None, None)
         self._sinks = _make_sinks(log, prefix)
         self._window_route = WindowRoute(precision, window)
         self._pending: list = []
         self.lag = lag
-        self._one_batch = OneBatchRoute(lag, precision, rtol, self._finish_records)
+        self._one_batch = OneBatchRoute(lag, precision, rtol, self._finish_records,
+                                        eig=any(m in self.measures for m in ("rankme", "alpha_req",
+                                                                             "participation_ratio")))
         self._deferred = False  # this step's window went to the one-batch route
         self._window_labels: Optional[bool] = None
         self._active = self._is_window_step(1)
@@ -165,7 +191,9 @@ class Monitor:
         self._t0 = time.time()
         if self.probe is None:
             self._forwards = _ModelForwards(model, self._commit)
-            if self._head is not None:
+            if self._layer is not None:
+                self._capture = LayerCapture(self._layer, self._layer_name, self, pool)
+            elif self._head is not None:
                 self._capture = _PendingCapture(self._head, self)
             else:
                 self._finder = HeadFinder(model)
@@ -266,6 +294,12 @@ class Monitor:
         # A head given by the user (or found on the model's first forward) that
         # never runs in a training forward leaves every record empty.
         self._head_ran = True  # once
+        if self._layer is not None:
+            warnings.warn(f"richness.Monitor: after {self.steps} steps the layer {self._layer_name!r} "
+                          f"({type(self._layer).__name__}) has not run in a training forward (with gradients "
+                          "enabled); nothing is recorded. Choose a module that runs with layer=", UserWarning,
+                          stacklevel=3)
+            return
         if self._head is None:
             what = ("no forward of the model has run, so its head was not found (training code that calls a "
                     "submodule directly bypasses the model's forward)")
@@ -282,7 +316,10 @@ class Monitor:
     def _step_rows(self, labels: Any) -> tuple:
         """This step's (features, outputs, label keyword arguments), checked
         (``step_rows``); changes nothing. Captures before the step's own are
-        dropped with a warning."""
+        dropped with a warning. A features-only Monitor's rows are its
+        layer's, whatever the labels."""
+        if self._layer is not None:
+            return layer_rows(self._pending)
         try:
             feats, outs, lk, first, dropped = step_rows(self._pending, labels, self.tokens)
         except (ValueError, TypeError, IndexError, RuntimeError) as e:
@@ -306,7 +343,7 @@ class Monitor:
             self._defer(feats, outs, lk.get("labels"))
             return
         parts = {"features": feats}
-        if not self._uses_weights():
+        if outs is not None and not self._uses_weights():
             parts["outputs"] = outs
         parts.update(lk)
         self._window_route.add(parts, self._threads)
@@ -318,7 +355,8 @@ class Monitor:
         window = 1 the Moments are empty between steps: each window is added
         and reset at its own emission; asking them for n could sync a GPU.)"""
         n, p = int(feats.shape[0]), int(feats.shape[1])
-        return (self.window == 1 and not self.distributed and 2 <= n < p and outs is not None
+        return (self.window == 1 and not self.distributed and 2 <= n < p
+                and (outs is not None or self._layer is not None)
                 and not self._uses_weights() and self.precision in (None, "fp32", "fp64"))
 
     def _defer(self, feats: Any, outs: Any, labels: Any) -> None:
@@ -329,10 +367,14 @@ class Monitor:
 
     def _finish_records(self, meta: tuple, v: np.ndarray) -> None:
         """Finish a reduced group's rows (``finish_group``) and emit their records."""
-        metas, n, c, k, rtol, sample_space = meta
-        for (step, t), dlr, rank, nc1 in zip(metas, *finish_group(v, n, c, k, rtol, sample_space)):
-            self._dispatch({"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank,
-                            "nc1": _num(nc1), "effective_dim": None, "time": t})
+        metas, n, c, k, rtol, sample_space, e = meta
+        dlrs, ranks, nc1s, extra = finish_group(v, n, c, k, rtol, sample_space, e, self.measures)
+        for i, ((step, t), dlr, rank, nc1) in enumerate(zip(metas, dlrs, ranks, nc1s)):
+            rec = {"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank, "nc1": _num(nc1),
+                   "effective_dim": _num(extra["effective_dim"][i])}
+            rec.update({name: _num(extra[name][i]) if name in self.measures else None for name in RECORD_MEASURES})
+            rec["time"] = t
+            self._dispatch(rec)
 
     @property
     def _group(self) -> Optional[_BatchGroup]:
@@ -373,10 +415,15 @@ class Monitor:
         for sink in self._sinks:
             sink(rec)
 
-    def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, eff: Any, mode: str) -> dict:
-        return {"step": self._step_label(), "mode": mode, "n": int(n), "dlr": _num(dlr),
-                "rank": None if rank is None else int(rank), "nc1": _num(nc1), "effective_dim": _num(eff),
-                "time": round(time.time() - self._t0, 6)}
+    def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, extra: dict, eff: Any, mode: str) -> dict:
+        """A record: ``extra`` holds the representation diagnostics by name
+        (and the effective dimension where they came with the eigenvalues)."""
+        eff = extra.get("effective_dim", eff)
+        rec = {"step": self._step_label(), "mode": mode, "n": int(n), "dlr": _num(dlr),
+               "rank": None if rank is None else int(rank), "nc1": _num(nc1), "effective_dim": _num(eff)}
+        rec.update({name: _num(extra.get(name)) for name in RECORD_MEASURES})
+        rec["time"] = round(time.time() - self._t0, 6)
+        return rec
 
     def _emit_window(self) -> Optional[dict]:
         if self._deferred:  # the record comes from the group, at most `lag` steps later
@@ -385,8 +432,12 @@ class Monitor:
             return None
         self.flush()  # queued records first: history stays in step order
         try:
+            import torch
+
             head = self._head if self._uses_weights() else None
-            values = self._window_route.finish(self._threads, self.distributed, self.rtol, head)
+            linear = self._head if isinstance(self._head, torch.nn.Linear) else None
+            values = self._window_route.finish(self._threads, self.distributed, self.rtol, head,
+                                               self.measures, linear)
         finally:
             self._window_labels = None
         return None if values is None else self._record(*values, None, "window")
@@ -403,8 +454,9 @@ class Monitor:
         try:
             rep = moments.compute(head=head if isinstance(head, torch.nn.Linear) else None, rtol=self.rtol)
         except ValueError:
-            return self._record(moments.n, None, None, None, None, "probe")
-        return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, rep.effective_dim, "probe")
+            return self._record(moments.n, None, None, None, {}, None, "probe")
+        extra = {name: getattr(rep, name) for name in RECORD_MEASURES}  # the full report has them all
+        return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, extra, rep.effective_dim, "probe")
 
     # -- lifetime -------------------------------------------------------------
 
