@@ -28,9 +28,9 @@ from .policy import GramRows, check_rtol, dlr_only, finish_gram_rows, nc1_report
 from .spectrum import curve, held_out, spectrum as feature_spectrum, task_moments
 from .uncertainty import add_jackknife, add_measure_jackknife
 
-__all__ = ["DEFAULT_RTOL", "MEASURES", "GramRows", "check_measures", "add_jackknife", "add_measure_jackknife", "check_rtol", "dlr_of_state", "dlr_only", "dlr_values",
-           "finish", "finish_gram_rows", "isotropic_dlr", "nc1_from_grams", "rtol_for", "span_of_grams",
-           "too_few_samples"]
+__all__ = ["DEFAULT_RTOL", "MEASURES", "GramRows", "check_measures", "measure_values", "add_jackknife",
+           "add_measure_jackknife", "check_rtol", "dlr_of_state", "dlr_only", "dlr_values", "finish",
+           "finish_gram_rows", "isotropic_dlr", "nc1_from_grams", "rtol_for", "span_of_grams", "too_few_samples"]
 
 
 def _checked_rtol(st: dict, rtol: Optional[float]) -> float:
