@@ -7,10 +7,16 @@ import warnings
 
 import numpy as np
 import pytest
-
 import richness
-from reference import (alpha_req_naive, center_rows, nc2_naive, nc3_naive, participation_ratio_naive,
-                       rankme_naive, simplex_etf)
+from reference import (
+    alpha_req_naive,
+    center_rows,
+    nc2_naive,
+    nc3_naive,
+    participation_ratio_naive,
+    rankme_naive,
+    simplex_etf,
+)
 from richness import finish as fin
 from richness.finish import diagnostics as dg
 

@@ -11,9 +11,16 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-import richness  # noqa: E402
-from reference import (alpha_req_naive, effective_dim_naive, nc2_naive, nc3_naive,  # noqa: E402
-                       participation_ratio_naive, rankme_naive, spectrum_naive)
+import richness
+from reference import (
+    alpha_req_naive,
+    effective_dim_naive,
+    nc2_naive,
+    nc3_naive,
+    participation_ratio_naive,
+    rankme_naive,
+    spectrum_naive,
+)
 
 SPECTRAL = ("rankme", "alpha_req", "participation_ratio")
 

@@ -159,7 +159,7 @@ def spectral_report(lam, rtol: float, wanted: tuple = SPECTRAL) -> tuple:
     """(values, warnings) of the spectral measures from one state's
     eigenvalues: Python floats, None where undefined (with a warning)."""
     v = spectral_values(lam, rtol)
-    out = {name: _scalar(v[name]) for name in SPECTRAL}
+    out: dict = {name: _scalar(v[name]) for name in SPECTRAL}
     out["effective_dim"] = _scalar(v["effective_dim"])
     K = int(v["alpha_req_k"])
     out["alpha_req_range"] = (1, K) if out["alpha_req"] is not None else None

@@ -45,7 +45,9 @@ def resolve_layer(model: Any, layer: Any) -> tuple:
     ValueError listing candidates when the model has none of that name."""
     if isinstance(layer, str) and layer == "":
         raise ValueError("layer must name a submodule, got ''")
-    return resolve_head(model, layer)
+    resolved = resolve_head(model, layer)
+    assert resolved is not None  # layer is not None
+    return resolved
 
 
 class LayerCapture:

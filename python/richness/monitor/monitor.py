@@ -181,7 +181,7 @@ class Monitor:
         self._deferred = False  # this step's window went to the one-batch route
         self._window_labels: Optional[bool] = None
         self._active = self._is_window_step(1)
-        self._capture: Optional[_PendingCapture] = None
+        self._capture: Optional[Any] = None  # _PendingCapture on the head, or LayerCapture
         self._finder: Optional[HeadFinder] = None
         self._model_hook = None
         self._forwards: Optional[_ModelForwards] = None
@@ -440,7 +440,10 @@ class Monitor:
                                                self.measures, linear)
         finally:
             self._window_labels = None
-        return None if values is None else self._record(*values, None, "window")
+        if values is None:
+            return None
+        n, dlr, rank, nc1, extra = values
+        return self._record(n, dlr, rank, nc1, extra, None, "window")
 
     def _emit_probe(self) -> Optional[dict]:
         import torch
