@@ -20,12 +20,12 @@ SPECTRAL = ("rankme", "alpha_req", "participation_ratio")
 
 bench_monitor.CONFIGS = {
     "off": (None, False),
+    "default (every=100, window=10), labels": (dict(), True),
+    "default, labels, measures=all": (dict(measures="all"), True),
+    "layer, default (every=100, window=10)": (dict(layer="3"), False),
     "every=1, labels (DLR + NC1)": (dict(every=1, window=1), True),
     "every=1, labels, measures=spectral": (dict(every=1, window=1, measures=SPECTRAL), True),
-    "default, labels, measures=all": (dict(measures="all"), True),
     "layer, every=1 (Gram eigenvalues)": (dict(layer="3", every=1, window=1), False),
-    "layer, every=10, window=10": (dict(layer="3", every=10, window=10), False),
-    "layer, default (every=100, window=10)": (dict(layer="3"), False),
 }
 
 if __name__ == "__main__":

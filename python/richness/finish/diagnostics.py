@@ -141,12 +141,20 @@ def nc3_value(D, present, W) -> tuple:
     return float((Dd * Dd).sum()), None
 
 
-def eigenvalues_of_state(st: dict, centered: bool = True):
+def eigenvalues_of_state(st: dict, centered: bool = True, single: bool = False):
     """Eigenvalues of M (or of the uncentered M + n mu mu^T), descending,
-    clipped at 0: the spectral measures need no eigenvectors."""
+    clipped at 0: the spectral measures need no eigenvectors. ``single``:
+    solve in float32 on M divided by its largest diagonal entry (the
+    measures are scale-free), for a state of float32 products, whose
+    eigenvalues below 1e-5 lambda_1 are cut anyway: about 1.7x faster at
+    p = 512 (docs/MATH.md, representation diagnostics)."""
     xp = ns(st["M"])
     S = st["M"] if centered else st["M"] + int(st["n"]) * xp.outer(st["mean"], st["mean"])
-    w = xp.linalg.eigvalsh(S)
+    if single:
+        top = float(xp.diagonal(S).max())
+        S = S / (top if top > 0.0 else 1.0)
+        S = S.astype(np.float32) if xp is np else S.float()
+    w = f64(xp.linalg.eigvalsh(S))
     return xp.clip(xp.flip(w, (-1,)), 0.0, None)
 
 
@@ -197,17 +205,20 @@ def class_report(st: dict, W: Any, wanted: tuple) -> tuple:
     return out, warnings
 
 
-def measure_values(st: dict, W: Any, rtol: float, wanted: tuple, lam: Any = None, centered: bool = True) -> tuple:
+def measure_values(st: dict, W: Any, rtol: float, wanted: tuple, lam: Any = None, centered: bool = True,
+                   single: bool = False) -> tuple:
     """(values, warnings) of the measures in ``wanted`` from a state dict:
     ``lam`` the eigenvalues of M (descending; any positive multiple) when the
     spectrum was computed, else they are computed here when a spectral
     measure is wanted. Values are Python floats, None where not wanted or
-    undefined; ``alpha_req_range`` is (1, K)."""
+    undefined; ``alpha_req_range`` is (1, K). ``single``: see
+    ``eigenvalues_of_state``."""
     out: dict = {name: None for name in MEASURES}
     out["alpha_req_range"] = None
     warnings: list = []
     if any(name in wanted for name in SPECTRAL):
-        spec, warns = spectral_report(eigenvalues_of_state(st, centered) if lam is None else lam, rtol, wanted)
+        spec, warns = spectral_report(eigenvalues_of_state(st, centered, single) if lam is None else lam, rtol,
+                                      wanted)
         for name in SPECTRAL:
             if name in wanted:
                 out[name] = spec[name]

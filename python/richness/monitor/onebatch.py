@@ -104,7 +104,8 @@ class _BatchGroup(_StepBuffer):
         j = len(self.metas)
         G, norm_m = self._grams(j, prec, pdt, threads, core)  # steps x n x n
         # G's eigenvalues are M's nonzero ones (docs/MATH.md, representation diagnostics)
-        eig = torch.linalg.eigvalsh(G.to(f64)).flip(-1).clamp_(min=0.0) if self.eig else None
+        # (in the product precision: below fp32's cut of 1e-5 lambda_1 they are cut anyway)
+        eig = torch.linalg.eigvalsh(G).to(f64).flip(-1).clamp_(min=0.0) if self.eig else None
         if self.f is None:
             return GramRows(norm_m, None, None, eig=eig).pack()
         F64 = self.f[:j].to(f64, copy=True)

@@ -74,7 +74,9 @@ class WindowRoute:
             extra: dict = {}
             if measures:
                 W3 = None if nc3_head is None else nc3_head.weight.detach().to("cpu", torch.float64)
-                extra = measure_values(st, W3, rtol_for(st["precision"], rtol), measures)[0]
+                # float32 eigenvalues for float32 products (their cut is 1e-5): the emission's main cost
+                extra = measure_values(st, W3, rtol_for(st["precision"], rtol), measures,
+                                       single=st["precision"] != "fp64")[0]
             return q.n, q.dlr, q.rank, q.nc1, extra
         finally:
             m.reset()
