@@ -306,3 +306,25 @@ def test_cli_text_and_json_carry_the_fields(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "d.npz"), "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "RankMe" in text and "alpha-ReQ" in text and "NC2 equinorm" in text
+
+
+def test_tracker_sinks_send_the_measures():
+    from richness.monitor.sinks import _make_sinks, scalars
+
+    rec = {"step": 3, "mode": "window", "n": 10, "dlr": None, "rank": None, "nc1": None, "effective_dim": 2.0,
+           "rankme": 3.5, "alpha_req": 1.25, "participation_ratio": 2.5, "nc2_equinorm": None,
+           "nc2_equiangle": None, "nc3": None, "time": 0.0}
+    assert scalars(rec, "r") == {"r/effective_dim": 2.0, "r/n": 10.0, "r/rankme": 3.5, "r/alpha_req": 1.25,
+                                 "r/participation_ratio": 2.5}
+
+    class Writer:
+        def __init__(self):
+            self.rows = []
+
+        def add_scalar(self, tag, value, step):
+            self.rows.append((tag, value, step))
+
+    w = Writer()
+    (sink,) = _make_sinks(w, "r")
+    sink(rec)
+    assert ("r/rankme", 3.5, 3) in w.rows and ("r/alpha_req", 1.25, 3) in w.rows
