@@ -42,6 +42,13 @@ CONFIGS = {
     "every=10, window=10, labels": (dict(every=10, window=10), True),
     "default (every=100, window=10), labels": (dict(), True),
 }
+# More every / window settings (--all): every window shape the Monitor takes.
+MORE = {
+    "every=10, window=1, labels": (dict(every=10, window=1), True),
+    "every=10, window=5, labels": (dict(every=10, window=5), True),
+    "every=100, window=100, labels": (dict(every=100, window=100), True),
+    "every=10, window=10, no labels": (dict(every=10, window=10), False),
+}
 
 
 def main() -> None:
@@ -50,18 +57,20 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--all", action="store_true", help="also the settings in MORE")
     args = ap.parse_args()
+    configs = {**CONFIGS, **MORE} if args.all else CONFIGS
     if args.threads:
         torch.set_num_threads(args.threads)
 
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(128, 784, generator=g), torch.randint(0, 10, (128,), generator=g)) for _ in range(50)]
-    models = {name: make_model() for name in CONFIGS}
+    models = {name: make_model() for name in configs}
     opts = {name: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for name, m in models.items()}
     mons = {name: (richness.Monitor(models[name], **cfg) if cfg is not None else None)
-            for name, (cfg, _) in CONFIGS.items()}
-    times = {name: [] for name in CONFIGS}
-    counters = {name: 0 for name in CONFIGS}
+            for name, (cfg, _) in configs.items()}
+    times = {name: [] for name in configs}
+    counters = {name: 0 for name in configs}
 
     def step(name: str) -> float:
         model, opt, mon = models[name], opts[name], mons[name]
@@ -73,18 +82,18 @@ def main() -> None:
         loss.backward()
         opt.step()
         if mon is not None:
-            mon.step(labels=y if CONFIGS[name][1] else None)
+            mon.step(labels=y if configs[name][1] else None)
         return time.perf_counter() - t0
 
-    for name in CONFIGS:  # warm-up (allocators, BLAS threads, first emission)
+    for name in configs:  # warm-up (allocators, BLAS threads, first emission)
         for _ in range(args.warmup):
             step(name)
-    for name in CONFIGS:  # align every configuration at the start of a 100-step cycle
+    for name in configs:  # align every configuration at the start of a 100-step cycle
         while counters[name] % 100:
             step(name)
     # Round-robin, one step per configuration in turn (the order rotates), so
     # that load from other processes falls on all configurations alike.
-    names = list(CONFIGS)
+    names = list(configs)
     for i in range(args.steps):
         order = names[i % len(names):] + names[:i % len(names)]
         for name in order:

@@ -127,8 +127,9 @@ def test_eval_prints_dlr_beside_its_isotropic_reference(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     want = dlr_naive(X, F)[0]
     line = [ln for ln in out if "isotropic reference" in ln]
-    assert line == [f"DLR {want:.4f}   isotropic reference {rep['dlr_isotropic']:.4f}   "
-                    f"DLR/iso {want / rep['dlr_isotropic']:.3f}"]
+    assert line == [f"isotropic reference {rep['dlr_isotropic']:.4f}   DLR/iso {want / rep['dlr_isotropic']:.3f}"]
+    assert [ln for ln in out if ln.startswith("DLR ")] == [  # DLR printed once, on the report's first line
+        f"DLR {want:.4f}  (0 = rich, 1 = lazy)   rank {rep['rank']}   n 200"]
     assert want < 0.8 and abs(want / rep["dlr_isotropic"] - 1) < 0.05
     assert any(ln.startswith("how to read: DLR/iso near 1 = as lazy as isotropic") for ln in out)
 
@@ -252,11 +253,11 @@ def test_verbose_logs_what_is_read_and_json_warnings_go_to_stderr(tmp_path, caps
     rep = json.loads(cap.out)
     assert abs(rep["dlr"] - dlr_naive(X, F)[0]) < 1e-12
     assert f"richness: features: {tmp_path / 'd.npz'}:features, shape (60, 12)" in cap.err
-    assert "richness: warning: n = 60 is below 10 p = 120" in cap.err
+    assert "richness: warning: n = 60 is below 10 x p = 120 (p = 12)" in cap.err
     # without -v: the warning, not the info
     assert main(["eval", str(tmp_path / "d.npz"), "--json", "--no-progress"]) == 0
     err = capsys.readouterr().err
-    assert "below 10 p" in err and "features:" not in err
+    assert "below 10 x p" in err and "features:" not in err
 
 
 # -- file formats -----------------------------------------------------------------
@@ -396,9 +397,9 @@ def test_depth_plot_takes_a_report_and_held_out_axis_says_unbounded(tmp_path):
         paths = plot.depth(arg, tmp_path / name)
         assert [os.path.basename(p) for p in paths] == [f"{name}.png", f"{name}.svg"]
     plot.curves(rep, tmp_path / "c")
-    assert "not bounded by 1" in (tmp_path / "c.svg").read_text()
+    assert "can exceed 1" in (tmp_path / "c.svg").read_text()
     plot.curves(m.compute(), tmp_path / "c2")
-    assert "not bounded by 1" not in (tmp_path / "c2.svg").read_text()
+    assert "can exceed 1" not in (tmp_path / "c2.svg").read_text()
 
 
 def test_demo_says_where_it_writes_and_how_to_read(tmp_path, capsys):
@@ -506,7 +507,7 @@ def test_evaluate_emits_report_caveats_as_warnings():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
     X = torch.randn(40, 6, dtype=torch.float64)  # n = 40 < 10 p = 160
-    with pytest.warns(richness.RichnessWarning, match="n = 40 is below 10 p = 160") as rec:
+    with pytest.warns(richness.RichnessWarning, match=r"n = 40 is below 10 x p = 160 \(p = 16\)") as rec:
         rep = richness.evaluate(model, [X[:20], X[20:]], progress=False)
     assert [str(w.message) for w in rec if w.category is richness.RichnessWarning] == rep.warnings
     assert rec[0].filename == __file__  # points at the caller's line

@@ -238,3 +238,41 @@ def test_model_holding_its_metrics_copies_with_its_own_head(how):
     assert abs(float(model.metrics.compute()["dlr"]) - dlr_naive(H, H @ W.T + b)[0]) < 1e-10
     H2, _ = head_rows(model.net, [xs[0][0], xs[1][0]])
     assert abs(float(twin.metrics.compute()["dlr"]) - dlr_naive(H2, H2 @ W.T + b)[0]) < 1e-10
+
+
+class MetricsFirst(nn.Module):
+    """The metrics registered before the network that holds their head: a deep
+    copy reaches the metric before the head."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics import MetricCollection
+
+        from richness.torchmetrics import DLR
+
+        net = Net()
+        self.metrics = MetricCollection({"dlr": DLR(head=net.fc)})
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_deep_copy_reaching_the_metric_before_its_head_follows_its_own_head():
+    torch.manual_seed(0)
+    model = MetricsFirst().double()
+    assert [n for n, _ in model.named_children()] == ["metrics", "net"]
+    xs = [batch(s) for s in range(3)]
+    model.metrics.update(model(xs[0][0]), xs[0][1])
+    twin = copy.deepcopy(model)
+    assert twin.metrics["dlr"].head is twin.net.fc and model.metrics["dlr"].head is model.net.fc
+    with torch.no_grad():  # the copy trains apart: its weights move, the original's do not
+        twin.net.fc.weight.mul_(1.5).add_(0.3)
+    twin.metrics.update(twin(xs[1][0]), xs[1][1])
+    model.metrics.update(model(xs[2][0]), xs[2][1])
+    W, b = model.net.fc.weight.detach().numpy(), model.net.fc.bias.detach().numpy()
+    H, _ = head_rows(model.net, [xs[0][0], xs[2][0]])
+    assert abs(float(model.metrics.compute()["dlr"]) - dlr_naive(H, H @ W.T + b)[0]) < 1e-10
+    W2, b2 = twin.net.fc.weight.detach().numpy(), twin.net.fc.bias.detach().numpy()
+    H2, _ = head_rows(twin.net, [xs[0][0], xs[1][0]])
+    assert abs(float(twin.metrics.compute()["dlr"]) - dlr_naive(H2, H2 @ W2.T + b2)[0]) < 1e-10

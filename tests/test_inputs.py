@@ -290,3 +290,16 @@ def test_core_centered_grams_against_float64_and_bad_blocks():
     with pytest.raises(TypeError, match="float32, float64"):
         _core.centered_grams(_adapt.as_matrix(np.zeros((4, 3), np.int32), "x").arg(), 2, "fp32", G.ctypes.data,
                              norms.ctypes.data)
+
+
+def test_float16_widening_is_exact_for_every_finite_half():
+    # Every finite float16 (subnormals and both zeros included), in rows of an
+    # odd width so that whole groups of eight and the tail are both widened:
+    # the float64 state must equal that of numpy's exact widening, bit for bit.
+    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    h = h[np.isfinite(h.astype(np.float32)) & (np.abs(h.astype(np.float32)) < 300)]
+    x = np.random.default_rng(0).permutation(h)[: len(h) // 37 * 37].reshape(-1, 37)
+    assert (x.astype(np.float32) == 0).any() and (np.abs(x.astype(np.float32)) < 6.2e-5).any()  # subnormals
+    got = state_of((x, None), precision="fp64").state_dict()
+    want = state_of((x.astype(np.float64), None), precision="fp64").state_dict()
+    assert np.array_equal(got["mean"], want["mean"]) and np.array_equal(got["M"], want["M"])

@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import richness  # noqa: E402
-from reference import dlr_naive  # noqa: E402
+from reference import dlr_naive, nc1_naive  # noqa: E402
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 NEEDS = re.compile(r"#\s*needs:\s*([A-Za-z_]+(?:\.[A-Za-z_]+)*)")
@@ -99,9 +99,10 @@ def trackers_offline(tmp_path, monkeypatch):
 
 def test_readme_has_the_examples():
     secs = sections()
-    assert len(secs) == 3 and all(setup is not None for setup, _ in secs[:2]) and secs[2][0] is None
+    assert len(secs) == 4 and all(setup is not None for setup, _ in secs[:2]) and secs[2][0] is None
     assert "richness.dlr(features, outputs)" in secs[0][1] and "richness.evaluate(model" in secs[1][1]
     assert "RichnessCallback(trainer" in secs[2][1]
+    assert "richness.dask.moments(" in secs[3][1] and secs[3][0] is None
 
 
 def test_first_block_runs_and_agrees_with_the_reference(trackers_offline):
@@ -148,3 +149,24 @@ def test_hugging_face_block_runs(trackers_offline):
     logged = [e for e in ns["trainer"].state.log_history if "richness/dlr" in e]
     assert [e["step"] for e in logged] == [2, 4]
     assert all(0.0 <= e["richness/dlr"] <= 1.0 and e["richness/nc1"] > 0 for e in logged)
+
+
+def test_data_bigger_than_one_machine_block_runs(trackers_offline):
+    pytest.importorskip("distributed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the LocalCluster's notices (a dashboard port in use)
+        ns, skipped = run_section(3)
+    for text in skipped:  # only the zarr lines may be left out, where zarr is missing
+        assert "needs: zarr" in text and not available("zarr"), text
+    folder = ns["folder"]
+    X = np.vstack([np.load(f"{folder}/features-{i:05d}.npy") for i in range(4)]).astype(np.float64)
+    y = np.concatenate([np.load(f"{folder}/labels-{i:05d}.npy") for i in range(4)])
+    assert ns["m"].n == 2000 and np.array_equal(ns["m"].state_dict()["class_counts"], np.bincount(y, minlength=10))
+    want, _ = dlr_naive(X, X @ ns["W"].T, rtol=1e-5)  # float32 features: fp32 products and their cut
+    assert abs(ns["report"].dlr - want) < 1e-6
+    assert abs(ns["report"].nc1 - nc1_naive(X, y, rtol=1e-5)) < 1e-5 * ns["report"].nc1
+    assert richness.Moments.load(f"{folder}/state.npz").n == 2000
+    Xc = X - X.mean(0)
+    for name in ("s", "z") if available("zarr") else ("s",):
+        M = ns[name].state_dict()["M"]
+        assert ns[name].n == 2000 and np.abs(M - Xc.T @ Xc).max() < 1e-5 * np.abs(Xc.T @ Xc).max()

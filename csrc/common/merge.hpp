@@ -18,7 +18,7 @@ namespace richness {
 
 // One block of co-moments to merge: its sample count, each stream's width
 // (0 when absent) and float64 mean, and each co-moment in parts of element
-// type T (one per worker over disjoint rows, all centered on the block's
+// type T (one, or several over disjoint rows, all centered on the block's
 // mean; the merge adds them in float64).
 template <typename T>
 struct Block {
@@ -60,7 +60,12 @@ void add_comoment(std::vector<double>& X, const std::vector<const T*>& parts, in
       double* xi = X.data() + i * cols;
       const double fdi = f * dl[i];
       const int64_t end = sym ? i + 1 : cols;
-      for (int64_t j = 0; j < end; ++j) xi[j] += sum_parts(parts, i * cols + j) + fdi * dr[j];
+      if (parts.size() == 1) {  // one product (the CPU's batches): a loop the compiler vectorises
+        const T* q = parts[0] + i * cols;
+        for (int64_t j = 0; j < end; ++j) xi[j] += (double)q[j] + fdi * dr[j];
+      } else {
+        for (int64_t j = 0; j < end; ++j) xi[j] += sum_parts(parts, i * cols + j) + fdi * dr[j];
+      }
     }
   });
 }

@@ -22,10 +22,12 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include <cblas.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
-// The scipy-openblas32 wheel's symbols carry a scipy_ prefix (CMakeLists.txt).
-#define RB(name) scipy_cblas_##name
+#include "products.hpp"
+
 #define RB_SET_THREADS scipy_openblas_set_num_threads
 #define RB_GET_THREADS scipy_openblas_get_num_threads
 #define RB_CONFIG scipy_openblas_get_config
@@ -60,6 +62,29 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// n float16 values widened to float32 (exactly), with the F16C instructions
+// where the processor has them: 8 values an instruction instead of a
+// branchy decode of each.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx,f16c"))) void widen_halves_f16c(const uint16_t* h, int64_t n, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j))));
+  for (; j < n; ++j) out[j] = half_to_float(h[j]);
+}
+const bool kHasF16c = [] {
+  __builtin_cpu_init();  // this runs among the static initialisers
+  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+}();
+#endif
+
+void widen_halves(const uint16_t* h, int64_t n, float* out) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (kHasF16c) return widen_halves_f16c(h, n, out);
+#endif
+  for (int64_t j = 0; j < n; ++j) out[j] = half_to_float(h[j]);
+}
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = (uint32_t)h << 16;
   float f;
@@ -88,11 +113,13 @@ void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Fn&& fn) {
       }
       break;
     }
-    case DType::f16: {
+    case DType::f16: {  // each row widened once, into a row that stays in L1, as it is read
       const uint16_t* base = static_cast<const uint16_t*>(m.ptr);
+      std::vector<float> row((size_t)m.cols);
+      float* w = row.data();
       for (int64_t i = r0; i < r1; ++i) {
-        const uint16_t* r = base + i * m.ld;
-        fn(i, [r](int64_t j) { return (double)half_to_float(r[j]); });
+        widen_halves(base + i * m.ld, m.cols, w);
+        fn(i, [w](int64_t j) { return (double)w[j]; });
       }
       break;
     }
@@ -207,30 +234,6 @@ void means_checked(const Matrix& m, const char* name, std::vector<double>& mu, d
 }
 
 // ---- products -------------------------------------------------------------
-
-// C (n x n, lower, row-major) = A^T A for row-major A (k x n).
-inline void syrk(int64_t n, int64_t k, const float* a, float* c) {
-  RB(ssyrk)(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)k, 1.0f, a, (int)n, 0.0f, c, (int)n);
-}
-inline void syrk(int64_t n, int64_t k, const double* a, double* c) {
-  RB(dsyrk)(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)k, 1.0, a, (int)n, 0.0, c, (int)n);
-}
-// C (n x n, lower, row-major) = A A^T for row-major A (n x k): the Gram of rows.
-inline void syrk_rows(int64_t n, int64_t k, const float* a, float* c) {
-  RB(ssyrk)(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0f, a, (int)k, 0.0f, c, (int)n);
-}
-inline void syrk_rows(int64_t n, int64_t k, const double* a, double* c) {
-  RB(dsyrk)(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0, a, (int)k, 0.0, c, (int)n);
-}
-// C (m x n) = A^T B for row-major A (k x m), B (k x n).
-inline void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c) {
-  RB(sgemm)(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0f, a, (int)m, b,
-            (int)n, 0.0f, c, (int)n);
-}
-inline void gemm_tn(int64_t m, int64_t n, int64_t k, const double* a, const double* b, double* c) {
-  RB(dgemm)(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0, a, (int)m, b,
-            (int)n, 0.0, c, (int)n);
-}
 
 // Centered copy in the product type: the subtraction happens in float64,
 // before the narrowing (docs/MATH.md, "Streaming estimator": mean 1e4, spread 1e-2 survives in float32).
@@ -518,22 +521,22 @@ double comoment_elems(int64_t p, int64_t c, int64_t t) {
   return e;
 }
 
-// Bytes of scratch a batch of nb rows takes with `workers` workers: centered
-// rows and products in the product type (elem bytes), plus, with labels
-// (k >= 0), the labels' copy and the batch's class sums.
-double scratch_bytes(int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, int64_t workers, double elem) {
+// Bytes of scratch a batch of nb rows takes: centered rows and the products
+// (one of each co-moment, whatever the number of workers) in the product
+// type (elem bytes), plus, with labels (k >= 0), the labels' copy and the
+// batch's class sums.
+double scratch_bytes(int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, double elem) {
   const double P = (double)p, C = (double)c, Tt = (double)t;
-  return elem * ((double)nb * (P + C + Tt) + (double)workers * comoment_elems(p, c, t)) +
+  return elem * ((double)nb * (P + C + Tt) + comoment_elems(p, c, t)) +
          (k >= 0 ? 8.0 * (double)nb * (P + 3) : 0.0);
 }
 
 // Refuses what cannot fit before allocating any of it (counted in double:
 // the products of the widths may pass int64). elem: the product type's size.
-void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, int64_t workers,
-                double elem) {
+void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, double elem) {
   const double P = (double)p, C = (double)c, Tt = (double)t, K = (double)std::max<int64_t>(k, 0);
   const double per_part = comoment_elems(p, c, t);
-  const double scratch = scratch_bytes(nb, p, c, t, k, workers, elem);
+  const double scratch = scratch_bytes(nb, p, c, t, k, elem);
   const bool first = st.p < 0 || st.n == 0;
   const double square = 8.0 * P * P;
   const double state = first ? 8.0 * (P + C + Tt + per_part + K * (P + 1)) : 0.0;
@@ -550,8 +553,9 @@ void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, in
   throw memory_error(os.str());
 }
 
-// Centers the batch in the product type T and forms each worker's products
-// in scratch (the state is not touched), then points a Block at them.
+// Centers the batch in the product type T (rows split over the workers),
+// then forms each co-moment once, in scratch, from tiles the workers share
+// (products.hpp); the state is not touched. Points a Block at the products.
 template <typename T>
 Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers, Scratch<T>& sc) {
   const int64_t nb = b.features.rows;
@@ -563,25 +567,21 @@ Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers,
     blk.mean[q] = means.mean[q].data();
     sc.centered[q].resize((size_t)(nb * blk.width[q]));
   }
-  for (int i = 0; i < kNumComoments; ++i) {
-    sc.parts[i].resize(workers);
-    for (auto& part : sc.parts[i]) part.resize((size_t)(blk.width[kComoments[i].rows] * blk.width[kComoments[i].cols]));
-  }
-  run_workers(workers, nb, [&](int64_t w, int64_t r0, int64_t r1) {
-    const int64_t k = r1 - r0;
+  for (int i = 0; i < kNumComoments; ++i)
+    sc.parts[i].resize((size_t)(blk.width[kComoments[i].rows] * blk.width[kComoments[i].cols]));
+  run_workers(workers, nb, [&](int64_t, int64_t r0, int64_t r1) {
     for (int q = 0; q < kStreams; ++q)
       if (in[q]) center_rows<T>(*in[q], means.mean[q], sc.centered[q].data(), r0, r1);
-    for (int i = 0; i < kNumComoments; ++i) {
-      const int rq = kComoments[i].rows, cq = kComoments[i].cols;
-      if (!in[rq] || !in[cq]) continue;
-      const T* a = sc.centered[rq].data() + r0 * blk.width[rq];
-      if (kComoments[i].symmetric()) syrk(blk.width[rq], k, a, sc.parts[i][w].data());
-      else gemm_tn(blk.width[rq], blk.width[cq], k, a, sc.centered[cq].data() + r0 * blk.width[cq], sc.parts[i][w].data());
-    }
   });
-  for (int i = 0; i < kNumComoments; ++i)
-    if (in[kComoments[i].rows] && in[kComoments[i].cols])
-      for (int64_t w = 0; w < workers; ++w) blk.parts[i].push_back(sc.parts[i][w].data());
+  std::vector<Product<T>> products;
+  for (int i = 0; i < kNumComoments; ++i) {
+    const int rq = kComoments[i].rows, cq = kComoments[i].cols;
+    if (!in[rq] || !in[cq]) continue;
+    products.push_back({sc.centered[rq].data(), sc.centered[cq].data(), blk.width[rq], blk.width[cq],
+                        kComoments[i].symmetric(), sc.parts[i].data()});
+    blk.parts[i].push_back(sc.parts[i].data());
+  }
+  shared_products(products, nb, workers);
   return blk;
 }
 
@@ -626,9 +626,9 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std
     k_needed = state_.num_classes;
     for (int64_t v : labels) k_needed = std::max(k_needed, v + 1);
   }
-  check_fits(state_, nb, p, c, t, k_needed, wanted, (double)sizeof(T));
-  const int64_t workers = blas_workers(
-      wanted, [&](int64_t w) { return scratch_bytes(nb, p, c, t, k_needed, w, (double)sizeof(T)); });
+  check_fits(state_, nb, p, c, t, k_needed, (double)sizeof(T));
+  const int64_t workers =
+      blas_workers(wanted, [&](int64_t) { return scratch_bytes(nb, p, c, t, k_needed, (double)sizeof(T)); });
   // All products go to scratch first: nothing below can leave the state half
   // updated (an allocation failure throws before the merge starts).
   const Block<T> blk = form_products(b, means, workers, sc);

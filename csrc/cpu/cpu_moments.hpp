@@ -26,8 +26,8 @@ struct BatchMeans {
 // products in the product type T.
 template <typename T>
 struct Scratch {
-  std::vector<T> centered[kStreams];               // by stream, rows split among workers
-  std::vector<std::vector<T>> parts[kNumComoments];  // by co-moment, one partial product per worker
+  std::vector<T> centered[kStreams];  // by stream, rows split among workers
+  std::vector<T> parts[kNumComoments];  // by co-moment, the batch's product (the workers share it)
 };
 
 // Raised when a state or a batch's scratch cannot fit in this machine's
@@ -37,7 +37,7 @@ struct memory_error : std::runtime_error {
 };
 
 // CPU backend: centers each batch on its float64 mean, multiplies with BLAS
-// (ssyrk/dsyrk for M and A, gemm for B), merges with State::merge semantics.
+// (GEMM tiles shared by the workers, cpu/products.hpp), merges with State::merge semantics.
 //
 // Thread-safe: every public method holds the object's mutex for its whole
 // call, so several threads may update, merge into and read one CpuMoments;

@@ -30,9 +30,9 @@ _logging.getLogger("richness").addHandler(_logging.NullHandler())
 
 def __getattr__(name: str):
     # The submodules with optional dependencies (matplotlib, torchmetrics, lightning,
-    # transformers, torch.distributed) load on first use, so `richness.plot.depth(...)` works
+    # transformers, torch.distributed, dask) load on first use, so `richness.plot.depth(...)` works
     # after a plain `import richness` without making matplotlib a dependency of the import.
-    if name in ("plot", "baselines", "torchmetrics", "lightning", "transformers"):
+    if name in ("plot", "baselines", "torchmetrics", "lightning", "transformers", "dask"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -22,7 +22,9 @@ import json
 import os
 import tempfile
 import resource
+import socket
 import stat
+import time
 import zipfile
 from typing import BinaryIO, Dict, NamedTuple, Optional, Tuple
 
@@ -55,38 +57,68 @@ def _umask() -> int:
     return mask
 
 
-# Temp files are named ``.richness-PID-RANDOM.tmp``: short, so that any legal
-# target name still leaves a legal temp name, and carrying the writer's process
-# id, so that a save can tell leftovers of a killed process from a concurrent
-# save's files.
+# Temp files are named ``.richness-HOST-PID-RANDOM.tmp``: short, so that any
+# legal target name still leaves a legal temp name. HOST is a digest of this
+# machine's name, boot and process-id namespace, PID the writer's process id: a
+# process id means something only where HOST matches, since a folder may be
+# shared by other machines or containers whose processes this one cannot see.
 _TEMP_PREFIX = ".richness-"
 _TEMP_SUFFIX = ".tmp"
+# A temp file nothing has written to for this long is a dead writer's, wherever it ran.
+STALE_TEMP_AGE = 24 * 3600.0  # seconds
 
 
-def _remove_stale_temps(folder: str) -> None:
-    """Remove temp files in ``folder`` whose writing process is gone (a save
-    killed between writing and renaming leaves one behind)."""
+def _host_tag() -> str:
+    """12 hex digits naming this machine, its boot and this process's pid namespace."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        pass
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def _is_stale_temp(folder: str, name: str, host: str, now: float) -> bool:
+    """Whether the temp file ``name`` is provably not a save in progress: its
+    writer ran here and is gone, or it is older than ``STALE_TEMP_AGE``."""
+    try:
+        st = os.lstat(os.path.join(folder, name))
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    if now - st.st_mtime > STALE_TEMP_AGE:
+        return True
+    tag, _, rest = name[len(_TEMP_PREFIX):-len(_TEMP_SUFFIX)].partition("-")
+    pid = rest.split("-", 1)[0]
+    if tag != host or not pid.isdigit() or int(pid) == os.getpid():
+        return False  # another machine's or container's (or this process's own save in another thread)
+    try:
+        os.kill(int(pid), 0)
+        return False  # that process is alive: its save may still be under way
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's
+        return False
+
+
+def _remove_stale_temps(folder: str, host: str) -> None:
+    """Remove the temp files in ``folder`` left by saves that were killed
+    between writing and renaming (``_is_stale_temp``); never another writer's
+    save in progress."""
     try:
         names = os.listdir(folder)
     except OSError:
         return
+    now = time.time()
     for name in names:
-        if not (name.startswith(_TEMP_PREFIX) and name.endswith(_TEMP_SUFFIX)):
-            continue
-        pid = name[len(_TEMP_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # that process is alive: its save may still be under way
-        except ProcessLookupError:
-            pass
-        except OSError:  # alive, someone else's
-            continue
-        try:
-            os.unlink(os.path.join(folder, name))
-        except OSError:
-            pass
+        if name.startswith(_TEMP_PREFIX) and name.endswith(_TEMP_SUFFIX) and _is_stale_temp(folder, name, host, now):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
 
 
 def file_path(path, what: str = "path") -> str:
@@ -105,8 +137,9 @@ def file_path(path, what: str = "path") -> str:
 def save_state(state: dict, path: "os.PathLike | str") -> None:
     """Write ``state`` to ``path`` atomically: a temp file in the same folder,
     fsync, then rename over the target. A crash leaves the old file intact
-    (and a temp file that the next save into the same folder removes). The file
-    gets the permissions ``open`` would give a new file under the umask."""
+    (and a temp file that a later save into the same folder removes once it is
+    provably stale). A file saved over keeps its permission bits; a new file
+    gets the ones ``open`` would give it under the umask."""
     path = file_path(path)
     if path.endswith(os.sep) or os.path.basename(path) in (".", ".."):
         raise ValueError(f"{path}: names a folder; give a file name")
@@ -114,10 +147,15 @@ def save_state(state: dict, path: "os.PathLike | str") -> None:
     meta = {"format": FORMAT, "version": VERSION, **{k: state[k] for k in SCALARS},
             "sha256": _digest(arrays, state)}
     folder = os.path.dirname(os.path.abspath(path))
-    _remove_stale_temps(folder)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", suffix=_TEMP_SUFFIX, dir=folder)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600
+        mode = stat.S_IMODE(os.stat(path).st_mode) & 0o777
+    except OSError:  # a new file
+        mode = 0o666 & ~_umask()
+    host = _host_tag()
+    _remove_stale_temps(folder, host)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{host}-{os.getpid()}-", suffix=_TEMP_SUFFIX, dir=folder)
+    try:
+        os.fchmod(fd, mode)  # mkstemp makes it 0600
         with os.fdopen(fd, "wb") as f:
             np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
             f.flush()
@@ -266,7 +304,8 @@ class NpzMember(NamedTuple):
 
 def npz_members(zf: zipfile.ZipFile, label: str) -> Dict[str, NpzMember]:
     """``{name: member}`` of an .npz archive, from the archive's directory and
-    each member's .npy header alone (no array data is read). A member whose
+    each member's .npy header alone (no array data is read). A name that
+    appears twice is refused (the archive is ambiguous). A member whose
     header claims more data than the directory says it holds, or that claims
     more than its compression can produce, is refused here."""
     out = {}
@@ -274,6 +313,8 @@ def npz_members(zf: zipfile.ZipFile, label: str) -> Dict[str, NpzMember]:
         name = info.filename
         if not name.endswith(".npy"):
             raise ValueError(f"{label}: unexpected member {name!r} (not a .npy array)")
+        if name[:-4] in out:  # zipfile would silently keep the last of them
+            raise ValueError(f"{label}: member {name!r} appears more than once; which one is meant is ambiguous")
         if info.compress_type == zipfile.ZIP_DEFLATED:
             if info.file_size > _DEFLATE_RATIO * info.compress_size + 1024:
                 raise ValueError(f"{label}: member {name!r} claims {info.file_size} bytes from "

@@ -8,7 +8,7 @@ from typing import List, Optional
 import numpy as np
 
 
-@dataclass
+@dataclass(repr=False)
 class Report:
     """Richness of one state of a network, finished from streamed moments.
 
@@ -113,6 +113,19 @@ class Report:
                 v = {k: (x.to_dict() if isinstance(x, Report) else x) for k, x in v.items()}
             out[f.name] = v
         return out
+
+    def __repr__(self) -> str:
+        """Every field, arrays summarised (shape and first values): a Report
+        of p = 2048 features stays a few lines."""
+        def short(v):
+            if isinstance(v, np.ndarray):
+                head = ", ".join(f"{x:.4g}" for x in v.ravel()[:3])
+                return f"array(shape={v.shape}, [{head}{', ...' if v.size > 3 else ''}])"
+            if isinstance(v, dict):
+                return "{" + ", ".join(f"{k!r}: Report(dlr={getattr(x, 'dlr', x)!r}, ...)" for k, x in v.items()) + "}"
+            return repr(v)
+
+        return "Report(" + ", ".join(f"{f.name}={short(getattr(self, f.name))}" for f in fields(self)) + ")"
 
     def __str__(self) -> str:
         def fmt(v):

@@ -240,7 +240,10 @@ def check_invariants(st: dict) -> None:
       inputs: within ``INVARIANT_RTOL`` of their magnitudes);
     * each Gram (M, A, At) is symmetric and has no negative diagonal entry:
       its diagonal is a sum of squares in every precision and each merge
-      adds squares, so a negative variance is impossible, not rounding.
+      adds squares, so a negative variance is impossible, not rounding;
+    * M, the joint Grams of features with outputs and with targets, and the
+      within-class scatter are positive semi-definite within rounding
+      (``check_gram``).
     """
     n, p, k = st["n"], st["p"], st["k"]
     for key in ("c", "t"):
@@ -289,6 +292,69 @@ def check_invariants(st: dict) -> None:
         if asym > INVARIANT_RTOL * max(np.abs(a).max(), np.finfo(float).tiny):
             raise ValueError(f"state entry {f.name!r} is not symmetric (largest |{f.name} - {f.name}^T| is "
                              f"{asym:.3g})")
+    if n > 0:
+        check_gram(st)
+
+
+def _semidefinite(G: np.ndarray, diag: np.ndarray, mean: np.ndarray, n: int, tol: float) -> bool:
+    """Whether the symmetric ``G`` is positive semi-definite within ``tol``
+    relative to the variances ``diag`` (G's own diagonal, or the one it is a
+    part of): a Cholesky factor of D^-1/2 G D^-1/2 + tol I exists. Variances
+    count from the rounding level that centering on a float64 ``mean`` of n
+    values leaves (32 sqrt(n) eps |mean| a sample, as for constant features),
+    that level being added to the diagonal as slack: a constant feature's
+    rounding passes; a zero variance with a larger covariance fails
+    (Cauchy-Schwarz)."""
+    top = float(diag.max()) if diag.size else 0.0
+    level = n * (32.0 * np.sqrt(n) * np.finfo(np.float64).eps * np.abs(mean)) ** 2
+    floor = np.maximum(level, max(top, float(level.max(initial=0.0))) * 1e-300)
+    if not floor.max(initial=0.0) > 0.0:
+        return not np.any(G)
+    inv = 1.0 / np.sqrt(np.maximum(diag, floor))
+    C = (G + np.diag(level)) * inv[:, None] * inv[None, :]
+    try:
+        np.linalg.cholesky((C + C.T) / 2 + tol * np.eye(C.shape[0]))
+    except np.linalg.LinAlgError:
+        return False
+    return True
+
+
+def check_gram(st: dict) -> None:
+    """The co-moments are those of real samples: the joint Grams
+    [[M, B], [B^T, A]] and [[M, Bt], [Bt^T, At]] and the within-class scatter
+    M - sum_k n_k (m_k - mu)(m_k - mu)^T are positive semi-definite within
+    the rounding of the state's product precision (10 times its eigenvalue
+    cut, relative to the variances), and so is M (implied by any of them):
+    no cross-moment beyond Cauchy-Schwarz with its Grams, no class mean
+    farther from the mean than the samples allow. One Cholesky factor per
+    stream, O((p + c)^3); M alone is factored only without streams, or to
+    name the culprit once a check failed."""
+    tol = 10.0 * precision_mode(st["precision"]).rtol
+    M, mu, n = st["M"], st["mean"], int(st["n"])
+    dM = np.diag(M)
+    checks = []
+    for cross, gram, means, what in (("B", "A", "out_mean", "outputs"), ("Bt", "At", "tgt_mean", "targets")):
+        if st[gram].size:
+            J = np.block([[M, st[cross]], [st[cross].T, st[gram]]])
+            checks.append((J, np.diag(J), np.concatenate([mu, st[means]]), (
+                f"state entries 'M', {cross!r} and {gram!r} do not belong together: the joint Gram [[M, {cross}], "
+                f"[{cross}^T, {gram}]] has a negative eigenvalue beyond rounding (the cross-moment of the features "
+                f"and {what} exceeds what M and {gram} allow)")))
+    counts = st["class_counts"]
+    present = counts > 0
+    if present.any():
+        c = counts[present].astype(np.float64)
+        D = st["class_sums"][present] / c[:, None] - mu[None, :]
+        checks.append((M - (D.T * c) @ D, dM, mu, (
+            "state entries 'class_sums', 'class_counts' and 'M' do not belong together: the within-class scatter "
+            "M - sum_k n_k (m_k - mu)(m_k - mu)^T has a negative eigenvalue beyond rounding (class means farther "
+            "from the mean than the samples allow)")))
+    failed = next((msg for G, d, m, msg in checks if not _semidefinite(G, d, m, n, tol)), None)
+    if (failed is not None or not checks) and not _semidefinite(M, dM, mu, n, tol):
+        failed = ("state entry 'M' is not positive semi-definite (it has a negative eigenvalue beyond rounding): it "
+                  "is not the second moment of any samples")
+    if failed is not None:
+        raise ValueError(failed)
 
 
 # -- many-state merge ----------------------------------------------------------

@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import os
+import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -81,7 +82,8 @@ def curves(reports: Union[Report, Mapping[str, Report]], prefix: "str | os.PathL
         ax.set_xscale("log")
         ax.set_xlabel("k (top-k feature eigenfunctions)")
         # Nystrom-extended curves are monotone but can exceed 1 (docs/MATH.md, held-out curves)
-        ax.set_ylabel("fraction of variance explained" + ("\n(held-out dashed: not bounded by 1)" if held_out else ""))
+        ax.set_ylabel("cumulative projection (training: fraction of\nvariance; held-out dashed: can exceed 1)"
+                      if held_out else "fraction of variance explained")
         if not held_out:
             ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
@@ -102,9 +104,19 @@ def curves(reports: Union[Report, Mapping[str, Report]], prefix: "str | os.PathL
     return _save(fig, prefix)
 
 
+def _number(value: Any, key: str, where: str, optional: bool) -> Optional[float]:
+    """A record's field as a float (None where ``optional`` allows); ValueError naming ``where``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: {key} is not a number ({value!r})")
+    return float(value)
+
+
 def read_log(path: "str | os.PathLike") -> List[Dict[str, Any]]:
     """Monitor records from a ``.jsonl`` or ``.csv`` log (ValueError naming the
-    file and line when it cannot be read)."""
+    file and line when it cannot be read, or when a record's ``step``,
+    ``dlr`` or ``nc1`` is not a number)."""
     path = os.fspath(path)
     recs = []
     try:
@@ -112,24 +124,60 @@ def read_log(path: "str | os.PathLike") -> List[Dict[str, Any]]:
         with io.TextIOWrapper(_io.open_regular(path), newline="") as f:
             if path.endswith(".csv"):
                 for i, row in enumerate(csv.DictReader(f), start=2):
-                    try:
-                        recs.append({k: (None if v in ("", None) else (v if k == "mode" else float(v)))
-                                     for k, v in row.items()})
-                    except ValueError:
-                        raise ValueError(f"{path}: line {i} is not a Monitor record") from None
+                    rec: Dict[str, Any] = {}
+                    for k, v in row.items():
+                        try:
+                            rec[k] = None if v in ("", None) else (v if k == "mode" else float(v))
+                        except (TypeError, ValueError):
+                            raise ValueError(f"{path}: line {i}: {k} is not a number ({v!r})") from None
+                    recs.append((i, rec))
             else:
                 for i, line in enumerate(f, start=1):
                     if not line.strip():
                         continue
                     try:
-                        recs.append(json.loads(line))
+                        recs.append((i, json.loads(line)))
                     except json.JSONDecodeError:
                         raise ValueError(f"{path}: line {i} is not JSON") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-    if not recs or not all(isinstance(r, dict) and "step" in r and "dlr" in r for r in recs):
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (not UTF-8)") from None
+    if not recs or not all(isinstance(r, dict) and "step" in r and "dlr" in r for _, r in recs):
         raise ValueError(f"{path}: not a Monitor log (records need 'step' and 'dlr')")
-    return recs
+    for i, r in recs:
+        _number(r["step"], "step", f"{path}: line {i}", optional=False)
+        _number(r["dlr"], "dlr", f"{path}: line {i}", optional=True)
+        _number(r.get("nc1"), "nc1", f"{path}: line {i}", optional=True)
+    return [r for _, r in recs]
+
+
+def escape_mathtext(text: str) -> str:
+    """``text`` shown as written in a matplotlib title or label (a file name
+    with ``$...$`` would otherwise be parsed as mathematics)."""
+    return text.replace("$", r"\$")
+
+
+def _dlr_outside(steps: np.ndarray, dlr: np.ndarray, given: np.ndarray, where: str) -> str:
+    """A note on the recorded (``given``) DLR values that are NaN or outside [0, 1]
+    (none of them a DLR), also warned about (RichnessWarning); "" when there are none."""
+    from .model.evaluate import RichnessWarning
+
+    nan = given & np.isnan(dlr)
+    out = given & ~nan & ((dlr < 0) | (dlr > 1))
+    parts = []
+    if out.any():
+        first = int(np.flatnonzero(out)[0])
+        parts.append(f"{int(out.sum())} DLR value(s) outside [0, 1] (first at step {steps[first]:g}: "
+                     f"{dlr[first]:g}), drawn as they are")
+    if nan.any():
+        parts.append(f"{int(nan.sum())} NaN DLR value(s), not drawn")
+    if not parts:
+        return ""
+    note = "; ".join(parts)
+    warnings.warn(f"{where}{note} (a DLR lies in [0, 1]: these records are not valid measurements)",
+                  RichnessWarning, stacklevel=3)
+    return note
 
 
 def history(records: Union[Sequence[Mapping[str, Any]], "str | os.PathLike"], prefix: "str | os.PathLike", *,
@@ -137,18 +185,32 @@ def history(records: Union[Sequence[Mapping[str, Any]], "str | os.PathLike"], pr
     """DLR over training steps (and NC1 on a log axis when present) from
     Monitor records or a log file; writes ``prefix.png`` and ``prefix.svg``."""
     plt = _plt()
+    where = f"{records}: " if isinstance(records, (str, os.PathLike)) else ""
     if isinstance(records, (str, os.PathLike)):
         records = read_log(records)
+    else:
+        for i, r in enumerate(records):
+            _number(r["step"], "step", f"record {i}", optional=False)
+            _number(r.get("dlr"), "dlr", f"record {i}", optional=True)
+            _number(r.get("nc1"), "nc1", f"record {i}", optional=True)
     steps = np.array([float(r["step"]) for r in records])
     dlr = np.array([np.nan if r.get("dlr") is None else float(r["dlr"]) for r in records])
     nc1 = np.array([np.nan if r.get("nc1") is None else float(r["nc1"]) for r in records])
+    # None is a step whose DLR was undefined (the Monitor warned then); NaN or a value outside [0, 1] is no DLR
+    note = _dlr_outside(steps, dlr, np.array([r.get("dlr") is not None for r in records], bool), where)
     has_nc1 = bool(np.isfinite(nc1).any())
     fig, axes = plt.subplots(1, 2 if has_nc1 else 1, figsize=(11 if has_nc1 else 6, 4))
     axes = np.atleast_1d(axes)
     axes[0].plot(steps, dlr, "o-", color=_COLORS[0], lw=2, ms=3)
     axes[0].set_xlabel("training step")
     axes[0].set_ylabel("DLR (0 = rich, 1 = lazy)")
-    axes[0].set_ylim(0, 1)
+    finite = dlr[np.isfinite(dlr)]
+    lo, hi = (min(0.0, float(finite.min())), max(1.0, float(finite.max()))) if finite.size else (0.0, 1.0)
+    axes[0].set_ylim(lo, hi)
+    if note:
+        axes[0].axhspan(lo, 0.0, color="red", alpha=0.08)
+        axes[0].axhspan(1.0, hi, color="red", alpha=0.08)
+        axes[0].text(0.02, 0.02, note, transform=axes[0].transAxes, fontsize=7, color="red", va="bottom")
     axes[0].set_title("dynamical low-rank measure")
     axes[0].grid(alpha=0.3)
     if has_nc1:
@@ -177,6 +239,7 @@ def sweep(x: Iterable[float], series: Mapping[str, Iterable[float]], prefix: "st
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(name)
+        ax.set_ylim(bottom=min(0.0, float(np.nanmin(ax.get_ylim()))))  # values read against 0
         ax.grid(alpha=0.3, which="both")
     if title:
         fig.suptitle(title)

@@ -1,4 +1,4 @@
-"""Command line: ``richness demo | eval | plot | info`` (also ``python -m richness``).
+"""Command line: ``richness demo | eval | merge | plot | info`` (also ``python -m richness``).
 
 User errors (a missing file, a wrong shape, a bad key, a folder that cannot be
 written) print one line naming the file and the problem and exit with code 2,
@@ -6,8 +6,9 @@ without a traceback. Progress and notes go to the ``richness`` logger
 (``-v`` shows the info level).
 
 The parser and the reporting of errors are here; the commands are in
-:mod:`richness.cli.commands` (eval, plot, info) and :mod:`richness.cli.demo`,
-the file readers in :mod:`richness.cli.readers`. They are imported when the
+:mod:`richness.cli.commands` (eval, plot, info), :mod:`richness.cli.merge` and
+:mod:`richness.cli.demo`, the file readers in :mod:`richness.cli.readers`, sharded
+inputs (globs, directories) in :mod:`richness.cli.shards`. They are imported when the
 parser is built, so that they can raise :class:`UserError` from this module.
 """
 
@@ -71,7 +72,7 @@ def _alphas(text: str) -> List[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
-    from . import commands, demo
+    from . import commands, demo, merge
 
     p = _Parser(prog="richness", description="Measure how rich or lazy training was (DLR).")
     p.add_argument("--version", action="version", version=f"richness {__version__}")
@@ -83,12 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="epochs of the rich/lazy classifiers")
     d.add_argument("--steps", type=_integer(1, 10**8, "a positive number of steps"), default=400,
                    help="full-batch steps per network of the alpha sweep")
-    d.add_argument("--seed", type=_integer(0, INT64_MAX, "a non-negative integer"), default=0)
+    d.add_argument("--seed", type=_integer(0, INT64_MAX, "a non-negative integer"), default=0,
+                   help="seed of the data and the initialisations (default 0)")
     d.add_argument("--alphas", type=_alphas, default="0.1,0.3,1,10",
                    help=f"comma-separated target scales of the sweep, each in [{demo.ALPHA_RANGE[0]:g}, "
                         f"{demo.ALPHA_RANGE[1]:g}] ('' to skip it)")
     d.add_argument("--out", default="richness-demo", help="folder for the plots (default richness-demo/)")
-    d.add_argument("--no-plots", action="store_true")
+    d.add_argument("--no-plots", action="store_true", help="print the results only, write no plots")
     d.add_argument("--no-progress", action="store_true", help="no progress bars (tqdm)")
     d.set_defaults(func=demo.demo)
 
@@ -96,17 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Stream arrays from .npy, .npz, .safetensors, .pt (torch.load, weights only), "
                                    ".h5/.hdf5 (h5py) or .parquet (pyarrow) files (FILE or FILE:KEY) in chunks. A "
                                    "bundle (any but .npy) with arrays named features, outputs, labels, targets "
-                                   "supplies them all. Parquet: one sample per row, vectors as list columns.")
-    e.add_argument("features", help="features (samples x p): FILE or FILE:KEY, or a bundle")
+                                   "supplies them all. Parquet: one sample per row, vectors as list columns. Every array "
+                                   "argument also takes a quoted glob or a directory (its files, of one format): "
+                                   "shards read in sorted order and paired by position across the arguments.")
+    e.add_argument("features", help="features (samples x p): FILE or FILE:KEY, a bundle, or shards ('DIR/*.npy', DIR)")
     e.add_argument("--outputs", help="outputs / logits (samples x C)")
     e.add_argument("--labels", help="integer class labels (samples,)")
     e.add_argument("--targets", help="float regression targets (samples,) or (samples x T)")
     e.add_argument("--head", help="linear head weights W (C x p): DLR without streaming outputs")
     e.add_argument("--test-features", help="held-out features (Nystrom-extended curves)")
-    e.add_argument("--test-outputs")
-    e.add_argument("--test-labels")
-    e.add_argument("--test-targets")
-    e.add_argument("--num-classes", type=_integer(1, INT64_MAX, "a positive number of classes"), default=None)
+    e.add_argument("--test-outputs", help="held-out outputs (with --outputs and --test-features)")
+    e.add_argument("--test-labels", help="held-out labels (with --labels and --test-features)")
+    e.add_argument("--test-targets", help="held-out targets (with --targets and --test-features)")
+    e.add_argument("--num-classes", type=_integer(1, INT64_MAX, "a positive number of classes"), default=None,
+                   help="fix the classes to 0..N-1 (default: grow with the largest label)")
     e.add_argument("--precision", choices=["fp64", "fp32"], default=None,
                    help="precision of the products (default: fp64 for float64 files, else fp32)")
     e.add_argument("--rtol", type=_real(0.0, 1.0, "a relative cut in [0, 1]"), default=None,
@@ -116,15 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print the report as one JSON object")
     e.add_argument("--save", help="write the training state (.npz) for `richness plot` or later merges")
     e.add_argument("--save-test", help="write the held-out state (.npz)")
-    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=commands.eval_cmd)
+
+    mg = sub.add_parser("merge", help="merge saved states into one (exact: the state of all their samples)",
+                        description="Merge states saved by `richness eval --save` or Moments.save (e.g. one per "
+                                    "shard or machine). Every input is validated first; OUT is written atomically, "
+                                    "and not at all when any input is refused.")
+    mg.add_argument("out", metavar="OUT", help="the merged state (.npz)")
+    mg.add_argument("inputs", metavar="IN", nargs="+", help="saved states: files, quoted globs or directories")
+    mg.add_argument("--json", action="store_true", help="print the merged state's report as one JSON object")
+    mg.set_defaults(func=merge.merge_cmd)
 
     pl = sub.add_parser("plot", help="curves from a saved state, or DLR over steps from a Monitor log")
     pl.add_argument("input", help="a state saved by `richness eval --save` / Moments.save, or a .jsonl/.csv log")
     pl.add_argument("--test", help="held-out state (.npz) for the dashed held-out curves")
     pl.add_argument("--head", help="linear head weights (C x p) when the state has no outputs")
     pl.add_argument("-o", "--output", help="output prefix (writes PREFIX.png and PREFIX.svg)")
-    pl.add_argument("--title")
+    pl.add_argument("--title", help="the figure's title (default: the file name and its DLR)")
     pl.set_defaults(func=commands.plot_cmd)
 
     i = sub.add_parser("info", help="version, backends, BLAS, GPU architectures")

@@ -7,11 +7,13 @@ import json
 import logging
 import os
 import sys
+import warnings
 from typing import Optional
 
 from .. import _io
 from . import UserError
-from .readers import ArrayFile, head_weights, open_or_bundle, split_spec, width
+from .readers import head_weights, split_spec
+from .shards import Layout, Shard, Shards, scan
 
 log = logging.getLogger("richness")
 
@@ -29,10 +31,9 @@ def _bar(total: int, enabled: bool, desc: str):
     return tqdm(total=total, unit="sample", unit_scale=True, desc=desc, dynamic_ncols=True, file=sys.stderr)
 
 
-def _stream(feats: ArrayFile, outs: Optional[ArrayFile], labels: Optional[ArrayFile], targets: Optional[ArrayFile],
-            *, chunk: int, precision: Optional[str], num_classes: Optional[int], progress: bool, desc: str):
-    from .. import Moments
-
+def _check_shard(sh: Shard) -> None:
+    """The checks of one shard's files, before any data is read."""
+    feats, outs, labels, targets = sh
     feats.check_float("features")
     if len(feats.shape) != 2:
         raise UserError(f"{feats.label}: features must be 2-D (samples, features), got shape {feats.shape}")
@@ -48,92 +49,116 @@ def _stream(feats: ArrayFile, outs: Optional[ArrayFile], labels: Optional[ArrayF
     for other in (outs, labels, targets):
         if other is not None and other.rows != feats.rows:
             raise UserError(f"{other.label}: has {other.rows} rows but {feats.label} has {feats.rows}")
-    if feats.rows < 2:
-        raise UserError(f"{feats.label}: need at least 2 samples, got {feats.rows}")
+
+
+def _stream(shards: Shards, layout: Layout, *, chunk: int, precision: Optional[str], num_classes: Optional[int],
+            progress: bool, desc: str):
+    """One Moments over every shard of a set, each read in row chunks."""
+    from .. import Moments
+
+    if layout.rows < 2:
+        raise UserError(f"{layout.label}: need at least 2 samples, got {layout.rows}")
     try:
         m = Moments(num_classes, precision=precision)
     except ValueError as e:
         raise UserError(str(e)) from None
-    streams = [f for f in (feats, outs, labels, targets) if f is not None]
     # rows per chunk: at most _CHUNK_BYTES per stream, whatever the width
-    chunk = max(1, min(chunk, _CHUNK_BYTES // max(max(f.row_bytes() for f in streams), 1)))
+    chunk = max(1, min(chunk, _CHUNK_BYTES // max(layout.row_bytes, 1)))
     # the state (and one chunk of every stream) must fit before anything is read
-    widths = {"p": width(feats), "c": width(outs) if outs else -1, "t": width(targets) if targets else -1,
+    sh = layout.shapes
+    widths = {"p": sh["features"][0], "c": _width(sh.get("outputs")), "t": _width(sh.get("targets")),
               "k": num_classes or -1}
-    _io.check_memory(_io.state_bytes(widths) + chunk * sum(f.row_bytes() for f in streams),
-                     f"{feats.label}: the state at p={widths['p']}"
+    _io.check_memory(_io.state_bytes(widths) + chunk * layout.row_bytes,
+                     f"{layout.label}: the state at p={widths['p']}"
                      + (f" with {num_classes} classes" if num_classes else ""))
-    bar = _bar(feats.rows, progress, desc)
+    bar = _bar(layout.rows, progress, desc)
     try:
-        for a in range(0, feats.rows, chunk):
-            b = min(a + chunk, feats.rows)
-            args = [feats.chunk(a, b), outs.chunk(a, b) if outs else None, labels.chunk(a, b) if labels else None,
-                    targets.chunk(a, b) if targets else None]
+        for i in range(len(shards)):
+            shard = shards.open(i)
             try:
-                m.update(*args)
-            except (ValueError, TypeError, MemoryError) as e:
-                msg = str(e)
-                src = feats
-                for word, f in (("labels", labels), ("outputs", outs), ("targets", targets)):
-                    if f is not None and msg.startswith(word):
-                        src = f
-                raise UserError(f"{src.label}: rows {a}..{b - 1}: {msg}") from None
-            for f in (feats, outs, labels, targets):
-                if f is not None:
-                    f.release(b)
-            if bar is not None:
-                bar.update(b - a)
+                _stream_shard(m, shard, chunk, bar)
+            finally:
+                shard.close()
     finally:
         if bar is not None:
             bar.close()
     return m
 
 
+def _width(shape: Optional[tuple]) -> int:
+    """The width of a stream from its shape without rows (-1: not streamed)."""
+    if shape is None:
+        return -1
+    return shape[0] if shape else 1
+
+
+def _stream_shard(m, shard: Shard, chunk: int, bar) -> None:
+    feats, outs, labels, targets = shard
+    for a in range(0, feats.rows, chunk):
+        b = min(a + chunk, feats.rows)
+        args = [f.chunk(a, b) if f is not None else None for f in shard]
+        try:
+            m.update(*args)
+        except (ValueError, TypeError, MemoryError) as e:
+            msg = str(e)
+            src = feats
+            for word, f in (("labels", labels), ("outputs", outs), ("targets", targets)):
+                if f is not None and msg.startswith(word):
+                    src = f
+            raise UserError(f"{src.label}: rows {a}..{b - 1}: {msg}") from None
+        del args
+        for f in shard.files():
+            f.release(b)
+        if bar is not None:
+            bar.update(b - a)
+
+
 def eval_cmd(args: argparse.Namespace) -> int:
     _check_eval_args(args)
-    feats = ArrayFile(args.features, default_key="features")
-    # a bundle (FILE without :KEY) also supplies its outputs, labels and targets
-    bundle = None if feats.explicit_key else feats
-    outs = open_or_bundle(args.outputs, bundle, "outputs")
-    labels = open_or_bundle(args.labels, bundle, "labels")
-    targets = open_or_bundle(args.targets, bundle, "targets")
+    train = Shards(args.features, args.outputs, args.labels, args.targets)
+    layout = scan(train, _check_shard, args.features)
+    test_shards = None
     if args.test_features is not None:
-        for given, train, what in ((args.test_outputs, outs, "outputs"), (args.test_labels, labels, "labels"),
-                                   (args.test_targets, targets, "targets")):
-            if given is not None and train is None:
+        for given, what in ((args.test_outputs, "outputs"), (args.test_labels, "labels"),
+                            (args.test_targets, "targets")):
+            if given is not None and what not in layout.streams:
                 raise UserError(f"--test-{what} {given}: the training set has no {what} (give --{what})")
-    for f, what in ((feats, "features"), (outs, "outputs"), (labels, "labels"), (targets, "targets")):
-        if f is not None:
-            log.info("%s: %s, shape %s, %s", what, f.label, f.shape, "bfloat16" if f.bf16 else f.dtype)
+        test_shards = Shards(args.test_features, args.test_outputs, args.test_labels, args.test_targets,
+                             names=("--test-features", "--test-outputs", "--test-labels", "--test-targets"),
+                             streams=layout.streams)
+    _check_saves(args, train.files() + (test_shards.files() if test_shards is not None else []))
+    for what in layout.streams:
+        log.info("%s: %s", what, layout.described[what])
     W = head_weights(args.head)
-    if W is not None and W.shape[1] != feats.shape[1]:
-        raise UserError(f"{args.head}: head weights have {W.shape[1]} input columns but {feats.label} has "
-                        f"{feats.shape[1]} features")
+    p = layout.shapes["features"][0]
+    if W is not None and W.shape[1] != p:
+        raise UserError(f"{args.head}: head weights have {W.shape[1]} input columns but {layout.label} has "
+                        f"{p} features")
+    test_layout = None
+    if test_shards is not None:
+        test_layout = scan(test_shards, _check_shard, args.test_features)
+        if test_layout.shapes["features"] != layout.shapes["features"]:
+            raise UserError(f"{test_layout.label}: has {test_layout.shapes['features']} features per sample, the "
+                            f"training set {layout.shapes['features']}")
+        for what in ("outputs", "targets"):
+            if what in test_layout.streams and _width(test_layout.shapes[what]) != _width(layout.shapes[what]):
+                raise UserError(f"{test_layout.labels[what]}: held-out {what} have "
+                                f"{_width(test_layout.shapes[what])} columns but the training {what} "
+                                f"({layout.labels[what]}) have "
+                                f"{_width(layout.shapes[what])}")
     progress = not args.no_progress
-    m = _stream(feats, outs, labels, targets, chunk=args.chunk, precision=args.precision,
-                num_classes=args.num_classes, progress=progress, desc="richness eval")
+    m = _stream(train, layout, chunk=args.chunk, precision=args.precision, num_classes=args.num_classes,
+                progress=progress, desc="richness eval")
     test = None
-    if args.test_features is not None:
-        tfeats = ArrayFile(args.test_features, default_key="features")
-        tbundle = None if tfeats.explicit_key else tfeats
-        if tfeats.shape[1:] != feats.shape[1:]:
-            raise UserError(f"{tfeats.label}: has {tfeats.shape[1:]} features per sample, the training set "
-                            f"{feats.shape[1:]}")
-        touts = open_or_bundle(args.test_outputs, tbundle, "outputs") if outs is not None else None
-        tlabels = open_or_bundle(args.test_labels, tbundle, "labels") if labels is not None else None
-        ttargets = open_or_bundle(args.test_targets, tbundle, "targets") if targets is not None else None
-        for train, held, what in ((outs, touts, "outputs"), (targets, ttargets, "targets")):
-            if held is not None and width(held) != width(train):
-                raise UserError(f"{held.label}: held-out {what} have {width(held)} columns but the training "
-                                f"{what} ({train.label}) have {width(train)}")
-        test = _stream(tfeats, touts, tlabels, ttargets, chunk=args.chunk, precision=args.precision,
+    if test_shards is not None:
+        test = _stream(test_shards, test_layout, chunk=args.chunk, precision=args.precision,
                        num_classes=args.num_classes, progress=progress, desc="richness eval (held-out)")
     try:
         rep = m.compute(head=W, test=test, rtol=args.rtol)
     except ValueError as e:
-        raise UserError(f"{feats.label}: {e}") from None
-    if outs is None and W is None:
-        print(f"richness: note: no outputs or --head given for {feats.label}: spectrum and curves only, no DLR",
+        raise UserError(f"{layout.label}: {e}") from None
+    if "outputs" not in layout.streams and W is None:
+        print(f"richness: note: no outputs or --head given for {layout.label}: spectrum and curves only, no DLR",
               file=sys.stderr)
     # the report first: a state that cannot be written must not lose it
     if args.json:
@@ -171,17 +196,21 @@ def _check_eval_args(args: argparse.Namespace) -> None:
         for opt in ("test_outputs", "test_labels", "test_targets"):
             if getattr(args, opt) is not None:
                 raise UserError(f"--{opt.replace('_', '-')} needs --test-features")
-    inputs = [split_spec(spec)[0] for spec in (args.features, args.outputs, args.labels, args.targets, args.head,
-                                                args.test_features, args.test_outputs, args.test_labels,
-                                                args.test_targets) if spec is not None]
-    saves = [(opt, path) for opt, path in (("--save", args.save), ("--save-test", args.save_test)) if path]
-    for opt, path in saves:
+    if args.save and args.save_test and _same_file(args.save, args.save_test):
+        raise UserError(f"--save and --save-test name the same file ({args.save}); the held-out state would "
+                        "overwrite the training state")
+
+
+def _check_saves(args: argparse.Namespace, inputs: list) -> None:
+    """Refuse a --save / --save-test that names one of the input files (every shard's)."""
+    if args.head is not None:
+        inputs = inputs + [split_spec(args.head)[0]]
+    for opt, path in (("--save", args.save), ("--save-test", args.save_test)):
+        if not path:
+            continue
         for src in inputs:
             if _same_file(path, src):
                 raise UserError(f"{opt} {path}: is an input file ({src}); saving would overwrite it")
-    if len(saves) == 2 and _same_file(args.save, args.save_test):
-        raise UserError(f"--save and --save-test name the same file ({args.save}); the held-out state would "
-                        "overwrite the training state")
 
 
 def _print_reference(rep) -> None:
@@ -190,7 +219,7 @@ def _print_reference(rep) -> None:
     if rep.dlr is None or rep.dlr_isotropic is None:
         return
     ratio = "n/a" if rep.dlr_normalized is None else f"{rep.dlr_normalized:.3f}"
-    print(f"DLR {rep.dlr:.4f}   isotropic reference {rep.dlr_isotropic:.4f}   DLR/iso {ratio}")
+    print(f"isotropic reference {rep.dlr_isotropic:.4f}   DLR/iso {ratio}")  # DLR itself is on the report's line
     print("how to read: DLR/iso near 1 = as lazy as isotropic (random) features at this n, p and rank; "
           "near 0 = rich (docs/READING_DLR.md)")
 
@@ -222,22 +251,27 @@ def plot_cmd(args: argparse.Namespace) -> int:
     if not os.path.isdir(folder):  # as --save: nothing creates folders on the user's behalf
         raise UserError(f"{out}: cannot write the plots (No such file or directory)")
     low = path.lower()
+    name = plot.escape_mathtext(os.path.basename(path))  # a file name is shown as written, never as mathtext
     try:
-        if low.endswith((".jsonl", ".json", ".csv")):
-            paths = plot.history(plot.read_log(path), out, title=args.title or os.path.basename(path))
-        elif low.endswith(".npz"):
-            m = Moments.load(path)
-            test = Moments.load(args.test) if args.test else None
-            W = head_weights(args.head)
-            rep = m.compute(head=W, test=test)
-            paths = plot.curves(rep, out, title=args.title or f"{os.path.basename(path)}: DLR "
-                                + ("n/a" if rep.dlr is None else f"{rep.dlr:.3f}") + f", n = {rep.n}")
-        else:
-            raise UserError(f"{path}: unknown input; give a saved state (.npz) or a Monitor log (.jsonl/.csv)")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if low.endswith((".jsonl", ".json", ".csv")):
+                paths = plot.history(plot.read_log(path), out, title=args.title or name)
+            elif low.endswith(".npz"):
+                m = Moments.load(path)
+                test = Moments.load(args.test) if args.test else None
+                W = head_weights(args.head)
+                rep = m.compute(head=W, test=test)
+                paths = plot.curves(rep, out, title=args.title or f"{name}: DLR "
+                                    + ("n/a" if rep.dlr is None else f"{rep.dlr:.3f}") + f", n = {rep.n}")
+            else:
+                raise UserError(f"{path}: unknown input; give a saved state (.npz) or a Monitor log (.jsonl/.csv)")
     except ValueError as e:
         msg = str(e)
         raise UserError(msg if msg.startswith(path) or (args.test and msg.startswith(args.test)) else f"{path}: {msg}") \
             from None
+    for w in caught:  # one line each, as every message of the command line
+        log.warning("warning: %s%s", "" if str(w.message).startswith(path) else f"{path}: ", w.message)
     for p in paths:
         print(p)
     return 0

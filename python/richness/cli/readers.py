@@ -4,8 +4,8 @@ refusal a :class:`~richness.cli.UserError` naming the file."""
 
 from __future__ import annotations
 
-import mmap
 import os
+import sys
 import zipfile
 from typing import List, Optional
 
@@ -13,11 +13,11 @@ import numpy as np
 
 from .. import _io
 from . import UserError, reason
+from .raw import RawRows, c_strides, mapped_file_offset, safetensors_offset
 
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
               "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
-_PAGE = mmap.PAGESIZE
 # Errors a reader raises on a damaged or hostile file.
 _UNREADABLE = (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError, RuntimeError, NotImplementedError,
                zipfile.LargeZipFile)
@@ -50,16 +50,19 @@ class ArrayFile:
 
     Only regular files are read, and every size is taken from the file's own
     headers and directory and checked against each other before any data is
-    read. ``.npy`` and uncompressed ``.npz`` members are memory-mapped; pages
-    behind the cursor are dropped (madvise/posix_fadvise DONTNEED): file-backed
-    pages of a mapping count in the resident set, so a plain memmap of a 5 GB
-    file would end up resident. Compressed ``.npz`` members are decompressed
-    forward, chunk by chunk. ``.safetensors`` files are read through the
-    ``safetensors`` library (which validates the header and offsets), a chunk
-    of rows at a time. ``.pt`` is loaded with ``torch.load(weights_only=True,
-    mmap=True)`` (no pickled code runs). HDF5 datasets are sliced per chunk
-    (h5py); a Parquet column is read forward in record batches (pyarrow), one
-    sample per row, vectors as list columns."""
+    read. Nothing is memory-mapped while it is read (a mapped file truncated by
+    another process would kill this one with SIGBUS): ``.npy`` data, stored
+    ``.npz`` members, ``.safetensors`` tensors and ``.pt`` tensors are read a
+    chunk of rows at a time by ordinary reads at their offsets
+    (:class:`~richness.cli.raw.RawRows`), and a file that turns out shorter
+    than its header is a one-line error. Compressed ``.npz`` members are
+    decompressed forward, chunk by chunk. ``.safetensors`` headers are
+    validated by the ``safetensors`` library. ``.pt`` is opened with
+    ``torch.load(weights_only=True, mmap=True)`` (no pickled code runs) only
+    to find the tensor's offset in the file; the mapping is dropped before any
+    data is read. HDF5 datasets are sliced per chunk (h5py; datasets whose
+    data lies in other files are refused); a Parquet column is read forward in
+    record batches (pyarrow), one sample per row, vectors as list columns."""
 
     def __init__(self, spec: str, default_key: Optional[str] = None) -> None:
         path, key = split_spec(spec)
@@ -79,11 +82,8 @@ class ArrayFile:
         self.bf16 = False
         self.array: Optional[np.ndarray] = None
         self.names: List[str] = []  # the file's named arrays (empty for a one-array file)
-        self._reader = None  # (a, b) -> rows a..b-1, for files that are not memory-mapped
+        self._reader = None  # (a, b) -> rows a..b-1, for arrays not held whole in self.array
         self._keep = None  # an open h5py file behind _reader
-        self._mm = None
-        self._fd = None
-        self._released = 0
         low = path.lower()
         try:
             if low.endswith(".npy"):
@@ -130,23 +130,19 @@ class ArrayFile:
         return key
 
     # file formats
+    def _raw(self, f, offset: int, shape, strides, dtype) -> None:
+        """Read the array at ``offset`` of the open file ``f`` by chunks of rows."""
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self._reader = RawRows(f, self.label, offset, self.shape, tuple(strides), self.dtype)
+
     def _map(self, f, offset: int, header: "_io.NpyHeader") -> None:
-        """Map the array whose data starts at ``offset`` of the open file ``f``."""
+        """The .npy array whose data starts at ``offset`` of the open file ``f``."""
         size = os.fstat(f.fileno()).st_size
         if offset + header.nbytes > size:
             raise UserError(f"{self.label}: truncated file ({size} bytes, the header promises "
                             f"{offset + header.nbytes})")
-        self.shape, self.dtype = header.shape, header.dtype
-        if header.nbytes == 0:
-            self.array = np.zeros(header.shape, header.dtype)
-            return
-        self._fd = os.dup(f.fileno())
-        self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-        self._offset = offset
-        count = header.nbytes // header.dtype.itemsize
-        a = np.frombuffer(self._mm, dtype=header.dtype, count=count, offset=offset)
-        self.array = a.reshape(header.shape, order="F" if header.fortran else "C")
-        self.fortran = header.fortran
+        self._raw(f, offset, header.shape, c_strides(header.shape, header.dtype.itemsize, header.fortran),
+                  header.dtype)
 
     def _open_npy(self, path: str) -> None:
         with _io.open_regular(path) as f:
@@ -184,7 +180,7 @@ class ArrayFile:
 
     def _open_safetensors(self, path: str) -> None:
         st = _optional("safetensors", "safetensors", ".safetensors")
-        try:
+        try:  # the library validates the header (by pread where it can: no mapping); RawRows reads the data
             try:
                 handle = st.safe_open(path, framework="numpy", backend="pread")
             except TypeError:  # a safetensors without the pread backend
@@ -193,29 +189,31 @@ class ArrayFile:
             raise UserError(f"{path}: not a valid safetensors file ({reason(e)})") from None
         key = self._pick(list(handle.keys()), "tensor")
         sl = handle.get_slice(key)
-        self.shape = tuple(int(s) for s in sl.get_shape())
+        shape = tuple(int(s) for s in sl.get_shape())
         kind = sl.get_dtype()
-        if kind == "BF16":  # numpy has no bfloat16: torch reads the bits, widened per chunk
-            torch = _optional("torch", "torch", "bfloat16 .safetensors")
-            self.bf16, self.dtype = True, np.dtype(np.uint16)
-            tsl = st.safe_open(path, framework="pt").get_slice(key)
-            self._reader = lambda a, b: tsl[a:b].view(torch.int16).numpy().view(np.uint16)
-            return
-        if kind not in _ST_DTYPES:
+        del sl, handle
+        if kind == "BF16":  # numpy has no bfloat16: the bits are read, widened per chunk
+            self.bf16, dtype = True, np.dtype(np.uint16)
+        elif kind in _ST_DTYPES:
+            dtype = np.dtype(_ST_DTYPES[kind])
+        else:
             raise UserError(f"{self.label}: unsupported dtype {kind}")
-        self.dtype = np.dtype(_ST_DTYPES[kind])
-        self._reader = lambda a, b: sl[a:b]
+        with _io.open_regular(path) as f:
+            self._raw(f, safetensors_offset(f, key, self.label), shape, c_strides(shape, dtype.itemsize), dtype)
 
     def _open_torch(self, path: str) -> None:
         torch = _optional("torch", "torch", ".pt")
         import pickle
 
+        mapped = True
         try:
-            try:  # mmap: tensors stay on disk until a chunk touches them
+            try:  # mmap: nothing of the data is read here
                 obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError as e:
                 if "mmap" not in str(e):
                     raise
+                mapped = False
+                _io.check_memory(os.path.getsize(path), f"{path} (a legacy-format .pt file, read whole)")
                 obj = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
         except pickle.UnpicklingError as e:
             raise UserError(f"{path}: not a file of tensors (torch.load with weights_only=True refused it: "
@@ -229,6 +227,7 @@ class ArrayFile:
             t = tensors[self._pick(list(tensors), "tensor")]
         else:
             raise UserError(f"{path}: holds a {type(obj).__name__}; expected a tensor or a dict of tensors")
+        del obj
         t = t.detach()
         from .._adapt import refuse_unreadable
 
@@ -236,16 +235,27 @@ class ArrayFile:
             refuse_unreadable(t, "it")
         except TypeError as e:
             raise UserError(f"{self.label}: {e}") from None
-        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: keep the bits, widened per chunk
-            self.bf16 = True
-            t = t.view(torch.int16)
-            self.array = t.numpy().view(np.uint16)
-        else:
-            try:
-                self.array = t.numpy()
-            except TypeError as e:
-                raise UserError(f"{self.label}: unsupported dtype ({e})") from None
-        self.shape, self.dtype = tuple(self.array.shape), self.array.dtype
+        self.bf16 = t.dtype == torch.bfloat16  # numpy has no bfloat16: keep the bits, widened per chunk
+        try:
+            dtype = np.dtype(np.uint16) if self.bf16 else torch.empty(0, dtype=t.dtype).numpy().dtype
+        except TypeError as e:
+            raise UserError(f"{self.label}: unsupported dtype ({e})") from None
+        shape = tuple(int(s) for s in t.shape)
+        start = mapped_file_offset(t.untyped_storage().data_ptr(), path) if mapped and t.numel() else None
+        if start is not None:  # read from the file by offset; the mapping goes with t
+            if _torch_byteorder(path) != sys.byteorder:  # torch swapped its copy; the file's bytes are read
+                dtype = dtype.newbyteorder()
+            strides = tuple(int(s) * dtype.itemsize for s in t.stride())
+            offset = start + t.storage_offset() * dtype.itemsize
+            del t
+            with _io.open_regular(path) as f:
+                self._raw(f, offset, shape, strides, dtype)
+            return
+        if mapped and t.numel():  # where the mapping cannot be located: the tensor read whole, now
+            _io.check_memory(t.untyped_storage().nbytes(), f"{self.label} (read whole)")
+            t = t.clone()
+        self.array = (t.view(torch.int16) if self.bf16 else t).numpy().view(dtype)
+        self.shape, self.dtype = shape, dtype
 
     def _open_hdf5(self, path: str) -> None:
         h5py = _optional("h5py", "h5py", ".h5")
@@ -257,15 +267,39 @@ class ArrayFile:
         except UserError:
             f.close()
             raise
+        try:
+            self._check_dataset(ds)
+        except UserError:
+            f.close()
+            raise
         self.shape, self.dtype = tuple(int(s) for s in ds.shape), ds.dtype
         self._keep = f
         self._reader = lambda a, b: ds[a:b]  # h5py reads only the slice
+
+    def _check_dataset(self, ds) -> None:
+        """Refuse an HDF5 dataset whose data is not this file's own bytes, or that has none."""
+        if ds.is_virtual:
+            sources = sorted({src.file_name for src in ds.virtual_sources()})
+            raise UserError(f"{self.label}: a virtual dataset (its data is mapped from {', '.join(sources)}); "
+                            "richness reads only data stored in the file itself")
+        if ds.external:
+            names = sorted({os.fsdecode(name) for name, _, _ in ds.external})
+            raise UserError(f"{self.label}: its data is stored in external files ({', '.join(names)}); "
+                            "richness reads only data stored in the file itself")
+        if ds.shape is None:
+            raise UserError(f"{self.label}: an empty dataset (HDF5 null dataspace: no shape, no data)")
 
     def _open_parquet(self, path: str) -> None:
         pa = _optional("pyarrow", "pyarrow", ".parquet")
         pq = _optional("pyarrow.parquet", "pyarrow", ".parquet")
         pf = pq.ParquetFile(path)
         key = self._pick(list(pf.schema_arrow.names), "column")
+        md = pf.metadata
+        chunks = [md.row_group(g).column(c) for g in range(md.num_row_groups) for c in range(md.num_columns)]
+        others = sorted({c.file_path for c in chunks if c.file_path and c.path_in_schema.split(".")[0] == key})
+        if others:
+            raise UserError(f"{self.label}: its column chunks are stored in other files ({', '.join(others)}); "
+                            "richness reads only data stored in the file itself")
         typ = pf.schema_arrow.field(key).type
         is_list = pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ)
         value = typ.value_type if is_list else typ
@@ -308,25 +342,37 @@ class ArrayFile:
             x = (x.astype(np.uint32) << 16).view(np.float32)
         return x
 
-    def release(self, b: int) -> None:
-        """Drop the mapped pages of rows before ``b`` from memory."""
-        if self._mm is None or getattr(self, "fortran", False):
-            return
-        rowbytes = self.dtype.itemsize * (int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1)
-        end = (self._offset + b * rowbytes) // _PAGE * _PAGE
-        if end <= self._released:
-            return
-        start = self._released
-        try:
-            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-        except (AttributeError, OSError, ValueError):
-            pass
-        if hasattr(os, "posix_fadvise"):
+    def close(self) -> None:
+        """Let go of the file (its mapping, descriptor and open reader); chunks
+        already read stay valid."""
+        self.array, self._reader = None, None
+        if self._mm is not None:
             try:
-                os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
-            except OSError:
+                self._mm.close()
+            except BufferError:  # a chunk still views the mapping: it goes with the last view
                 pass
-        self._released = end
+            self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._keep is not None:
+            self._keep.close()
+            self._keep = None
+
+    def release(self, b: int) -> None:
+        """The rows before ``b`` will not be read again (raw data: dropped from the page cache)."""
+        if isinstance(self._reader, RawRows):
+            self._reader.release(b)
+
+
+def _torch_byteorder(path: str) -> str:
+    """The byte order a zip-format .pt file records for its tensors (native where it records none)."""
+    with zipfile.ZipFile(path) as z:
+        for name in z.namelist():
+            if name.count("/") == 1 and name.endswith("/byteorder"):
+                order = z.read(name).decode(errors="replace")
+                return order if order in ("little", "big") else sys.byteorder
+    return sys.byteorder
 
 
 class _NpzRows:
@@ -394,13 +440,21 @@ class _ParquetColumn:
             raise UserError(f"{self.label}: rows {first}..{first + len(col) - 1} hold {col.null_count} nulls")
         if self.width is None:
             return col.to_numpy(zero_copy_only=False)
+        values = col.flatten()
+        if values.null_count:  # a null element inside a list (to_numpy would make it NaN)
+            import pyarrow.compute as pc
+
+            at = int(values.is_null().to_numpy(zero_copy_only=False).argmax())
+            row = first + int(pc.list_parent_indices(col)[at].as_py())
+            raise UserError(f"{self.label}: row {row} holds a null value inside its list (nulls in rows "
+                            f"{first}..{first + len(col) - 1}: {values.null_count})")
         if hasattr(col, "value_lengths"):  # variable-length lists must all have the first row's width
             lengths = col.value_lengths().to_numpy(zero_copy_only=False)
             bad = np.flatnonzero(lengths != self.width)
             if bad.size:
                 raise UserError(f"{self.label}: row {first + int(bad[0])} has {int(lengths[bad[0]])} values, "
                                 f"row 0 has {self.width}")
-        return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), self.width)
+        return values.to_numpy(zero_copy_only=False).reshape(len(col), self.width)
 
     def __call__(self, a: int, b: int) -> np.ndarray:
         if a < self.start:

@@ -35,6 +35,6 @@ def reference(st: dict, rtol: float, dlr, rank) -> tuple:
         dlr_norm = dlr / dlr_iso if dlr_iso > 0 else None
     warning = None
     if n < 10 * p:
-        warning = (f"n = {n} is below 10 p = {10 * p}: DLR is biased toward rich at this sample size"
+        warning = (f"n = {n} is below 10 x p = {10 * p} (p = {p}): DLR is biased toward rich at this sample size"
                    + (f" (isotropic features here would give {dlr_iso:.3f})" if dlr_iso is not None else ""))
     return p_active, dlr_iso, dlr_norm, warning

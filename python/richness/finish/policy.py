@@ -10,26 +10,30 @@ as small Gram matrices (docs/MATH.md, per-batch sample-space form).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from ._xp import ns
 from .dlr import DEFAULT_RTOL, dlr_of_state, dlr_values, span_of_grams
-from .nc1 import NC1_RELIABLE, nc1, nc1_from_grams
+from .nc1 import NC1_RELIABLE, nc1_floor, nc1_from_grams, nc1_with_scale
 
 
 def check_rtol(rtol: Optional[float]) -> Optional[float]:
-    """``rtol`` itself; ValueError unless it is None or a number in (0, 1)."""
-    if rtol is not None and not (isinstance(rtol, (int, float)) and 0.0 < rtol < 1.0):
+    """``rtol`` as a float (any real number type: numpy scalars too); ValueError
+    unless it is None or a number in (0, 1)."""
+    if rtol is None:
+        return None
+    if isinstance(rtol, (bool, np.bool_)) or not isinstance(rtol, numbers.Real) or not 0.0 < float(rtol) < 1.0:
         raise ValueError(f"rtol must be a number in (0, 1), got {rtol!r}")
-    return rtol
+    return float(rtol)
 
 
 def rtol_for(precision: str, rtol: Optional[float] = None) -> float:
     """The eigenvalue cut: ``rtol`` (checked), or by default the product
     precision's (docs/MATH.md, rank cut)."""
-    check_rtol(rtol)
+    rtol = check_rtol(rtol)
     return DEFAULT_RTOL[precision] if rtol is None else rtol
 
 
@@ -47,7 +51,14 @@ def nc1_reported(st: dict, rtol: float) -> tuple:
         return None, None
     if st["precision"] not in NC1_RELIABLE:
         return None, f"NC1 not reported: {st['precision']} products cannot resolve within-class spread"
-    return nc1(st, rtol), None
+    value, scale = nc1_with_scale(st, rtol)
+    floor = nc1_floor(st["precision"], scale)
+    if value is not None and value < floor:
+        return value, (f"NC1 = {value:.3g} is below {floor:.1g}, the smallest value {st['precision']} products "
+                       "give to 1% here (the within-class spread is near their rounding level): the true NC1 is "
+                       f"below about {floor:.1g}, this value may be off by 100% or more; float64 inputs or "
+                       "precision='fp64' resolve it")
+    return value, None
 
 
 class Quick(NamedTuple):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 from ._xp import eigh_desc, f64, ns
@@ -34,13 +35,30 @@ def spectrum(st: dict, rtol: float, centered: bool = True) -> Spectrum:
     return Spectrum(rho, r_phi, V[:, :r_phi], lam[:r_phi], float(xp.exp(-xp.sum(q * xp.log(q)))))
 
 
-def label_moments(st: dict) -> tuple:
-    """One-hot targets: B_y[:, k] = s_k - n_k mu, A_y = diag(n_k) - n pi pi^T (docs/MATH.md, one-hot labels)."""
-    xp = ns(st["mean"])
-    counts = f64(st["class_counts"])
-    B = st["class_sums"].T - xp.outer(st["mean"], counts)
-    A = xp.diag(counts) - xp.outer(counts, counts) / st["n"]
-    return B, A
+class LabelFunctions(Functions):
+    """One-hot labels of the classes present: B_y[:, k] = s_k - n_k mu for
+    each class k with n_k > 0 (an absent class's column is 0 and adds
+    nothing), A_y = diag(n_k) - n pi pi^T never formed (docs/MATH.md, one-hot
+    labels): the curves need only B_y and tr A_y = sum n_k - sum n_k^2 / n, so
+    their cost is K' x p for the K' <= min(K, n) classes present, whatever the
+    largest label. Scaled like ``Functions`` (by A_y's largest diagonal)."""
+
+    def __init__(self, st: dict) -> None:
+        xp = ns(st["mean"])
+        counts = f64(st["class_counts"])
+        present = counts > 0
+        c, n = counts[present], float(st["n"])
+        diag = c - c * c / n
+        top = float(diag.max()) if diag.shape[0] else 0.0
+        scale = top if top > 0.0 else 1.0
+        self.B = (st["class_sums"][present].T - xp.outer(st["mean"], c)) / math.sqrt(scale)
+        self._trace, self.a_scale = float(diag.sum()) / scale, scale
+
+    def trace(self) -> float:
+        return self._trace
+
+    def span(self, M, floor: float) -> tuple:
+        raise NotImplementedError("labels are a task, not learned functions: their span is not needed")
 
 
 def task_moments(st: dict) -> Optional[Functions]:
@@ -48,7 +66,7 @@ def task_moments(st: dict) -> Optional[Functions]:
     if st["t"] > 0:
         return Functions(st["Bt"], st["At"])
     if st["k"] > 0:
-        return Functions(*label_moments(st))
+        return LabelFunctions(st)
     return None
 
 

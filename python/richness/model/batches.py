@@ -92,6 +92,13 @@ def check_tokens(tokens: Any) -> None:
         raise TypeError(f"a tokens mask must be a boolean tensor, got dtype {tokens.dtype}")
 
 
+def refuse_scalar_labels(labels: Any, n: int) -> None:
+    """ValueError for a single label (shape ()) given with a batch: it cannot be matched to rows."""
+    if getattr(labels, "ndim", None) == 0:
+        raise ValueError(f"the labels are one value (shape ()) but the head saw {n} samples: give one label per "
+                         "sample (a batch of labels)")
+
+
 def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch: Any = None,
                 attention_mask: Any = None) -> Tuple[Any, Any, Any]:
     """Flatten head activations to rows: 2-D passes through; 3-D ``(b, T, p)``
@@ -104,6 +111,7 @@ def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch
         raise ValueError(f"the head's input is not a tensor (got {type(feats).__name__})")
     if isinstance(outs, torch.Tensor) is False:
         outs = None
+    refuse_scalar_labels(labels, feats.shape[0] if feats.ndim > 1 else 1)
     if feats.ndim == 2:
         if labels is not None and labels.shape[0] != feats.shape[0]:
             raise ValueError(f"labels have {labels.shape[0]} rows but the head saw {feats.shape[0]} samples")
@@ -145,6 +153,11 @@ def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch
                 labels = labels.to(feats.device)[rows, idx]
             elif labels.shape[0] != b:
                 raise ValueError(f"labels of shape {tuple(labels.shape)} do not match {b} sequences")
+        if mask is not None:  # a sequence with no position kept (all padding) is no sample
+            keep = mask.any(dim=1)  # boolean indexing below: a device sync on CUDA (documented)
+            f2 = f2[keep]
+            o2 = o2[keep] if o2 is not None and o2.shape[:1] == (b,) else o2
+            labels = labels.to(keep.device)[keep] if labels is not None else None
         return f2, o2, labels
     if mask is None:
         f2 = feats.reshape(b * T, p)
@@ -235,6 +248,7 @@ def label_kwargs(labels: Any, n: int, device: Any) -> dict:
         return {}
     if not isinstance(labels, torch.Tensor):
         labels = torch.as_tensor(labels)
+    refuse_scalar_labels(labels, n)
     if labels.shape[0] != n:
         raise ValueError(f"labels have {labels.shape[0]} rows but the head saw {n} samples")
     labels = labels.to(device, non_blocking=True)

@@ -19,7 +19,7 @@ from .._report import Report
 # richness.Monitor imports several of these names from this module: keep them here
 from .batches import (UNSHIFTED, TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs,
                        labels_are_inputs, layer_rows, select_rows, shift_for_next_token, split_batch, to_device)
-from .hooks import Capture, HeadFinder, resolve_head, resolve_layers
+from .hooks import Capture, HeadFinder, pooled_rows, resolve_head, resolve_layers
 from .._optional import require_torch, require_tqdm
 from .threads import BlasThreads
 
@@ -132,8 +132,12 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
                     warnings.warn(UNSHIFTED.format(fix="pass shift_labels=True"), UserWarning, stacklevel=3)
                 inputs = to_device(inputs, dev)
                 out = call_model(model, inputs)
-                x, y = tap.take(model, inputs, out)
+                x, y = pooled_rows(*tap.take(model, inputs, out), out)  # a head pooled after it ran
                 head_mod = tap.module
+                if isinstance(x, torch.Tensor) and x.ndim < 2:
+                    raise ValueError(f"the head's input has shape {tuple(x.shape)}: the loader yields unbatched "
+                                     "samples; evaluate needs batches (pass DataLoader(dataset, batch_size=...), "
+                                     "not the dataset)")
                 del out
                 tok = tokens
                 if shift_labels:

@@ -77,6 +77,32 @@ def output_tensors(out: Any) -> List[Any]:
     return res
 
 
+def pooled_rows(x: Any, y: Any, model_out: Any) -> Tuple[Any, Any]:
+    """A head applied to every position and pooled afterwards (Hugging Face's
+    ``*ForSequenceClassification`` decoders: GPT-2's ``score`` on each token,
+    the model's logits taken at the last non-padding one): the head's input
+    ``x`` (b, T, p) and output ``y`` (b, T, C) at the positions the model
+    pooled, found as the position of each row whose head output the model
+    returned, exactly (the last one where several agree). ``(x, y)``
+    unchanged when the model returned no (b, C) tensor that is such a
+    selection of ``y``. One host synchronisation (the check)."""
+    import torch
+
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.ndim == 3 and y.ndim == 3):
+        return x, y
+    b, T, C = y.shape
+    for t in output_tensors(model_out):
+        if t.ndim != 2 or tuple(t.shape) != (b, C) or t.dtype != y.dtype:
+            continue
+        same = (y == t.to(y.device)[:, None, :]).all(dim=2)  # (b, T)
+        pos = torch.arange(T, device=y.device).expand(b, T)
+        idx = torch.where(same, pos, torch.full_like(pos, -1)).amax(dim=1)
+        if bool((idx >= 0).all()):
+            rows = torch.arange(b, device=y.device)
+            return x[rows, idx.to(x.device)], y[rows, idx]
+    return x, y
+
+
 class ModelHook:
     """A forward hook that richness puts on a user's model, calling ``fn``.
 
@@ -99,7 +125,11 @@ class ModelHook:
         return ModelHook()
 
     def __deepcopy__(self, memo: dict) -> "ModelHook":
-        return ModelHook()
+        # ``fn.copied(memo)``: what the copy of the module this hook sits on
+        # should call instead (a metric copied by the same deep copy follows
+        # its own head); inert otherwise
+        copied = getattr(self.fn, "copied", None)
+        return ModelHook(copied(memo) if copied is not None else None)
 
     def __reduce__(self) -> tuple:
         return (ModelHook, ())
@@ -112,7 +142,9 @@ def hook_forward(module: Any, fn: Callable) -> Any:
 
 class HeadFinder:
     """Hooks on every ``nn.Linear`` for one forward pass; afterwards names the
-    last one whose output object is (one of) the model's output(s).
+    last one whose output object is (one of) the model's output(s), or else
+    the last one called when the model's output is that Linear's output at one
+    position of each sequence (a head pooled after it ran, ``pooled_rows``).
 
     Only the latest call's input and output are referenced, so finding the
     head costs no more memory than one head activation.
@@ -147,10 +179,16 @@ class HeadFinder:
 
     def result(self, model_out: Any) -> Tuple[str, Any, Any, Any]:
         """``(name, module, input, output)``; input/output are None when the head
-        was not the last Linear called (the caller must run the batch again)."""
+        was not the last Linear called (the caller must run the batch again);
+        a pooled head's input and output come at the pooled positions."""
         outs = output_tensors(model_out)
         found = [name for name, ref in self.calls if any(ref() is t for t in outs)]
         last, self.last, self.calls = self.last, None, []
+        if not found and last is not None:
+            pooled = pooled_rows(last[2], last[3], model_out)
+            if pooled[1] is not last[3]:  # the last Linear, applied to every position, then pooled by the model
+                name = last[0]
+                return name, dict(self.model.named_modules())[name], pooled[0], pooled[1]
         if not found:
             if last is None:
                 raise ValueError("could not find the head: the model has no nn.Linear; pass head= the module whose "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterable, List
 
 from ..model.batches import label_kwargs, select_rows
-from ..model.hooks import ModelHook, hook_forward
+from ..model.hooks import ModelHook, hook_forward, pooled_rows
 
 
 def _grad_enabled() -> bool:
@@ -60,16 +60,19 @@ class _ModelForwards:
             self.commit([capture])
 
     def _begin(self, mod, args) -> None:
-        self.frames.append([False, []])
+        self.frames.append([False, [], None])
 
     def _returned(self, mod, args, out) -> None:
         if self.frames:
             self.frames[-1][0] = True
+            self.frames[-1][2] = out
 
     def _end(self, mod, args, out) -> None:
         if not self.frames:
             return
-        returned, captures = self.frames.pop()
+        returned, captures, out = self.frames.pop()
+        if returned and captures and not self.frames:  # a head pooled after it ran: its rows at the pooled positions
+            captures = [pooled_rows(x, y, out) for x, y in captures]
         if returned and captures:
             if self.frames:  # a forward nested in another: kept if the outer one returns too
                 self.frames[-1][1].extend(captures)

@@ -230,7 +230,7 @@ class Monitor:
         self._head_name, self._head = name, head
         self._head_ran = self._head_ran or (x is not None and _grad_enabled())
         self._capture = _PendingCapture(head, self)
-        if x is not None and self._hook_active():
+        if x is not None and self._hook_active():  # (pooled already when the model pooled the head's output)
             self._captured((x.detach(), y.detach() if hasattr(y, "detach") else y))
 
     def _captured(self, capture: tuple) -> None:
@@ -368,6 +368,12 @@ class Monitor:
     def _finish_records(self, meta: tuple, v: np.ndarray) -> None:
         """Finish a reduced group's rows (``finish_group``) and emit their records."""
         metas, n, c, k, rtol, sample_space, e = meta
+        bad = [step for (step, _), norm_m in zip(metas, v[:, 0]) if math.isnan(norm_m)]  # _to_unit_spread
+        if bad:
+            what = "the layer's output" if self._layer is not None else "the head's input or output"
+            warnings.warn(f"richness.Monitor: {what} had NaN or Inf values at step(s) "
+                          f"{', '.join(map(str, bad))}: their records have dlr, rank and nc1 None", UserWarning,
+                          stacklevel=4)
         dlrs, ranks, nc1s, extra = finish_group(v, n, c, k, rtol, sample_space, e, self.measures)
         for i, ((step, t), dlr, rank, nc1) in enumerate(zip(metas, dlrs, ranks, nc1s)):
             rec = {"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank, "nc1": _num(nc1),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
@@ -102,14 +103,19 @@ class _BatchGroup(_StepBuffer):
         f64 = torch.float64
         pdt = torch.float64 if prec == "fp64" else torch.float32
         j = len(self.metas)
+        finite = _to_unit_spread(self.x[:j])  # in place: the buffer is cleared after the reduction
         G, norm_m = self._grams(j, prec, pdt, threads, core)  # steps x n x n
         # G's eigenvalues are M's nonzero ones (docs/MATH.md, representation diagnostics)
         # (in the product precision: below fp32's cut of 1e-5 lambda_1 they are cut anyway)
         eig = torch.linalg.eigvalsh(G).to(f64).flip(-1).clamp_(min=0.0) if self.eig else None
-        if self.f is None:
-            return GramRows(norm_m, None, None, eig=eig).pack()
+        if self.f is None:  # features only: a non-finite step is marked as below
+            return GramRows(torch.where(finite, norm_m, torch.nan), None, None, eig=eig).pack()
         F64 = self.f[:j].to(f64, copy=True)
         Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
+        finite &= _to_unit_spread(Fc64)
+        # a step with NaN or Inf in its head input or output: norm_m NaN marks
+        # it (its record is None, with a warning), the other steps are unaffected
+        norm_m = torch.where(finite, norm_m, torch.nan)
         Fc = Fc64.to(pdt)
         labels = self.y is not None and self.classes > 0
         valid, counts, Yn = self._labels(j, pdt) if labels else (None, None, None)
@@ -181,6 +187,27 @@ class _BatchGroup(_StepBuffer):
             2, col[..., None], valid.to(pdt)[..., None])
         counts = Y.sum(dim=1)  # steps x kk
         return valid, counts, Y.div_(counts.clamp(min=1.0)[:, None, :])
+
+
+def _to_unit_spread(X: Any) -> Any:
+    """Scale each step of ``X`` (steps x n x m, in place) by the power of two
+    nearest below its largest column range, so that its spread is about 1:
+    exact (a power of two changes no mantissa), and DLR and NC1 do not depend
+    on the scale, while the products of float32 Grams (G, Fc^T G Fc, the class
+    means' D M D^T: fourth powers of the activations) neither overflow at
+    activations of 1e9 nor underflow at 1e-12. A step with NaN or Inf values
+    is zeroed. Returns which steps were finite (no host synchronisation)."""
+    import torch
+
+    spread = (torch.amax(X, dim=1).double() - torch.amin(X, dim=1).double()).amax(dim=1)
+    finite = torch.isfinite(spread)
+    usable = finite & (spread > 0)
+    info = torch.finfo(X.dtype)  # the scale itself must be a normal number of X's type
+    power = torch.where(usable, -torch.floor(torch.log2(torch.where(usable, spread, 1.0))), 0.0)
+    power = power.clamp(math.log2(info.tiny), math.floor(math.log2(info.max)))
+    X.mul_(torch.exp2(power).to(X.dtype)[:, None, None])
+    X.masked_fill_(~finite[:, None, None], 0)
+    return finite
 
 
 def _batch_class_ids(lab: Any, valid: Any, k: int) -> Any:

@@ -66,10 +66,9 @@ class DLR(Metric):
     Copies: ``clone()`` (and ``MetricCollection.clone``) keeps the same head
     module, so a validation clone reads the live model and its hook fires on
     the model's forwards. A model holding the metric pickles with it, the
-    copy's metric on the copy's head; so does a deep copy when the model's
-    modules list the head before the metric (else the copy's metric keeps
-    the original head). A copied model's forwards never reach the original's
-    metric.
+    copy's metric on the copy's head; so does a deep copy, whichever of the
+    metric and the head the model's modules list first. A copied model's
+    forwards never reach the original's metric.
     """
 
     is_differentiable = False
@@ -457,9 +456,10 @@ class DLR(Metric):
         # The head belongs to the model: ``clone()`` (a deep copy, also of a
         # MetricCollection) keeps the same head, so a validation clone reads
         # the live model's weights and its hook fires on the model's
-        # forwards. Only when the head itself is copied by the same deep copy
-        # (a model deep-copied with the metric as a submodule, the head
-        # reached first) does the copy follow the copied head.
+        # forwards. When the head itself is copied by the same deep copy (a
+        # model deep-copied with the metric as a submodule) the copy follows
+        # the copied head: here when the head was reached first, else when it
+        # is reached later (its hook's ``Capture.copied`` moves the copy).
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         state = self.__getstate__()

@@ -5,7 +5,7 @@ states, the head's capture hook and deep-copy helpers."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -66,8 +66,23 @@ class Capture:
 
     def __call__(self, module: Any, args: tuple, out: Any) -> None:
         metric = self.ref()
-        if metric is not None and args and isinstance(args[0], torch.Tensor):
+        # only the metric's own head: a deep copy may have moved it to the copied head
+        if metric is not None and metric.head is module and args and isinstance(args[0], torch.Tensor):
             metric.__dict__["_captured"] = args[0].detach()
+
+    def copied(self, memo: dict) -> "Optional[Capture]":
+        """The hook of the head's deep copy: when the same deep copy copied the
+        metric before reaching its head (the model's modules list the metric
+        first), the metric's copy is moved to the copied head and hooked there;
+        else None (a copied model's forwards never reach a metric that was not
+        copied with it)."""
+        metric = self.ref()
+        twin = memo.get(id(metric)) if metric is not None else None
+        head_copy = memo.get(id(metric.head)) if metric is not None else None
+        if twin is None or head_copy is None or twin.head is not metric.head:
+            return None
+        object.__setattr__(twin, "head", head_copy)
+        return Capture(twin)
 
 
 def _host(x: Any) -> np.ndarray:

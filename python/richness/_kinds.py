@@ -1,0 +1,122 @@
+"""The kinds of mergeable state, one table for every route that handles
+states it did not build: ``richness merge`` (saved files) and
+``richness.dask`` (state dicts between workers).
+
+A kind is a class with ``state_dict()``, ``load_state_dict(d)``,
+``merge(other)``, ``save(path)``, ``load(path)`` and ``n``, whose save files
+carry their format name in the archive's ``meta`` entry. Registering a new
+kind here is all those routes need: files are dispatched on their format,
+state dicts merged through the class's own ``load_state_dict`` and
+``merge`` (so each kind keeps one implementation of its merge).
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+from . import _io
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of state.
+
+    name: what messages call it ("moments").
+    format: the format name its save files carry (``meta["format"]``).
+    cls: a zero-argument callable returning the class (imported on first use).
+    widths: what merging depends on, from an object: a dict of ints.
+    check: raise ValueError when states of these widths cannot merge.
+    report: the report of an object as plain JSON types.
+    """
+
+    name: str
+    format: str
+    cls: Callable[[], type]
+    widths: Callable[[Any], Dict[str, int]]
+    check: Callable[[List[Dict[str, int]]], None]
+    report: Callable[[Any], dict]
+
+
+KINDS: Dict[str, Kind] = {}
+
+
+def register(kind: Kind) -> None:
+    KINDS[kind.name] = kind
+
+
+def get(name: str) -> Kind:
+    return KINDS[name]
+
+
+def _moments_class() -> type:
+    from ._moments import Moments
+
+    return Moments
+
+
+def _moments_widths(m: Any) -> Dict[str, int]:
+    from . import _state
+
+    return _state.widths_of(m.state_dict())
+
+
+def _moments_check(metas: List[Dict[str, int]]) -> None:
+    from . import _state
+
+    _state.check_compatible(metas)
+
+
+register(Kind("moments", _io.FORMAT, _moments_class, _moments_widths, _moments_check,
+              lambda m: m.compute().to_dict()))
+
+
+def file_format(path: str) -> Optional[str]:
+    """The format name a saved file's ``meta`` entry gives, or None where the
+    file is not such an archive (the kind's own ``load`` then says why)."""
+    try:
+        with _io.open_regular(path) as f, zipfile.ZipFile(f) as zf:
+            members = _io.npz_members(zf, path)
+            meta = members.get("meta")
+            if meta is None or meta.header.dtype.kind != "u" or meta.header.nbytes > _io._META_MAX:
+                return None
+            doc = json.loads(_io.read_member(zf, meta).tobytes().decode())
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError, NotImplementedError, RuntimeError,
+            zipfile.LargeZipFile, UnicodeDecodeError):
+        return None
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    return fmt if isinstance(fmt, str) else None
+
+
+def kind_of_file(path: str) -> Kind:
+    """The kind of a saved file; a file of no known format goes to the
+    default kind, whose ``load`` refuses it naming the problem."""
+    fmt = file_format(path)
+    for kind in KINDS.values():
+        if kind.format == fmt:
+            return kind
+    return KINDS["moments"]
+
+
+def kind_of(obj: Any) -> Kind:
+    """The kind of a state object (TypeError for anything else)."""
+    for kind in KINDS.values():
+        if isinstance(obj, kind.cls()):
+            return kind
+    raise TypeError(f"not a richness state: {type(obj).__name__}")
+
+
+def merge_dicts(kind_name: str, states: List[dict]) -> dict:
+    """The merge of several state dicts of one kind, as a state dict: each
+    loaded into the kind's class (validated there) and merged by its own
+    ``merge``."""
+    cls = get(kind_name).cls()
+    acc = cls()
+    acc.load_state_dict(states[0])
+    for st in states[1:]:
+        other = cls()
+        other.load_state_dict(st)
+        acc.merge(other)
+    return acc.state_dict()

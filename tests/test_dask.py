@@ -1,0 +1,218 @@
+"""richness.dask: the tree reduction on threads, processes and a real
+distributed.LocalCluster (two worker processes), against the float64 n x n
+oracles and a plain Moments; refusals before any work; a worker killed
+mid-run."""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+dask = pytest.importorskip("dask")
+distributed = pytest.importorskip("distributed")
+cloudpickle = pytest.importorskip("cloudpickle")
+
+import richness  # noqa: E402
+import richness.dask as rd  # noqa: E402
+from reference import dlr_naive, nc1_naive  # noqa: E402
+
+ROWS, P, C, T = 2400, 16, 5, 2
+STEP = 200  # rows per chunk: 12 chunks
+
+
+def rows(i: int, n: int = STEP, delay: float = 0.0, die: bool = False):
+    """Chunk i of the data set (the same rows wherever it is made); ``delay``
+    slows it down, ``die`` ends the worker process that makes it."""
+    if die:
+        os._exit(1)
+    if delay:
+        time.sleep(delay)
+    rng = np.random.default_rng(1000 + i)
+    X = rng.normal(size=(n, P)) @ np.random.default_rng(7).normal(size=(P, P)) + 2.0
+    F = X @ np.random.default_rng(8).normal(size=(P, C)) + 0.5 * rng.normal(size=(n, C))
+    y = rng.integers(0, C, n)
+    Y = rng.normal(size=(n, T))
+    return np.hstack([X, F, y[:, None], Y])
+
+
+def full(nchunks: int):
+    a = np.vstack([rows(i) for i in range(nchunks)])
+    return a[:, :P], a[:, P:P + C], a[:, P + C].astype(np.int64), a[:, P + C + 1:]
+
+
+def as_dask(nchunks: int, delay: float = 0.0, die_at: int = -1):
+    """The four streams as dask arrays of row chunks, each chunk made by a task."""
+    blocks = [da.from_delayed(dask.delayed(rows)(i, STEP, delay, i == die_at), (STEP, P + C + 1 + T), np.float64)
+              for i in range(nchunks)]
+    a = da.concatenate(blocks)
+    return a[:, :P], a[:, P:P + C], a[:, P + C].astype(np.int64), a[:, P + C + 1:]
+
+
+def check(m, nchunks):
+    X, F, y, Y = full(nchunks)
+    assert m.n == X.shape[0]
+    rep = m.compute()
+    want, rank = dlr_naive(X, F)
+    assert rep.rank == rank and abs(rep.dlr - want) <= 1e-12 * abs(want)
+    assert abs(rep.nc1 - nc1_naive(X, y)) <= 1e-9 * rep.nc1
+    st = m.state_dict()
+    assert np.array_equal(st["class_counts"], np.bincount(y, minlength=C))
+    Yc, Xc = Y - Y.mean(0), X - X.mean(0)
+    assert np.abs(st["Bt"] - Xc.T @ Yc).max() <= 1e-10 * np.abs(Xc.T @ Yc).max()
+    one = richness.Moments()
+    one.update(X, F, labels=y, targets=Y)
+    ref = one.state_dict()
+    for key in ("mean", "M", "B", "A", "class_sums"):
+        assert np.abs(st[key] - ref[key]).max() <= 1e-10 * max(np.abs(ref[key]).max(), 1.0), key
+
+
+@pytest.fixture(scope="module")
+def client():
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this file
+    cluster = distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None,
+                                       silence_logs=40)
+    c = distributed.Client(cluster)
+    yield c
+    c.close()
+    cluster.close()
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads", "processes"])
+def test_local_schedulers_equal_the_reference(scheduler):
+    X, F, y, Y = full(6)
+    with dask.config.set(scheduler=scheduler):
+        m = rd.moments(da.from_array(X, chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)),
+                       da.from_array(y, chunks=STEP), da.from_array(Y, chunks=(STEP, -1)), split_every=2)
+    check(m, 6)
+
+
+def test_local_cluster_equals_the_reference_and_uses_both_workers(client):
+    features, outputs, labels, targets = as_dask(12, delay=0.05)
+    with distributed.get_task_stream(client) as ts:
+        m = rd.moments(features, outputs, labels, targets, split_every=3)
+    check(m, 12)
+    chunk_workers = {t["worker"] for t in ts.data if str(t["key"]).startswith("('_chunk") or
+                     str(t["key"]).startswith("_chunk")}
+    assert len(chunk_workers) == 2 == len(client.scheduler_info()["workers"])
+    # the tree: 12 chunk states, merged 3 at a time (4, then 2, then 1 merge task)
+    combines = [t for t in ts.data if str(t["key"]).startswith("_combine")]
+    assert len(combines) == 4 + 2 + 1
+
+
+def test_grouped_chunks_give_the_same_state_from_fewer_tasks(client):
+    features, outputs, labels, targets = as_dask(7)
+    with distributed.get_task_stream(client) as ts:
+        m = rd.moments(features, outputs, labels, targets, chunks_per_task=3, split_every=2)
+    check(m, 7)
+    assert len([t for t in ts.data if str(t["key"]).startswith("_chunk")]) == 3  # 3 + 3 + 1 chunks
+    with pytest.raises(ValueError, match="chunks_per_task must be a positive integer"):
+        rd.moments(features, chunks_per_task=0)
+
+
+def test_fixed_classes_and_precision_pass_through(client):
+    X, F, y, _ = full(3)
+    m = rd.moments(da.from_array(X.astype(np.float32), chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)),
+                   da.from_array(y, chunks=STEP), num_classes=9, precision="fp64")
+    st = m.state_dict()
+    assert st["num_classes"] == 9 and st["k"] == 9 and st["precision"] == "fp64"
+    assert np.array_equal(st["class_counts"], np.bincount(y, minlength=9))
+    want, _ = dlr_naive(X.astype(np.float32).astype(np.float64), F)
+    assert abs(m.compute().dlr - want) <= 1e-12 * abs(want)
+
+
+def test_misaligned_or_misshapen_inputs_are_refused_before_any_work():
+    ran = []
+
+    def touch(block):
+        ran.append(block.shape)
+        return block
+
+    X, F, y, _ = full(2)
+    feats = da.from_array(X, chunks=(STEP, -1)).map_blocks(touch, meta=np.empty((0, 0)))
+    cases = [
+        (dict(outputs=da.from_array(F, chunks=(150, -1))), ValueError, "outputs has row chunks (150, 150, 100)"),
+        (dict(labels=da.from_array(y, chunks=100)), ValueError, "labels.rechunk({0: features.chunks[0]})"),
+        (dict(outputs=F), TypeError, "outputs must be a dask array, got numpy.ndarray"),
+        (dict(labels=da.from_array(y.astype(float), chunks=STEP)), TypeError, "labels must be integers"),
+        (dict(outputs=da.from_array(F[:, :, None], chunks=(STEP, -1, -1))), ValueError, "outputs must be 1-D or 2-D"),
+        (dict(split_every=1), ValueError, "split_every must be an integer >= 2"),
+        (dict(num_classes=0), ValueError, "num_classes"),
+    ]
+    for kwargs, error, words in cases:
+        with pytest.raises(error, match=None) as e:
+            rd.moments(feats, **kwargs)
+        assert words in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="chunked along its columns too"):
+        rd.moments(da.from_array(X, chunks=(STEP, 8)).map_blocks(touch, meta=np.empty((0, 0))))
+    unknown = da.from_array(X, chunks=(STEP, -1))
+    unknown = unknown[unknown[:, 0] > -1e9]  # unknown row chunk sizes
+    with pytest.raises(ValueError, match="compute_chunk_sizes"):
+        rd.moments(unknown)
+    assert ran == []
+
+
+def test_a_bad_chunk_is_refused_naming_its_rows():
+    X, F, _, _ = full(3)
+    X = X.copy()
+    X[450, 3] = np.nan
+    with dask.config.set(scheduler="threads"), pytest.raises(ValueError, match="rows 400..599: .*NaN"):
+        rd.moments(da.from_array(X, chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)))
+
+
+def test_a_state_lost_in_the_tree_is_refused(monkeypatch):
+    X, F, _, _ = full(4)
+    real = rd._combine
+    monkeypatch.setattr(rd, "_combine", lambda kind, states: real(kind, states[:-1]))  # drops a state
+    with dask.config.set(scheduler="sync"), pytest.raises(RuntimeError, match="600 samples for 800 rows"):
+        rd.moments(da.from_array(X, chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)), split_every=4)
+
+
+# -- faults on the LocalCluster (last: they restart workers) ----------------------------
+
+
+def test_a_worker_killed_mid_run_is_retried_to_the_same_answer(client):
+    features, outputs, labels, targets = as_dask(12, delay=0.3)
+    pids = client.run(os.getpid)
+    out: dict = {}
+
+    def run():
+        try:
+            out["m"] = rd.moments(features, outputs, labels, targets, split_every=3)
+        except BaseException as e:  # reported below
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and not any(client.processing().values()):
+        time.sleep(0.05)
+    time.sleep(0.5)  # chunks under way on both workers, some done
+    victim = next(iter(pids))
+    assert t.is_alive()  # the run is under way
+    os.kill(pids[victim], signal.SIGKILL)
+    t.join(120)
+    assert not t.is_alive()
+    assert "error" not in out, out.get("error")
+    check(out["m"], 12)  # n is the rows given, the state that of all of them
+    client.wait_for_workers(2, timeout=60)
+    assert pids[victim] not in client.run(os.getpid).values()  # that worker did die (the nanny started another)
+
+
+def test_a_chunk_that_keeps_killing_workers_is_a_clear_error(client):
+    client.wait_for_workers(2, timeout=60)
+    scheduler = client.cluster.scheduler
+    old = scheduler.allowed_failures
+    scheduler.allowed_failures = 1  # two deaths of the same task end the run
+    try:
+        features, outputs, _, _ = as_dask(4, die_at=2)
+        with pytest.raises(distributed.KilledWorker, match="rows"):
+            rd.moments(features, outputs)
+    finally:
+        scheduler.allowed_failures = old
+    client.wait_for_workers(2, timeout=60)
