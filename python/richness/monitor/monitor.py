@@ -188,6 +188,7 @@ class Monitor:
         self._refused = False  # the last step() refused its labels; its captures wait for a retry
         self._closed = False
         self._head_ran = False  # set by the head's hook; a head that never runs is warned about once
+        self._undefined_warned = False  # a record with an asked-for diagnostic undefined is warned about once
         self._t0 = time.time()
         if self.probe is None:
             self._forwards = _ModelForwards(model, self._commit)
@@ -380,6 +381,7 @@ class Monitor:
                    "effective_dim": _num(extra["effective_dim"][i])}
             rec.update({name: _num(extra[name][i]) if name in self.measures else None for name in RECORD_MEASURES})
             rec["time"] = t
+            self._warn_undefined(rec, (), skip=("nc3",))  # per-batch states carry no weights: NC3 None
             self._dispatch(rec)
 
     @property
@@ -416,6 +418,20 @@ class Monitor:
         self._dispatch(rec)
         return rec
 
+    def _warn_undefined(self, rec: dict, why: Any, skip: tuple = ()) -> None:
+        """Warn, once per Monitor, of a record whose asked-for diagnostics are
+        None because they are undefined there (``why``: the reasons finishing
+        gave, when it gave them)."""
+        missing = [m for m in self.measures if m not in skip and rec.get(m) is None]
+        if self._undefined_warned or not missing:
+            return
+        self._undefined_warned = True
+        reasons = "; ".join(why) if why else (
+            "an all-zero spectrum (constant features), fewer than two eigenvalues above the rank cut for "
+            "alpha_req, fewer than two classes for NC2, or no linear head's weights for nc3")
+        warnings.warn(f"richness.Monitor: {', '.join(missing)} undefined at step {rec['step']}, recorded as None "
+                      f"({reasons}); later such records are not warned about", UserWarning, stacklevel=4)
+
     def _dispatch(self, rec: dict) -> None:
         self.history.append(rec)
         for sink in self._sinks:
@@ -449,7 +465,9 @@ class Monitor:
         if values is None:
             return None
         n, dlr, rank, nc1, extra = values
-        return self._record(n, dlr, rank, nc1, extra, None, "window")
+        rec = self._record(n, dlr, rank, nc1, extra, None, "window")
+        self._warn_undefined(rec, extra.get("warnings"))
+        return rec
 
     def _emit_probe(self) -> Optional[dict]:
         import torch

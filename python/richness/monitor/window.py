@@ -75,8 +75,9 @@ class WindowRoute:
             if measures:
                 W3 = None if nc3_head is None else nc3_head.weight.detach().to("cpu", torch.float64)
                 # float32 eigenvalues for float32 products (their cut is 1e-5): the emission's main cost
-                extra = measure_values(st, W3, rtol_for(st["precision"], rtol), measures,
-                                       single=st["precision"] != "fp64")[0]
+                extra, why = measure_values(st, W3, rtol_for(st["precision"], rtol), measures,
+                                            single=st["precision"] != "fp64")
+                extra["warnings"] = why  # why a value is None, for the Monitor's warning
             return q.n, q.dlr, q.rank, q.nc1, extra
         finally:
             m.reset()
