@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import richness
-from reference import center_rows, cumulative_curve, dlr_naive, eigenfunctions, nc1_naive, one_hot, pad_curve, \
+from reference import cumulative_curve, dlr_naive, eigenfunctions, nc1_naive, one_hot, pad_curve, \
     spectrum_naive
 
 torch = pytest.importorskip("torch")
@@ -90,8 +90,7 @@ def test_one_batch_route_is_scale_invariant(scale, core):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e30])
-def test_one_batch_route_non_finite_step_is_its_own_record(value, tmp_path):
-    log = tmp_path / "r.jsonl"
+def test_one_batch_route_non_finite_step_is_its_own_record(value):
     recs, want, _, messages = _one_batch_run(1.0, labels=False, core=False, bad={3: value}, lag=4, steps=8)
     assert [r["step"] for r in recs] == list(range(1, 9))
     for i, (r, d) in enumerate(zip(recs, want)):
@@ -102,7 +101,6 @@ def test_one_batch_route_non_finite_step_is_its_own_record(value, tmp_path):
     flagged = [m for m in messages if "NaN or Inf" in m]
     assert (flagged == ["richness.Monitor: the head's input or output had NaN or Inf values at step(s) 4: their "
                         "records have dlr, rank and nc1 None"]) == (value != 1e30)
-    del log
 
 
 def test_one_batch_route_records_before_a_bad_step_reach_the_log(tmp_path):
@@ -287,3 +285,43 @@ def test_plot_axes_read_against_zero_and_held_out_is_not_a_fraction(tmp_path):
     assert sweep_fig.axes[0].get_ylim()[0] == 0.0
     labels = [ax.get_ylabel() for ax in curves_fig.axes[:2]]
     assert all("fraction of variance explained" not in lab and "can exceed 1" in lab for lab in labels)
+
+
+# -- a linear head with more outputs than features: the choice is explicit ---------------
+
+@pytest.mark.parametrize("wide_head", ["weights", "outputs"])
+def test_wide_head_dlr_source_is_explicit_with_its_rank_cut_range(wide_head):
+    from tiny_models import TinyLM
+
+    torch.manual_seed(3)
+    model = TinyLM().double()  # p = 6 features, C = 11 outputs
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    feats, outs = [], []
+
+    def keep(mod, args, out):  # the oracle's own copy of the head's input and output
+        feats.append(args[0].detach().reshape(-1, 6))
+        outs.append(out.detach().reshape(-1, 11))
+
+    model.lm_head.register_forward_hook(keep)
+    recs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with richness.Monitor(model, every=2, window=2, log=recs.append, wide_head=wide_head) as mon:
+            for step in range(4):
+                ids = torch.randint(0, 11, (8, 7))
+                logits = model(ids)["logits"]
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), ids.reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step()
+                if step % 2 == 1:  # the emission: the head's weights now
+                    W = model.lm_head.weight.detach().numpy().copy()
+                    H = torch.cat(feats[-2:]).numpy()
+                    F = H @ W.T if wide_head == "weights" else torch.cat(outs[-2:]).numpy()
+                    want = [dlr_naive(H, F, rtol=r)[0] for r in (1e-10, 1e-11, 1e-9)]
+                    rec = recs[-1]
+                    assert rec["dlr_from"] == wide_head
+                    assert rec["dlr"] == pytest.approx(want[0], abs=1e-10)
+                    assert rec["dlr_rtol_range"] == pytest.approx(want[1:], abs=1e-10)
+    assert len(recs) == 2

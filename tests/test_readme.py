@@ -10,6 +10,7 @@ the float64 n x n reference.
 """
 
 import ast
+import json
 import importlib.util
 import os
 import re
@@ -83,18 +84,19 @@ def run_section(i: int) -> tuple:
 
 @pytest.fixture
 def trackers_offline(tmp_path, monkeypatch):
-    """The examples' W&B run offline and MLflow's store in a temporary folder."""
+    """The examples as pasted: no environment variable the README does not show
+    (those of the trackers are cleared; W&B runs offline and MLflow's store is a
+    temporary folder because the README says so), in a folder of their own."""
     monkeypatch.chdir(tmp_path)  # the examples write state.npz, richness.jsonl, depth.png here
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    for name in list(os.environ):
+        if name.startswith(("WANDB_", "MLFLOW_")):
+            monkeypatch.delenv(name)
     yield tmp_path
     if "wandb" in sys.modules:
         sys.modules["wandb"].teardown()  # stops W&B's service process
     if "mlflow" in sys.modules:
         sys.modules["mlflow"].set_tracking_uri(None)
+    os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)  # set by the MLflow example itself
 
 
 def test_readme_has_the_examples():
@@ -132,6 +134,11 @@ def test_second_block_runs(trackers_offline):
     assert set(report.layers) == {"layer2", "layer3", "layer4"}
     assert 0.0 <= report.layers["layer3"].dlr <= 1.0
     assert os.path.exists("richness.jsonl") and os.path.exists("depth.png")
+    # the trackers wrote to the example's own temporary folder, not into the current one
+    assert sorted(os.listdir(".")) == ["depth.png", "depth.svg", "richness.jsonl"]
+    if available("tensorboard"):
+        assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(ns["runs"], "exp1")))
+        assert [r["step"] for r in map(json.loads, open("richness.jsonl"))][:2] == [4, 8]
     # the metric saw the example's (logits, labels, features=h) twice: update, then forward
     H, F = ns["h"].double().numpy(), ns["logits"].double().numpy()
     # float32 inputs: fp32 products and their eigenvalue cut, rtol 1e-5 (README, Precision)
@@ -146,6 +153,7 @@ def test_hugging_face_block_runs(trackers_offline):
         warnings.simplefilter("ignore")  # finite-n caveats of the tiny data
         ns, skipped = run_section(2)
     assert skipped == []
+    assert os.listdir(".") == []  # the Trainer's output folder is a temporary one
     logged = [e for e in ns["trainer"].state.log_history if "richness/dlr" in e]
     assert [e["step"] for e in logged] == [2, 4]
     assert all(0.0 <= e["richness/dlr"] <= 1.0 and e["richness/nc1"] > 0 for e in logged)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import tempfile
 from typing import List, Optional
 
 from .._state import INT64_MAX
@@ -89,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--alphas", type=_alphas, default="0.1,0.3,1,10",
                    help=f"comma-separated target scales of the sweep, each in [{demo.ALPHA_RANGE[0]:g}, "
                         f"{demo.ALPHA_RANGE[1]:g}] ('' to skip it)")
-    d.add_argument("--out", default="richness-demo", help="folder for the plots (default richness-demo/)")
+    d.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "richness-demo"),
+                   help="folder for the plots (default richness-demo/ in the temporary folder, not the current one)")
     d.add_argument("--no-plots", action="store_true", help="print the results only, write no plots")
     d.add_argument("--no-progress", action="store_true", help="no progress bars (tqdm)")
     d.set_defaults(func=demo.demo)

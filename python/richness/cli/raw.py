@@ -92,6 +92,10 @@ class RawRows:
                 out[j] = np.ndarray((n,), self.dtype, buffer=buf, strides=(s0,))
         return out.T
 
+    def close(self) -> None:
+        """Close the duplicated descriptor (chunks already read are their own buffers)."""
+        self.raw.close()
+
     def _prefetch(self, pos: int, length: int) -> None:
         """Start reading ``length`` bytes from ``pos`` into the page cache in the background
         (posix_fadvise WILLNEED), where the system can."""

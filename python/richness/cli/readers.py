@@ -343,18 +343,11 @@ class ArrayFile:
         return x
 
     def close(self) -> None:
-        """Let go of the file (its mapping, descriptor and open reader); chunks
-        already read stay valid."""
+        """Let go of the file (its descriptor and open reader); chunks already
+        read stay valid (each is its own buffer)."""
+        if isinstance(self._reader, RawRows):
+            self._reader.close()
         self.array, self._reader = None, None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a chunk still views the mapping: it goes with the last view
-                pass
-            self._mm = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
         if self._keep is not None:
             self._keep.close()
             self._keep = None

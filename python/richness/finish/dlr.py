@@ -228,11 +228,17 @@ class finishing:
             "their scale) and stream again") from None
 
 
-def dlr_of_state(st: dict, W, rtol: float) -> tuple:
-    """(DLR, rank) alone, no spectrum: for monitors and jackknife replicates."""
+def dlr_of_state(st: dict, W, rtol: float, with_range: bool = False) -> tuple:
+    """(DLR, rank) alone, no spectrum: for monitors and jackknife replicates;
+    ``with_range``: (DLR, rank, DLR at rtol / 10 and rtol * 10), from the same
+    eigendecomposition (``dlr_with_range``)."""
     if W is None and not st["c"] > 0:
         raise ValueError("DLR is undefined for this state (no outputs/head)")
     norm_m = check_features(st)
     with finishing(st, W):
-        a, terms = function_moments(st, W).span(st["M"], rtol)
+        fn = function_moments(st, W)
+        if with_range:
+            dlr, rank, _, dlr_range, _ = dlr_with_range(fn, st["M"], norm_m, rtol)
+            return dlr, rank, dlr_range
+        a, terms = fn.span(st["M"], rtol)
         return dlr_from_span(norm_m, a, terms, rtol)

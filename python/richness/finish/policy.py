@@ -72,6 +72,7 @@ class Quick(NamedTuple):
     nc1: Optional[float]
     undefined: Optional[str]
     warnings: tuple
+    dlr_range: Optional[tuple] = None  # DLR at rtol / 10 and rtol * 10
 
 
 def dlr_only(st: dict, W: Any = None, rtol: Optional[float] = None, with_nc1: bool = True) -> Quick:
@@ -85,13 +86,13 @@ def dlr_only(st: dict, W: Any = None, rtol: Optional[float] = None, with_nc1: bo
     if few is not None:
         return Quick(n, None, None, None, f"until at least 2 samples are added ({few})", ())
     rtol = rtol_for(st["precision"], rtol)
-    dlr = rank = undefined = None
+    dlr = rank = undefined = dlr_range = None
     try:
-        dlr, rank = dlr_of_state(st, W, rtol)
+        dlr, rank, dlr_range = dlr_of_state(st, W, rtol, with_range=True)
     except ValueError as e:  # constant features or outputs, no outputs or head
         undefined = f"for the samples added ({e})"
     value, warning = nc1_reported(st, rtol) if with_nc1 else (None, None)
-    return Quick(n, dlr, rank, value, undefined, (warning,) if warning else ())
+    return Quick(n, dlr, rank, value, undefined, (warning,) if warning else (), dlr_range)
 
 
 class GramRows(NamedTuple):

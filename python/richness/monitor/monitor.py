@@ -116,6 +116,13 @@ class Monitor:
             linear head (window route only). Default: none with a head (each
             costs a p x p eigenvalue decomposition per emission), the
             spectral ones with ``layer``.
+        wide_head: a linear head with more outputs than features (a language
+            model's vocabulary): ``"weights"`` (default) finishes DLR from the
+            head's weights at emission time and the window's features (no
+            C x C Gram; the weights have moved since the window's first step);
+            ``"outputs"`` streams the head's outputs as for any other head
+            (the functions at the steps that made the features; a C x C Gram,
+            8 C^2 bytes). Records say which in ``dlr_from``.
 
     Use as a context manager (hooks removed on exit) and call ``step(labels)``
     after every optimizer step. Window mode captures the head's forwards that
@@ -126,7 +133,12 @@ class Monitor:
     of a step skipped after its forward are dropped with a warning); labels
     matching none are refused with nothing recorded and the step not counted.
     ``history`` holds the emitted records ``{step, mode, n, dlr, rank, nc1,
-    effective_dim, time}``.
+    effective_dim, rankme, alpha_req, participation_ratio, nc2_equinorm,
+    nc2_equiangle, nc3, time, dlr_rtol_range, dlr_from}`` (the diagnostics
+    None unless ``measures`` or ``layer`` asks for them): ``dlr_rtol_range`` is
+    DLR at rtol / 10 and rtol * 10 (how much the rank cut matters; None in
+    one-batch windows), ``dlr_from`` ``"weights"`` or ``"outputs"`` (see
+    ``wide_head``). CSV logs keep all but the last two.
 
     Example::
 
@@ -141,7 +153,7 @@ class Monitor:
                  probe: Any = None, log: Any = None, precision: Optional[str] = None, tokens: Any = "all",
                  batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness",
                  distributed: bool = False, lag: Optional[int] = None, first_step: int = 1,
-                 layer: Any = None, pool: str = "mean", measures: Any = None) -> None:
+                 layer: Any = None, pool: str = "mean", measures: Any = None, wide_head: str = "weights") -> None:
         torch = require_torch("richness.Monitor")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -155,11 +167,14 @@ class Monitor:
             raise ValueError(f"lag must be a positive integer or None, got {lag!r}")
         if isinstance(first_step, bool) or not isinstance(first_step, int):
             raise ValueError(f"first_step must be an integer, got {first_step!r}")
+        if wide_head not in ("weights", "outputs"):
+            raise ValueError(f"wide_head must be 'weights' or 'outputs', got {wide_head!r}")
         check_tokens(tokens)
         if layer is not None and (head is not None or probe is not None):
             raise ValueError("layer= is the features-only Monitor (no head, no probe): drop head= and probe=, "
                              "or drop layer=")
         self.measures = monitor_measures(measures, layer)
+        self.wide_head = wide_head
         self.model = model
         self.first_step = first_step
         self.every, self.window = every, window
@@ -380,7 +395,7 @@ class Monitor:
             rec = {"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank, "nc1": _num(nc1),
                    "effective_dim": _num(extra["effective_dim"][i])}
             rec.update({name: _num(extra[name][i]) if name in self.measures else None for name in RECORD_MEASURES})
-            rec["time"] = t
+            rec.update(time=t, dlr_rtol_range=None, dlr_from="outputs")
             self._warn_undefined(rec, (), skip=("nc3",))  # per-batch states carry no weights: NC3 None
             self._dispatch(rec)
 
@@ -404,7 +419,8 @@ class Monitor:
         import torch
 
         head = self._head
-        return isinstance(head, torch.nn.Linear) and head.out_features > head.in_features
+        return (self.wide_head == "weights" and isinstance(head, torch.nn.Linear)
+                and head.out_features > head.in_features)
 
     # -- emission -------------------------------------------------------------
 
@@ -437,14 +453,17 @@ class Monitor:
         for sink in self._sinks:
             sink(rec)
 
-    def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, extra: dict, eff: Any, mode: str) -> dict:
+    def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, extra: dict, eff: Any, mode: str,
+                dlr_range: Any = None, weights: bool = False) -> dict:
         """A record: ``extra`` holds the representation diagnostics by name
         (and the effective dimension where they came with the eigenvalues)."""
         eff = extra.get("effective_dim", eff)
         rec = {"step": self._step_label(), "mode": mode, "n": int(n), "dlr": _num(dlr),
                "rank": None if rank is None else int(rank), "nc1": _num(nc1), "effective_dim": _num(eff)}
         rec.update({name: _num(extra.get(name)) for name in RECORD_MEASURES})
-        rec["time"] = round(time.time() - self._t0, 6)
+        rec.update(time=round(time.time() - self._t0, 6),
+                   dlr_rtol_range=None if dlr_range is None else [_num(d) for d in dlr_range],
+                   dlr_from="weights" if weights else "outputs")
         return rec
 
     def _emit_window(self) -> Optional[dict]:
@@ -464,8 +483,8 @@ class Monitor:
             self._window_labels = None
         if values is None:
             return None
-        n, dlr, rank, nc1, extra = values
-        rec = self._record(n, dlr, rank, nc1, extra, None, "window")
+        n, dlr, rank, nc1, dlr_range, extra = values
+        rec = self._record(n, dlr, rank, nc1, extra, None, "window", dlr_range, head is not None)
         self._warn_undefined(rec, extra.get("warnings"))
         return rec
 
@@ -483,7 +502,8 @@ class Monitor:
         except ValueError:
             return self._record(moments.n, None, None, None, {}, None, "probe")
         extra = {name: getattr(rep, name) for name in RECORD_MEASURES}  # the full report has them all
-        return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, extra, rep.effective_dim, "probe")
+        return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, extra, rep.effective_dim, "probe",
+                            rep.dlr_rtol_range, isinstance(head, torch.nn.Linear))
 
     # -- lifetime -------------------------------------------------------------
 

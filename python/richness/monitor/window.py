@@ -49,12 +49,13 @@ class WindowRoute:
 
     def finish(self, threads: BlasThreads, distributed: bool, rtol: Optional[float],
                head: Any = None, measures: tuple = (), nc3_head: Any = None) -> Optional[tuple]:
-        """(n, DLR, rank, NC1, diagnostics) of the window, None below 2
-        samples; the Moments are empty after. ``head``: a linear head whose
-        weights DLR uses instead of the streamed outputs (C > p; docs/MATH.md,
-        many outputs). ``measures``: the representation diagnostics to add
-        (a dict by name, with the effective dimension when a spectral one is
-        asked; NC3 from ``nc3_head``'s weights, a linear head)."""
+        """(n, DLR, rank, NC1, DLR at rtol / 10 and rtol * 10, diagnostics) of
+        the window, None below 2 samples; the Moments are empty after.
+        ``head``: a linear head whose weights DLR uses instead of the streamed
+        outputs (C > p; docs/MATH.md, many outputs). ``measures``: the
+        representation diagnostics to add (a dict by name, with the effective
+        dimension when a spectral one is asked; NC3 from ``nc3_head``'s
+        weights, a linear head)."""
         import torch
 
         m = self.moments
@@ -78,6 +79,6 @@ class WindowRoute:
                 extra, why = measure_values(st, W3, rtol_for(st["precision"], rtol), measures,
                                             single=st["precision"] != "fp64")
                 extra["warnings"] = why  # why a value is None, for the Monitor's warning
-            return q.n, q.dlr, q.rank, q.nc1, extra
+            return q.n, q.dlr, q.rank, q.nc1, q.dlr_range, extra
         finally:
             m.reset()
