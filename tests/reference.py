@@ -216,3 +216,33 @@ def nc3_naive(Phi, y, W):
     U, classes = centered_class_means(Phi, y)
     Wc = np.asarray(W, dtype=np.float64)[classes]
     return float(np.sum((Wc / np.linalg.norm(Wc) - U / np.linalg.norm(U)) ** 2))
+
+
+def cka_naive(X, Y):
+    """Biased linear CKA from the n x n centred Grams: <HKH, HLH>_F / (||HKH||_F ||HLH||_F), K = X X^T."""
+    X, Y = np.asarray(X, np.float64), np.asarray(Y, np.float64)
+    n = X.shape[0]
+    H = np.eye(n) - 1.0 / n
+    Kc, Lc = H @ (X @ X.T) @ H, H @ (Y @ Y.T) @ H
+    return float(np.sum(Kc * Lc) / (np.linalg.norm(Kc) * np.linalg.norm(Lc)))
+
+
+def hsic_unbiased_naive(K, L):
+    """Song et al. (2012) unbiased HSIC of two n x n Grams, their diagonals zeroed."""
+    n = K.shape[0]
+    Kt, Lt = K - np.diag(np.diag(K)), L - np.diag(np.diag(L))
+    one = np.ones(n)
+    return float((np.sum(Kt * Lt) + (one @ Kt @ one) * (one @ Lt @ one) / ((n - 1) * (n - 2))
+                  - 2.0 / (n - 2) * (one @ Kt @ Lt @ one)) / (n * (n - 3)))
+
+
+def cka_debiased_naive(X, Y, center=True):
+    """Debiased linear CKA: HSIC_u(K, L) / sqrt(HSIC_u(K, K) HSIC_u(L, L)) on n x n
+    Grams K = X X^T. The estimator is unchanged by shifting X or Y by a constant
+    row; ``center`` subtracts the column means first (for data far from the
+    origin, where the raw Grams would lose float64 digits)."""
+    X, Y = np.asarray(X, np.float64), np.asarray(Y, np.float64)
+    if center:
+        X, Y = X - X.mean(0), Y - Y.mean(0)
+    K, L = X @ X.T, Y @ Y.T
+    return hsic_unbiased_naive(K, L) / np.sqrt(hsic_unbiased_naive(K, K) * hsic_unbiased_naive(L, L))

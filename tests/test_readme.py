@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import richness  # noqa: E402
-from reference import dlr_naive, nc1_naive  # noqa: E402
+from reference import cka_debiased_naive, cka_naive, dlr_naive, nc1_naive  # noqa: E402
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 NEEDS = re.compile(r"#\s*needs:\s*([A-Za-z_]+(?:\.[A-Za-z_]+)*)")
@@ -101,7 +101,7 @@ def trackers_offline(tmp_path, monkeypatch):
 
 def test_readme_has_the_examples():
     secs = sections()
-    assert len(secs) == 4 and all(setup is not None for setup, _ in secs[:2]) and secs[2][0] is None
+    assert len(secs) == 5 and all(setup is not None for setup, _ in secs[:2]) and secs[2][0] is None
     assert "richness.dlr(features, outputs)" in secs[0][1] and "richness.evaluate(model" in secs[1][1]
     assert "RichnessCallback(trainer" in secs[2][1]
     assert "richness.dask.moments(" in secs[3][1] and secs[3][0] is None
@@ -178,3 +178,20 @@ def test_data_bigger_than_one_machine_block_runs(trackers_offline):
     for name in ("s", "z") if available("zarr") else ("s",):
         M = ns[name].state_dict()["M"]
         assert ns[name].n == 2000 and np.abs(M - Xc.T @ Xc).max() < 1e-5 * np.abs(Xc.T @ Xc).max()
+
+
+def test_similarity_section_runs_and_agrees_with_the_reference(trackers_offline):
+    setup, example = sections()[4]
+    assert setup is None and "richness.similarity(" in example
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ns, skipped = run_section(4)
+    for text in skipped:
+        assert NEEDS.search(text), text
+    x, y = ns["x"], ns["y"]
+    assert abs(richness.cka(x, y) - cka_naive(x, y)) < 1e-10
+    r = ns["r"]
+    z = np.tanh(y)
+    assert abs(r.pair("x", "z").cka_debiased - cka_debiased_naive(x, z)) < 1e-10
+    assert ns["t"].n == 1000 and abs(ns["t"].compute().cka[0, 1] - cka_naive(x, y)) < 1e-10
+    assert ns["report"].names == ["cnn.0", "cnn.2", "cnn.5", "mlp.1", "mlp.3"] and ns["report"].n == 128

@@ -16,6 +16,8 @@ from ._moments import Moments, dlr
 from ._report import Report
 from .model.evaluate import RichnessWarning, evaluate
 from .monitor import Monitor
+from ._similarity import Similarity, SimilarityReport, cka
+from .model.similarity import similarity
 
 try:
     from importlib.metadata import PackageNotFoundError as _NotFound, version as _version
@@ -39,4 +41,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'richness' has no attribute {name!r}")
 
 
-__all__ = ["Moments", "Monitor", "Report", "RichnessWarning", "dlr", "evaluate", "blas_info", "__version__"]
+__all__ = ["Moments", "Monitor", "Report", "RichnessWarning", "dlr", "evaluate", "blas_info", "__version__",
+           "Similarity", "SimilarityReport", "cka", "similarity"]

@@ -146,6 +146,15 @@ def save_state(state: dict, path: "os.PathLike | str") -> None:
     arrays = {k: np.asarray(state[k]) for k in FLOATS + INTS}
     meta = {"format": FORMAT, "version": VERSION, **{k: state[k] for k in SCALARS},
             "sha256": _digest(arrays, state)}
+    write_archive(path, meta, arrays)
+
+
+def write_archive(path: "os.PathLike | str", meta: dict, arrays: dict) -> None:
+    """The atomic write of ``save_state``: ``meta`` (JSON) and ``arrays`` as one
+    .npz at ``path`` (used by every kind of saved state)."""
+    path = file_path(path)
+    if path.endswith(os.sep) or os.path.basename(path) in (".", ".."):
+        raise ValueError(f"{path}: names a folder; give a file name")
     folder = os.path.dirname(os.path.abspath(path))
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode) & 0o777

@@ -120,3 +120,24 @@ def merge_dicts(kind_name: str, states: List[dict]) -> dict:
         other.load_state_dict(st)
         acc.merge(other)
     return acc.state_dict()
+
+
+def _similarity_class() -> type:
+    from ._similarity import Similarity
+
+    return Similarity
+
+
+def _similarity_widths(s: Any) -> Dict[str, Any]:
+    return {"n": s.n, "names": tuple(s.names), "widths": tuple(s.widths)}
+
+
+def _similarity_check(metas: List[Dict[str, Any]]) -> None:
+    live = sorted({(m["names"], m["widths"]) for m in metas if m["n"] > 0})
+    if len(live) > 1:
+        raise ValueError("states hold different representations: "
+                         + " and ".join(f"names {list(a)} of widths {list(b)}" for a, b in live))
+
+
+register(Kind("similarity", "richness.similarity", _similarity_class, _similarity_widths, _similarity_check,
+              lambda s: s.compute().to_dict()))

@@ -9,15 +9,15 @@ baseline" and "NC1").
   distance to a reference (the initial parameters).
 * NC1 is ``Report.nc1`` (``richness.Moments`` with labels).
 
-Streaming follows the core's discipline: each batch is centred on its own
-float64 mean before its product is formed, products are float64, and states
-merge with Chan's pairwise update, so the answer does not depend on how the
-samples are split into batches. numpy is the only requirement; torch tensors
-are accepted (state kept as float64 tensors on their device, imported lazily).
+``InitSimilarity`` is a ``richness.Similarity`` of two representations: the
+core's streamed float64 co-moments (batch centering, Chan merges), so the
+answer does not depend on how the samples are split into batches. numpy is
+the only requirement; torch tensors are accepted.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Optional, Tuple
 
 import numpy as np
@@ -29,151 +29,92 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 
-def _as_f64(x: Any, name: str, like: Any = None) -> Any:
-    """``x`` as a 2-D float64 array: numpy, or a torch tensor on its device.
-
-    ``like``: an existing state array; the batch follows its framework/device."""
-    if _is_torch(x):
-        import torch
-
-        x = x.detach()
-        if x.is_complex() or not (x.is_floating_point()):
-            raise TypeError(f"{name} must be a real floating tensor, got {x.dtype}")
-        x = x.to(torch.float64)
-        if like is not None and not _is_torch(like):
-            x = x.cpu().numpy()
-        elif like is not None and x.device != like.device:
-            raise ValueError(f"{name} is on {x.device} but this state lives on {like.device}")
-    else:
-        arr = np.asarray(x)
-        if arr.dtype.kind not in "f":
-            raise TypeError(f"{name} must be a floating array, got dtype {arr.dtype}")
-        x = arr.astype(np.float64, copy=False)
-        if like is not None and _is_torch(like):
-            import torch
-
-            x = torch.as_tensor(x, device=like.device)
-    if x.ndim != 2:
-        raise ValueError(f"{name} must be 2-D (n, width), got shape {tuple(x.shape)}")
-    return x
-
-
-def _frob(x: Any) -> float:
-    if _is_torch(x):
-        return float(x.norm().item())
-    return float(np.linalg.norm(x))
-
-
 class InitSimilarity:
     """Streamed kernel similarity to initialisation, S_init (linear CKA).
 
     ``update(features_now, features_init)`` takes the penultimate features of
     the current and of the initial network on the same batch of inputs (rows
-    paired). The state is ``n``, the two float64 means, ``M_t`` (p_t x p_t),
-    ``M_0`` (p_0 x p_0) and the cross-moment ``X = sum (phi_t - mu_t)(phi_0 - mu_0)^T``
-    (p_t x p_0); ``compute()`` returns ``||X||_F^2 / (||M_t||_F ||M_0||_F)`` in
-    [0, 1] (1 = the kernel has not moved, up to scale).
-
-    numpy inputs are checked for NaN/Inf on ``update``; torch tensors are not
-    (that would synchronise a GPU every batch): a non-finite value poisons the
-    state and ``compute`` raises.
+    paired). The state is a ``richness.Similarity`` of the two (float64
+    products: float32 inputs are widened); ``compute()`` returns its biased
+    CKA ``||X||_F^2 / (||M_t||_F ||M_0||_F)`` in [0, 1] (1 = the kernel has not
+    moved, up to scale), with ``X = sum (phi_t - mu_t)(phi_0 - mu_0)^T``.
+    ``cross``, ``M_now``, ``M_init``, ``mean_now`` and ``mean_init`` read those
+    blocks of the state as float64 numpy arrays. Invalid input (NaN or Inf
+    included) raises and leaves the state as it was.
     """
 
+    _NAMES = ("now", "init")
+
     def __init__(self) -> None:
-        self.reset()
+        from ._similarity import Similarity
+
+        self._sim = Similarity(precision="fp64")
 
     def reset(self) -> None:
         """Forget all samples (widths are free again)."""
-        self.n = 0
-        self.mean_now: Any = None
-        self.mean_init: Any = None
-        self.M_now: Any = None
-        self.M_init: Any = None
-        self.cross: Any = None
+        self._sim.reset()
+
+    @property
+    def n(self) -> int:
+        return self._sim.n
 
     @property
     def widths(self) -> Optional[Tuple[int, int]]:
         """``(p_t, p_0)`` once a batch has been seen, else None."""
-        return None if self.cross is None else (int(self.cross.shape[0]), int(self.cross.shape[1]))
+        w = self._sim.widths
+        return None if not w else (w[0], w[1])
 
     def update(self, features_now: Any, features_init: Any) -> None:
         """Add a batch: ``features_now`` (n, p_t) and ``features_init`` (n, p_0)
         on the same n inputs. Invalid input raises and leaves the state as it was."""
-        a = _as_f64(features_now, "features_now", self.cross)
-        b = _as_f64(features_init, "features_init", self.cross if self.cross is not None else a)
-        if a.shape[0] != b.shape[0]:
-            raise ValueError(f"features_now has {a.shape[0]} rows but features_init has {b.shape[0]}; "
-                             "they must be the same inputs")
-        if self.widths is not None and (a.shape[1], b.shape[1]) != self.widths:
-            raise ValueError(f"feature widths changed: this state has (p_t, p_0) = {self.widths}, "
-                             f"the batch has ({a.shape[1]}, {b.shape[1]})")
-        nb = int(a.shape[0])
-        if nb == 0:
-            return
-        if not _is_torch(a):
-            bad = int(np.count_nonzero(~np.isfinite(a))) + int(np.count_nonzero(~np.isfinite(b)))
-            if bad:
-                raise ValueError(f"the batch contains {bad} NaN or Inf values")
-        # Centre on the batch's own float64 mean before any product (no E[xx^T] - E[x]E[x]^T).
-        ma, mb = a.mean(0), b.mean(0)
-        ac, bc = a - ma, b - mb
-        Ma, Mb, Xab = ac.T @ ac, bc.T @ bc, ac.T @ bc
-        self._merge(nb, ma, mb, Ma, Mb, Xab)
-
-    def _merge(self, nb: int, ma: Any, mb: Any, Ma: Any, Mb: Any, Xab: Any) -> None:
-        if self.n == 0:
-            self.n, self.mean_now, self.mean_init = nb, ma, mb
-            self.M_now, self.M_init, self.cross = Ma, Mb, Xab
-            return
-        na = self.n
-        n = na + nb
-        da, db = ma - self.mean_now, mb - self.mean_init
-        w = na * nb / n
-        # Chan et al.: the cross terms take the outer product of the two mean shifts.
-        if _is_torch(da):
+        a, b = features_now, features_init
+        if _is_torch(a) != _is_torch(b):  # one framework per batch: the numpy side follows the tensor
             import torch
 
-            outer = torch.outer
-        else:
-            outer = np.outer
-        self.M_now = self.M_now + Ma + outer(da, da) * w
-        self.M_init = self.M_init + Mb + outer(db, db) * w
-        self.cross = self.cross + Xab + outer(da, db) * w
-        self.mean_now = self.mean_now + da * (nb / n)
-        self.mean_init = self.mean_init + db * (nb / n)
-        self.n = n
+            dev = (a if _is_torch(a) else b).device
+            a, b = (x if _is_torch(x) else torch.as_tensor(np.asarray(x), device=dev) for x in (a, b))
+        shapes = [tuple(getattr(x, "shape", np.shape(x))) for x in (a, b)]
+        if all(len(s) == 2 for s in shapes):
+            if shapes[0][0] != shapes[1][0]:
+                raise ValueError(f"features_now has {shapes[0][0]} rows but features_init has {shapes[1][0]}; "
+                                 "they must be the same inputs")
+            if self.widths is not None and (shapes[0][1], shapes[1][1]) != self.widths:
+                raise ValueError(f"feature widths changed: this state has (p_t, p_0) = {self.widths}, "
+                                 f"the batch has ({shapes[0][1]}, {shapes[1][1]})")
+        self._sim.update(dict(zip(self._NAMES, (a, b))))
 
     def merge(self, other: "InitSimilarity") -> None:
         """Add another state (Chan et al. pairwise merge)."""
         if not isinstance(other, InitSimilarity):
             raise TypeError(f"merge expects an InitSimilarity, got {type(other).__name__}")
-        if other.n == 0:
-            return
-        if self.widths is not None and other.widths != self.widths:
+        if other.n and self.n and other.widths != self.widths:
             raise ValueError(f"cannot merge states of widths {self.widths} and {other.widths}")
-        def like(x: Any) -> Any:
-            if self.cross is None:
-                return x.clone() if _is_torch(x) else np.array(x, dtype=np.float64)
-            if _is_torch(self.cross):
-                import torch
+        self._sim.merge(other._sim)
 
-                return torch.as_tensor(x, dtype=torch.float64, device=self.cross.device)
-            return x.detach().cpu().numpy() if _is_torch(x) else np.asarray(x, dtype=np.float64)
+    def _block(self, i: Optional[int], j: int) -> Optional[np.ndarray]:
+        if self.n == 0:
+            return None
+        st = self._sim.state_dict()["moments"]
+        offs = np.cumsum([0, *self._sim.widths])
+        cols = slice(offs[j], offs[j + 1])
+        return st["mean"][cols] if i is None else st["M"][offs[i]:offs[i + 1], cols]
 
-        self._merge(other.n, like(other.mean_now), like(other.mean_init), like(other.M_now),
-                    like(other.M_init), like(other.cross))
+    cross = property(lambda self: self._block(0, 1), doc="The cross-moment X (p_t x p_0).")
+    M_now = property(lambda self: self._block(0, 0), doc="M_t (p_t x p_t).")
+    M_init = property(lambda self: self._block(1, 1), doc="M_0 (p_0 x p_0).")
+    mean_now = property(lambda self: self._block(None, 0), doc="The mean of the current features.")
+    mean_init = property(lambda self: self._block(None, 1), doc="The mean of the initial features.")
 
     def compute(self) -> float:
         """S_init = ||X||_F^2 / (||M_t||_F ||M_0||_F) in [0, 1]; the state is not modified."""
         if self.n < 2:
             raise ValueError(f"S_init needs at least 2 samples, this state has {self.n}")
-        x, mt, m0 = _frob(self.cross), _frob(self.M_now), _frob(self.M_init)
-        if not all(np.isfinite(v) for v in (x, mt, m0)):
-            raise ValueError("the state contains NaN or Inf (a non-finite feature was streamed)")
-        if mt == 0.0 or m0 == 0.0:
-            which = "features_now" if mt == 0.0 else "features_init"
-            raise ValueError(f"{which} are constant over the samples: the kernel is zero and CKA is undefined")
-        return float(x * x / (mt * m0))
+        for name, i in zip(("features_now", "features_init"), (0, 1)):
+            if not np.any(self._block(i, i)):
+                raise ValueError(f"{name} are constant over the samples: the kernel is zero and CKA is undefined")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the debiased estimator's small-n note; S_init is the biased one
+            return float(self._sim.compute().cka[0, 1])
 
     def __repr__(self) -> str:
         return "InitSimilarity(empty)" if self.n == 0 else f"InitSimilarity(n={self.n}, widths={self.widths})"

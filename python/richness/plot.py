@@ -274,3 +274,45 @@ def depth(layers: Union[Report, Mapping[str, Report]], prefix: "str | os.PathLik
         ax.set_title(title)
     fig.tight_layout()
     return _save(fig, prefix)
+
+
+def similarity(report: Any, path: "str | os.PathLike", *, debiased: bool = False, values: Optional[bool] = None,
+               title: Optional[str] = None) -> List[str]:
+    """A k x k heatmap of a ``SimilarityReport`` (``richness.similarity``,
+    ``Similarity.compute``): each axis labelled by model and layer (the
+    ``"model.layer"`` names, grouped by model with a line between models),
+    the values written in the cells when k <= 12 (``values`` forces it either
+    way), the estimator named in the title. Writes ``path.png`` and
+    ``path.svg`` and returns their paths."""
+    plt = _plt()
+    from ._similarity import SimilarityReport
+
+    if not isinstance(report, SimilarityReport):
+        raise TypeError(f"similarity expects a SimilarityReport, got {type(report).__name__}")
+    mat = np.asarray(report.cka_debiased if debiased else report.cka, dtype=float)
+    names = list(report.names)
+    k = len(names)
+    models = [nm.split(".", 1)[0] if "." in nm else "" for nm in names]
+    layers = [nm.split(".", 1)[1] if "." in nm else nm for nm in names]
+    size = max(3.5, 0.55 * k + 2.0)
+    fig, ax = plt.subplots(figsize=(size + 1.0, size))
+    im = ax.imshow(mat, vmin=0.0, vmax=1.0, cmap="magma", interpolation="nearest")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="CKA")
+    ticks = [f"{m}\n{ln}" if m else ln for m, ln in zip(models, layers)]
+    ax.set_xticks(range(k), ticks, rotation=90 if k > 6 else 0, fontsize=8)
+    ax.set_yticks(range(k), [t.replace("\n", " / ") for t in ticks], fontsize=8)
+    ax.set_xlabel("model / layer")
+    ax.set_ylabel("model / layer")
+    for i in range(1, k):  # a line between models
+        if models[i] != models[i - 1]:
+            ax.axhline(i - 0.5, color="white", lw=1.5)
+            ax.axvline(i - 0.5, color="white", lw=1.5)
+    if values if values is not None else k <= 12:
+        for i in range(k):
+            for j in range(k):
+                v = mat[i, j]
+                ax.text(j, i, "nan" if not np.isfinite(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
+                        color="black" if np.isfinite(v) and v > 0.6 else "white")
+    estimator = "debiased linear CKA (unbiased HSIC)" if debiased else "linear CKA (biased)"
+    ax.set_title(title or f"{estimator}, n = {report.n:,}")
+    return _save(fig, path)

@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--title", help="the figure's title (default: the file name and its DLR)")
     pl.set_defaults(func=commands.plot_cmd)
 
+    from . import cka
+
+    cka.add_parser(sub)
+
     i = sub.add_parser("info", help="version, backends, BLAS, GPU architectures")
     i.set_defaults(func=commands.info)
     return p

@@ -1,0 +1,104 @@
+"""The command ``richness cka A B [C ...]``: exact linear CKA between saved representations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+import numpy as np
+
+from .. import _io
+from . import UserError
+from .commands import _CHUNK_BYTES, _bar
+from .readers import ArrayFile
+
+
+def _open(spec: str) -> ArrayFile:
+    f = ArrayFile(spec)
+    f.check_float("a representation")
+    if len(f.shape) != 2:
+        raise UserError(f"{f.label}: a representation must be 2-D (samples, width), got shape {f.shape}")
+    if f.shape[1] == 0:
+        raise UserError(f"{f.label}: width 0: a representation needs at least one column")
+    return f
+
+
+def cka_cmd(args: argparse.Namespace) -> int:
+    from .._similarity import Similarity
+
+    if len(set(args.inputs)) != len(args.inputs):
+        raise UserError(f"the same representation is given twice: {args.inputs}")
+    files = [_open(spec) for spec in args.inputs]
+    rows = {f.label: f.rows for f in files}
+    if len(set(rows.values())) > 1:
+        raise UserError(f"the representations hold different numbers of samples: {rows}")
+    n = files[0].rows
+    P = sum(f.shape[1] for f in files) + len(files)
+    chunk = max(1, min(args.chunk, _CHUNK_BYTES // max(sum(f.row_bytes() for f in files), 1)))
+    _io.check_memory(8.0 * P * P * 3 + chunk * 8.0 * P, f"the joint state of width {P}")
+    s = Similarity(precision=args.precision)
+    bar = _bar(n, not args.no_progress, "richness cka")
+    try:
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            batch = {f.label: f.chunk(a, b) for f in files}
+            try:
+                s.update(batch)
+            except (ValueError, TypeError) as e:
+                raise UserError(f"rows {a}..{b - 1}: {e}") from None
+            for f in files:
+                f.release(b)
+            if bar is not None:
+                bar.update(b - a)
+    finally:
+        if bar is not None:
+            bar.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            rep = s.compute()
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if args.json:
+        print(json.dumps(rep.to_dict()), flush=True)
+    else:
+        mat = rep.cka_debiased if args.debiased else rep.cka
+        label = "debiased (unbiased HSIC)" if args.debiased else "biased"
+        print(f"linear CKA, {label}, n = {rep.n}")
+        for i, name in enumerate(rep.names):
+            print(f"  [{i}] {name} (width {rep.widths[i]})")
+        print("      " + "".join(f"{f'[{j}]':>9}" for j in range(len(rep.names))))
+        for i in range(len(rep.names)):
+            print(f"  [{i}] " + "".join(f"{v:9.5f}" if np.isfinite(v) else f"{'nan':>9}" for v in mat[i]))
+        sys.stdout.flush()
+    for w in caught:
+        print(f"richness: warning: {w.message}", file=sys.stderr)
+    if args.save:
+        try:
+            s.save(args.save)
+        except OSError as e:
+            raise UserError(f"{args.save}: cannot write the state ({e.strerror or e})") from None
+        if not args.json:
+            print(f"state saved to {args.save}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    from . import INT64_MAX, _integer
+
+    c = sub.add_parser("cka", help="exact linear CKA between representations of the same samples",
+                       description="Each argument is one representation (samples x width) of the same samples, "
+                                   "FILE or FILE:KEY in any format `richness eval` reads, streamed in chunks. "
+                                   "Prints the k x k CKA matrix (exact over all samples, any n).")
+    c.add_argument("inputs", nargs="+", metavar="REPR", help="representations (at least two)")
+    c.add_argument("--debiased", action="store_true", help="print the debiased (unbiased HSIC) estimator")
+    c.add_argument("--json", action="store_true", help="print the report (names, cka, cka_debiased, n, widths)")
+    c.add_argument("--save", help="write the similarity state (.npz), mergeable with Similarity.load/merge")
+    c.add_argument("--precision", choices=["fp64", "fp32"], default=None,
+                   help="precision of the products (default: fp64 for float64 files, else fp32)")
+    c.add_argument("--chunk", type=_integer(1, INT64_MAX, "a positive number of rows"), default=8192,
+                   help="rows per chunk (default 8192)")
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(func=cka_cmd)

@@ -1,0 +1,165 @@
+"""``richness.similarity``: one pass of one or more models over a loader, exact
+CKA between their layers.
+
+Forward hooks (``ModelHook``) on the named layers capture each output under
+``torch.no_grad()``; ``pool_rows`` turns it into one row per sample; every
+batch's rows go into one ``Similarity`` as ``"model.layer"``. No activation
+outlives its batch, and the hooks are removed when the pass ends (also after
+an error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+from .._optional import require_torch
+from .._similarity import Similarity, SimilarityReport
+from .batches import batch_size_of, call_model, pool_rows, split_batch, to_device
+from .evaluate import _merge_ranks, _model_device, _progress_bar, eval_mode
+from .hooks import hook_forward, resolve_layers
+
+
+def _as_models(models: Any) -> Dict[str, Any]:
+    if isinstance(models, Mapping):
+        if not models:
+            raise ValueError("similarity: models is empty")
+        bad = [k for k in models if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"similarity: model names must be strings, got {bad!r}")
+        out = dict(models)
+    else:
+        out = {"model": models}
+    for name, m in out.items():
+        if not (hasattr(m, "named_modules") and callable(m)):
+            raise TypeError(f"similarity: model {name!r} is a {type(m).__name__}, not a torch.nn.Module")
+    return out
+
+
+def _as_layers(layers: Any, names: List[str]) -> Dict[str, Sequence]:
+    if isinstance(layers, Mapping):
+        missing = [n for n in names if n not in layers]
+        extra = [n for n in layers if n not in names]
+        if missing or extra:
+            raise ValueError(f"similarity: layers must name the layers of every model {names}; "
+                             f"missing {missing}, unknown {extra}")
+        out = {n: layers[n] for n in names}
+    elif isinstance(layers, (list, tuple)):
+        out = {n: layers for n in names}
+    else:
+        raise TypeError(f"similarity: layers must be a list of layer names (or a dict model -> list), got "
+                        f"{type(layers).__name__}")
+    for n, ls in out.items():
+        if isinstance(ls, str) or not ls:
+            raise ValueError(f"similarity: model {n!r} needs a non-empty list of layers, got {ls!r}")
+    return out
+
+
+def _resolve(model_name: str, model: Any, layers: Sequence) -> List[tuple]:
+    try:
+        return resolve_layers(model, layers)
+    except ValueError as e:
+        names = [n for n, _ in model.named_modules() if n]
+        shown = ", ".join(repr(n) for n in names[:24]) + (f", ... ({len(names) - 24} more)" if len(names) > 24
+                                                         else "")
+        raise ValueError(f"model {model_name!r}: {e}; its submodules: {shown or 'none'}") from None
+
+
+def _input_fns(inputs: Any, names: List[str]) -> Dict[str, Optional[Callable]]:
+    if inputs is None or callable(inputs):
+        return {n: inputs for n in names}
+    if isinstance(inputs, Mapping):
+        bad = [n for n in inputs if n not in names]
+        if bad:
+            raise ValueError(f"similarity: inputs names unknown models {bad}; the models are {names}")
+        for n, f in inputs.items():
+            if not callable(f):
+                raise TypeError(f"similarity: inputs[{n!r}] is a {type(f).__name__}, not a callable")
+        return {n: inputs.get(n) for n in names}
+    raise TypeError(f"similarity: inputs must be None, a callable or a dict model -> callable, "
+                    f"got {type(inputs).__name__}")
+
+
+def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], *, pool: str = "mean",
+               inputs: Union[None, Callable, Mapping[str, Callable]] = None, distributed: Optional[bool] = None,
+               precision: Optional[str] = None, progress: bool = True) -> SimilarityReport:
+    """Exact linear CKA between layers of one or more models over ``loader``.
+
+    Args:
+        models: a ``torch.nn.Module`` (named ``"model"``) or a dict name -> module.
+        loader: batches as ``evaluate`` reads them (a tensor, ``(x, y)``, or a dict
+            of keyword arguments); labels are ignored.
+        layers: dotted module names (or submodules), one list for every model or
+            a dict model name -> list. A name that does not exist raises a
+            ValueError listing the model's submodules.
+        pool: how an output becomes one row per sample (``pool_rows``):
+            ``"mean"`` over positions / tokens, ``"flatten"`` (refused past the
+            width limit, with the memory it would need), ``"first"`` /
+            ``"last"`` token.
+        inputs: what each model is fed: None (every model gets the batch's
+            inputs), a callable ``batch -> inputs`` for all models, or a dict
+            model name -> callable (a ViT and a CNN at different resolutions).
+        distributed: merge the states of all ranks (torch.distributed); None
+            merges when a process group is initialised.
+        precision: as ``Similarity``.
+        progress: a tqdm bar in samples.
+
+    Returns a ``SimilarityReport`` whose names are ``"model.layer"``, in the
+    order the models and layers were given. Runs in eval mode under
+    ``torch.no_grad()``; every hook is removed on return or on error.
+    """
+    torch = require_torch("richness.similarity")
+    merge = _merge_ranks(distributed)
+    mods = _as_models(models)
+    names = list(mods)
+    per_model = _as_layers(layers, names)
+    feeds = _input_fns(inputs, names)
+    resolved = {n: _resolve(n, mods[n], per_model[n]) for n in names}
+    order = [f"{n}.{ln}" for n in names for ln, _ in resolved[n]]
+    if len(set(order)) != len(order):
+        raise ValueError(f"similarity: a layer is named twice: {order}")
+    sim = Similarity(precision=precision)
+    captured: Dict[str, Any] = {}
+    state = {"n": 0}
+
+    def tap(key: str):
+        def fn(_mod, _args, out):
+            if key in captured:
+                raise ValueError(f"similarity: layer {key!r} ran twice in one forward pass (a shared module); "
+                                 "hook a module that runs once per sample")
+            captured[key] = pool_rows(out, key, pool, state["n"]).detach()
+        return fn
+
+    handles = []
+    bar = _progress_bar(loader, "richness similarity") if progress else None
+    try:
+        for n in names:
+            for ln, mod in resolved[n]:
+                handles.append(hook_forward(mod, tap(f"{n}.{ln}")))
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for m in mods.values():
+                stack.enter_context(eval_mode(m))
+            for batch in loader:
+                captured.clear()
+                for n in names:
+                    x = feeds[n](batch) if feeds[n] is not None else split_batch(batch)[0]
+                    state["n"] = batch_size_of(x)
+                    call_model(mods[n], to_device(x, _model_device(mods[n])))
+                missing = [k for k in order if k not in captured]
+                if missing:
+                    raise ValueError(f"similarity: layers {missing} did not run in the forward pass")
+                rows = {k: captured[k] for k in order}
+                dev = rows[order[0]].device
+                sim.update({k: v.to(dev) for k, v in rows.items()})
+                captured.clear()
+                if bar is not None:
+                    bar.update(state["n"])
+    finally:
+        for h in handles:
+            h.remove()
+        captured.clear()
+        if bar is not None:
+            bar.close()
+    if merge:
+        sim.all_reduce()
+    return sim.compute()
