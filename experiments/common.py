@@ -268,7 +268,12 @@ def summary(report: Any, classes: int) -> Dict[str, Any]:
             "effective_dim": _f(report.effective_dim), "feature_rank": int(report.feature_rank),
             "utilization_at_C": _f(util[k - 1]) if k else None, "n": int(report.n),
             "relative_eigenvalues_top": [float(v) for v in report.relative_eigenvalues[:2 * classes]],
+            **{name: _f(getattr(report, name)) for name in DIAGNOSTICS},
             "warnings": list(report.warnings)}
+
+
+# the representation diagnostics of a Report the experiments record beside DLR
+DIAGNOSTICS = ("rankme", "alpha_req", "participation_ratio", "nc2_equinorm", "nc2_equiangle", "nc3")
 
 
 def _f(v: Any) -> Optional[float]:

@@ -147,7 +147,8 @@ def jump_summary(history: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-POINT_FIELDS = ("step", "train_acc", "test_acc", "dlr", "dlr_normalized", "test_dlr", "rank", "effective_dim", "nc1")
+POINT_FIELDS = ("step", "train_acc", "test_acc", "dlr", "dlr_normalized", "test_dlr", "rank", "effective_dim", "nc1",
+                "rankme", "alpha_req", "participation_ratio")
 
 
 def readings(run: Dict[str, Any]) -> Dict[str, Any]:
@@ -288,9 +289,9 @@ def run(args: Any) -> Dict[str, Any]:
         test_acc, var_te = accuracy_and_active(x_te, y_te, f0_te)
         row = {"step": step, "train_loss": C._f(loss), "train_acc": train_acc, "test_acc": test_acc,
                "lr": opt.param_groups[0]["lr"]}
-        for key in ("n", "dlr", "rank", "nc1", "effective_dim"):
-            row[key] = rec_tr[key]
-            row["test_" + key] = rec_te[key]
+        for key in ("n", "dlr", "rank", "nc1", "effective_dim") + C.DIAGNOSTICS:
+            row[key] = rec_tr.get(key)
+            row["test_" + key] = rec_te.get(key)
         add_reference(row, var_tr)
         add_reference(row, var_te, "test_")
         row["seconds"] = round(elapsed + time.time() - t_run, 1)
@@ -308,7 +309,8 @@ def run(args: Any) -> Dict[str, Any]:
         rtol_ref["rtol"] = reps[0].rtol
         cfg["rtol"] = reps[0].rtol
         as_rec = lambda r: {"n": r.n, "dlr": C._f(r.dlr), "rank": r.rank, "nc1": C._f(r.nc1),  # noqa: E731
-                            "effective_dim": C._f(r.effective_dim)}
+                            "effective_dim": C._f(r.effective_dim),
+                            **{name: C._f(getattr(r, name)) for name in C.DIAGNOSTICS}}
         record(0, float("nan"), as_rec(reps[0]), as_rec(reps[1]))
     else:
         rtol_ref["rtol"] = ck["settings"]["rtol"]

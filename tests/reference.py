@@ -162,6 +162,62 @@ def states_equal(a, b):
     return True
 
 
+# -- representation diagnostics, from the raw matrices ----------------------------
+
+def rankme_naive(Phi, centered=True, rtol=0.0):
+    """RankMe (Garrido et al. 2023): exp of the entropy of q_k = s_k / sum s, s the
+    singular values of the (centered) feature matrix, by SVD; singular values with
+    s^2 <= rtol s_1^2 count as 0."""
+    X = center_rows(Phi) if centered else np.asarray(Phi, dtype=np.float64)
+    s = np.linalg.svd(X, compute_uv=False)
+    s = s[s**2 > rtol * s[0] ** 2]
+    q = s / s.sum()
+    q = q[q > 0]
+    return float(np.exp(-np.sum(q * np.log(q))))
+
+
+def alpha_req_naive(Phi, rtol):
+    """alpha-ReQ (Agrawal et al. 2022): minus the least-squares slope of log lambda_k
+    against log k, k = 1..K, lambda_k = s_k^2 of the centered matrix above the cut."""
+    s = np.linalg.svd(center_rows(Phi), compute_uv=False)
+    lam = s**2
+    lam = lam[lam > rtol * lam[0]]
+    k = np.arange(1, lam.size + 1)
+    slope = np.polyfit(np.log(k), np.log(lam), 1)[0]
+    return float(-slope), int(lam.size)
+
+
+def participation_ratio_naive(Phi):
+    """(sum lambda)^2 / sum lambda^2 = tr(C)^2 / ||C||_F^2 of the covariance C."""
+    Xc = center_rows(Phi)
+    C = Xc.T @ Xc
+    return float(np.trace(C) ** 2 / np.sum(C * C))
+
+
+def centered_class_means(Phi, y):
+    """Class means of the classes present minus the global (sample-weighted) mean, rows in class order."""
+    Phi = np.asarray(Phi, dtype=np.float64)
+    mu = Phi.mean(axis=0)
+    return np.stack([Phi[y == c].mean(axis=0) - mu for c in np.unique(y)]), np.unique(y)
+
+
+def nc2_naive(Phi, y):
+    """(equinorm, equiangle) of Papyan et al. 2020 by a loop over class pairs."""
+    U, _ = centered_class_means(Phi, y)
+    norms = np.linalg.norm(U, axis=1)
+    C = U.shape[0]
+    terms = [abs(U[i] @ U[j] / (norms[i] * norms[j]) + 1.0 / (C - 1))
+             for i in range(C) for j in range(i + 1, C)]
+    return float(norms.std() / norms.mean()), float(np.mean(terms))
+
+
+def nc3_naive(Phi, y, W):
+    """|| W / ||W||_F - U / ||U||_F ||_F^2, W's rows of the classes present."""
+    U, classes = centered_class_means(Phi, y)
+    Wc = np.asarray(W, dtype=np.float64)[classes]
+    return float(np.sum((Wc / np.linalg.norm(Wc) - U / np.linalg.norm(U)) ** 2))
+
+
 def cka_naive(X, Y):
     """Biased linear CKA from the n x n centred Grams: <HKH, HLH>_F / (||HKH||_F ||HLH||_F), K = X X^T."""
     X, Y = np.asarray(X, np.float64), np.asarray(Y, np.float64)

@@ -255,7 +255,8 @@ class Moments(Lockable):
     # -- finishing ------------------------------------------------------------
 
     def compute(self, *, head: Any = None, test: Optional["Moments"] = None, rtol: Optional[float] = None,
-                centered: bool = True, uncertainty: bool = False, spectrum: bool = True) -> Report:
+                centered: bool = True, uncertainty: bool = False, spectrum: bool = True,
+                measures: Any = None) -> Report:
         """Finish a ``Report`` (float64); the state is not modified.
 
         Args:
@@ -270,9 +271,15 @@ class Moments(Lockable):
             spectrum: False skips the p x p eigendecomposition and what rests
                 on it (eigenvalues, curves): DLR alone costs O(p^2 C), the
                 full report O(p^3). For monitoring at large p.
+            measures: the representation diagnostics to compute (RankMe,
+                alpha-ReQ, participation ratio, NC2, NC3: names from
+                ``richness.finish.MEASURES``, or ``"all"``). Default: all with
+                the spectrum, none with ``spectrum=False`` (a spectral one
+                then adds the p x p eigenvalues, no eigenvectors).
             uncertainty: add ``dlr_stderr``, ``dlr_interval`` (95%) and the
                 bias-corrected ``dlr_jackknife`` from a delete-one-group
-                jackknife; needs ``Moments(groups=k)``.
+                jackknife, and ``measures_stderr`` for the measures set; needs
+                ``Moments(groups=k)``.
         """
         W = _adapt.weights_of(head)[0] if head is not None else None
         test_state = None
@@ -283,11 +290,15 @@ class Moments(Lockable):
         if uncertainty and self._groups is None:
             raise ValueError("uncertainty=True needs the samples kept in groups: use Moments(groups=k), k >= 2")
         report = _finish.finish(self.device_state(), W=W, test=test_state, rtol=rtol, centered=centered,
-                                spectrum=spectrum)
+                                spectrum=spectrum, measures=measures)
         if uncertainty:
-            if report.dlr is None:
+            set_measures = [name for name in _finish.MEASURES if getattr(report, name) is not None]
+            if report.dlr is None and not set_measures:
                 raise ValueError("uncertainty needs outputs or a head: DLR is undefined without them")
-            _finish.add_jackknife(report, self._grouped().leave_one_out_states(), W)
+            loo = self._grouped().leave_one_out_states()
+            if report.dlr is not None:
+                _finish.add_jackknife(report, loo, W)
+            _finish.add_measure_jackknife(report, loo, W, set_measures, centered)
         return report
 
     # -- persistence ----------------------------------------------------------

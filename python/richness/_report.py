@@ -42,6 +42,22 @@ class Report:
     dlr_stderr, dlr_interval, dlr_jackknife: delete-one-group jackknife standard
         error, 95% interval and bias-corrected DLR (``compute(uncertainty=True)``
         on a ``Moments(groups=k)``).
+    rankme: RankMe, exp of the entropy of the normalized singular values of
+        the centered feature matrix (Garrido et al. 2023); between 1 and the
+        rank. Uncentered with ``centered=False``.
+    alpha_req: alpha-ReQ, the decay exponent of the eigenvalues, slope of
+        log lambda_k = c - alpha log k over ``alpha_req_range`` = (1, K), K
+        the eigenvalues above the rank cut (Agrawal et al. 2022).
+    participation_ratio: (sum lambda)^2 / sum lambda^2.
+    nc2_equinorm, nc2_equiangle: NC2 of the centered class means (std / mean
+        of their norms; mean |cos + 1 / (C - 1)| over pairs): 0 at a simplex
+        ETF (Papyan et al. 2020). Need labels.
+    nc3: || W / ||W|| - U / ||U|| ||_F^2, head against class means (labels and
+        ``compute(head=...)``). These seven are computed from the spectrum
+        and class sums already there; with ``spectrum=False`` only those asked
+        for with ``measures=`` (docs/MATH.md, representation diagnostics).
+    measures_stderr: with ``uncertainty=True``, the jackknife standard error
+        of each of those measures that is set, by name.
     layers: ``evaluate(..., layers=[...])``: layer name -> Report of that layer's
         activations against the model's outputs (DLR by depth).
     warnings: plain-language caveats (finite n, rank cut, NC1 precision).
@@ -71,6 +87,14 @@ class Report:
     dlr_stderr: Optional[float] = None
     dlr_interval: Optional[tuple] = None
     dlr_jackknife: Optional[float] = None
+    rankme: Optional[float] = None
+    alpha_req: Optional[float] = None
+    alpha_req_range: Optional[tuple] = None
+    participation_ratio: Optional[float] = None
+    nc2_equinorm: Optional[float] = None
+    nc2_equiangle: Optional[float] = None
+    nc3: Optional[float] = None
+    measures_stderr: Optional[dict] = None
     layers: Optional[dict] = None
     warnings: List[str] = field(default_factory=list)
 
@@ -110,5 +134,13 @@ class Report:
         lines = [f"DLR {fmt(self.dlr)}  (0 = rich, 1 = lazy)   rank {self.rank}   n {self.n}",
                  f"NC1 {fmt(self.nc1)}   effective dim {fmt(self.effective_dim)}   "
                  f"feature rank {self.feature_rank}   precision {self.precision}   rtol {self.rtol:g}"]
+        lines += self._measure_lines()
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def _measure_lines(self) -> List[str]:
+        """One text line of the representation diagnostics that are set (none when all are None)."""
+        names = (("RankMe", "rankme"), ("alpha-ReQ", "alpha_req"), ("participation ratio", "participation_ratio"),
+                 ("NC2 equinorm", "nc2_equinorm"), ("NC2 equiangle", "nc2_equiangle"), ("NC3", "nc3"))
+        parts = [f"{label} {getattr(self, name):.4f}" for label, name in names if getattr(self, name) is not None]
+        return ["   ".join(parts)] if parts else []

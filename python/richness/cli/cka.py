@@ -100,5 +100,5 @@ def add_parser(sub) -> None:
                    help="precision of the products (default: fp64 for float64 files, else fp32)")
     c.add_argument("--chunk", type=_integer(1, INT64_MAX, "a positive number of rows"), default=8192,
                    help="rows per chunk (default 8192)")
-    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
     c.set_defaults(func=cka_cmd)

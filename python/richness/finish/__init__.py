@@ -13,23 +13,24 @@ namespace from the state), and ``finish`` assembles the Report.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from .._report import Report
 from ._xp import host, ns
+from .diagnostics import MEASURES, check_measures, measure_values
 from .dlr import DEFAULT_RTOL, check_features, dlr_of_state, dlr_values, dlr_with_range, finishing, \
     function_moments, logits, span_of_grams
 from .isotropic import isotropic_dlr, reference
 from .nc1 import nc1_from_grams
 from .policy import GramRows, check_rtol, dlr_only, finish_gram_rows, nc1_reported, rtol_for, too_few_samples
 from .spectrum import curve, held_out, spectrum as feature_spectrum, task_moments
-from .uncertainty import add_jackknife
+from .uncertainty import add_jackknife, add_measure_jackknife
 
-__all__ = ["DEFAULT_RTOL", "GramRows", "add_jackknife", "check_rtol", "dlr_of_state", "dlr_only", "dlr_values",
-           "finish", "finish_gram_rows", "isotropic_dlr", "nc1_from_grams", "rtol_for", "span_of_grams",
-           "too_few_samples"]
+__all__ = ["DEFAULT_RTOL", "MEASURES", "GramRows", "check_measures", "measure_values", "add_jackknife",
+           "add_measure_jackknife", "check_rtol", "dlr_of_state", "dlr_only", "dlr_values", "finish",
+           "finish_gram_rows", "isotropic_dlr", "nc1_from_grams", "rtol_for", "span_of_grams", "too_few_samples"]
 
 
 def _checked_rtol(st: dict, rtol: Optional[float]) -> float:
@@ -42,11 +43,16 @@ def _checked_rtol(st: dict, rtol: Optional[float]) -> float:
 
 
 def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = None,
-           rtol: Optional[float] = None, centered: bool = True, spectrum: bool = True) -> Report:
+           rtol: Optional[float] = None, centered: bool = True, spectrum: bool = True,
+           measures: Any = None) -> Report:
     """The report from a state dict (as ``Moments.state_dict()`` returns).
     ``spectrum=False`` skips the p x p eigendecomposition and everything built
     on it (eigenvalues, curves, held-out curves): DLR, its rank-cut range, the
-    finite-sample reference and NC1 remain. O(p^2 C) instead of O(p^3)."""
+    finite-sample reference and NC1 remain. O(p^2 C) instead of O(p^3).
+    ``measures``: the representation diagnostics to compute (names from
+    ``MEASURES``, or ``"all"``); default all of them with the spectrum, none
+    without (a spectral one then costs the p x p eigenvalues alone)."""
+    wanted = check_measures(measures)
     rtol = _checked_rtol(st, rtol)
     if test is not None and not spectrum:
         raise ValueError("held-out curves (test=) need the spectrum: drop spectrum=False")
@@ -58,7 +64,16 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
             test = {k: (xp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in test.items()}
     norm_m = check_features(st)
     with finishing(st, W):
-        return _report(st, W, test, rtol, centered, spectrum, norm_m)
+        report = _report(st, W, test, rtol, centered, spectrum, norm_m)
+        if wanted is None:
+            wanted = MEASURES if spectrum else ()
+        if wanted:
+            rho = None if report.eigenvalues is None else ns(st["M"]).asarray(report.eigenvalues)
+            values, warnings = measure_values(st, W, rtol, wanted, lam=rho, centered=centered)
+            for name, v in values.items():
+                setattr(report, name, v)
+            report.warnings += warnings
+        return report
 
 
 def _report(st: dict, W, test: Optional[dict], rtol: float, centered: bool, spectrum: bool,

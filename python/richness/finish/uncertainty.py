@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from .._report import Report
+from .diagnostics import measure_values
 from .dlr import dlr_of_state
 
 # Two-sided 95% Student t quantiles, df = 1..30 (larger df: Cornish-Fisher).
@@ -27,6 +28,29 @@ def t975(df: int) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
+def jackknife_se(theta) -> float:
+    """SE = sqrt((k-1)/k sum (theta_i - theta_bar)^2) over k leave-one-out values."""
+    theta = np.asarray(theta, dtype=np.float64)
+    k = theta.shape[0]
+    return math.sqrt((k - 1) / k * float(np.sum((theta - theta.mean()) ** 2)))
+
+
+def add_measure_jackknife(report: Report, loo_states: list, W, names: list, centered: bool = True) -> None:
+    """``report.measures_stderr``: the jackknife standard error of each named
+    representation diagnostic over the leave-one-out states (one p x p
+    eigenvalue decomposition per state for the spectral ones; the class-mean
+    ones cost a K x K Gram each). A measure undefined on some leave-one-out
+    state has no standard error (None)."""
+    if not names:
+        return
+    values = [measure_values(st, W, report.rtol, tuple(names), centered=centered)[0] for st in loo_states]
+    out = {}
+    for name in names:
+        theta = [v[name] for v in values]
+        out[name] = None if any(t is None for t in theta) else jackknife_se(theta)
+    report.measures_stderr = out
+
+
 def add_jackknife(report: Report, loo_states: list, W) -> None:
     """Quenouille-Tukey jackknife over k leave-one-out states:
     SE^2 = (k-1)/k sum (theta_i - theta_bar)^2, bias-corrected
@@ -36,7 +60,7 @@ def add_jackknife(report: Report, loo_states: list, W) -> None:
     k = len(loo_states)
     theta = np.array([dlr_of_state(st, W, report.rtol)[0] for st in loo_states])
     bar = float(theta.mean())
-    se = math.sqrt((k - 1) / k * float(np.sum((theta - bar) ** 2)))
+    se = jackknife_se(theta)
     corrected = k * report.dlr - (k - 1) * bar
     half = t975(k - 1) * se
     report.dlr_stderr = se

@@ -40,6 +40,7 @@ from .onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group
                                OneBatchRoute)
 from .sinks import FIELDS, _make_sinks  # noqa: F401
 from .window import WindowRoute
+from .layer import RECORD_MEASURES, LayerCapture, layer_rows, monitor_measures, resolve_layer
 from .._optional import require_torch
 from ..model.threads import BlasThreads
 
@@ -98,6 +99,23 @@ class Monitor:
             kernel launches, paid on the host while training waits for it).
             The buffered inputs of a group are capped at 32 MiB (its
             reduction's scratch takes about as much again).
+        layer: the features-only Monitor, for self-supervised training (no
+            head, no labels): a module of the model or its dotted name, whose
+            output is pooled into rows (``pool``) and recorded on its own:
+            records carry ``rankme``, ``alpha_req``, ``effective_dim`` and
+            ``participation_ratio`` of that representation (``dlr``, ``rank``
+            and ``nc1`` stay None; labels given to ``step`` are ignored).
+            Not with ``head`` or ``probe``.
+        pool: how a layer's output becomes rows (``"mean"`` over spatial
+            positions or tokens, ``"first"``/``"last"`` token, ``"flatten"``;
+            ``richness.model.batches.pool_rows``).
+        measures: representation diagnostics to add to each record (names
+            from ``richness.finish.MEASURES`` or ``"all"``): RankMe, alpha-ReQ
+            and the participation ratio from the window's eigenvalues (or, at
+            every=1, the batch's n x n Gram's), NC2 with labels, NC3 with a
+            linear head (window route only). Default: none with a head (each
+            costs a p x p eigenvalue decomposition per emission), the
+            spectral ones with ``layer``.
         wide_head: a linear head with more outputs than features (a language
             model's vocabulary): ``"weights"`` (default) finishes DLR from the
             head's weights at emission time and the window's features (no
@@ -115,10 +133,12 @@ class Monitor:
     of a step skipped after its forward are dropped with a warning); labels
     matching none are refused with nothing recorded and the step not counted.
     ``history`` holds the emitted records ``{step, mode, n, dlr, rank, nc1,
-    effective_dim, time, dlr_rtol_range, dlr_from}``: ``dlr_rtol_range`` is
+    effective_dim, rankme, alpha_req, participation_ratio, nc2_equinorm,
+    nc2_equiangle, nc3, time, dlr_rtol_range, dlr_from}`` (the diagnostics
+    None unless ``measures`` or ``layer`` asks for them): ``dlr_rtol_range`` is
     DLR at rtol / 10 and rtol * 10 (how much the rank cut matters; None in
     one-batch windows), ``dlr_from`` ``"weights"`` or ``"outputs"`` (see
-    ``wide_head``). CSV logs keep the first eight columns.
+    ``wide_head``). CSV logs keep all but the last two.
 
     Example::
 
@@ -133,7 +153,7 @@ class Monitor:
                  probe: Any = None, log: Any = None, precision: Optional[str] = None, tokens: Any = "all",
                  batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness",
                  distributed: bool = False, lag: Optional[int] = None, first_step: int = 1,
-                 wide_head: str = "weights") -> None:
+                 layer: Any = None, pool: str = "mean", measures: Any = None, wide_head: str = "weights") -> None:
         torch = require_torch("richness.Monitor")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -150,6 +170,10 @@ class Monitor:
         if wide_head not in ("weights", "outputs"):
             raise ValueError(f"wide_head must be 'weights' or 'outputs', got {wide_head!r}")
         check_tokens(tokens)
+        if layer is not None and (head is not None or probe is not None):
+            raise ValueError("layer= is the features-only Monitor (no head, no probe): drop head= and probe=, "
+                             "or drop layer=")
+        self.measures = monitor_measures(measures, layer)
         self.wide_head = wide_head
         self.model = model
         self.first_step = first_step
@@ -161,25 +185,31 @@ class Monitor:
         self.steps = 0
         resolved = resolve_head(model, head)
         self._head_name, self._head = (resolved if resolved is not None else (None, None))
+        self._layer_name, self._layer = resolve_layer(model, layer) if layer is not None else (None, None)
         self._sinks = _make_sinks(log, prefix)
         self._window_route = WindowRoute(precision, window)
         self._pending: list = []
         self.lag = lag
-        self._one_batch = OneBatchRoute(lag, precision, rtol, self._finish_records)
+        self._one_batch = OneBatchRoute(lag, precision, rtol, self._finish_records,
+                                        eig=any(m in self.measures for m in ("rankme", "alpha_req",
+                                                                             "participation_ratio")))
         self._deferred = False  # this step's window went to the one-batch route
         self._window_labels: Optional[bool] = None
         self._active = self._is_window_step(1)
-        self._capture: Optional[_PendingCapture] = None
+        self._capture: Optional[Any] = None  # _PendingCapture on the head, or LayerCapture
         self._finder: Optional[HeadFinder] = None
         self._model_hook = None
         self._forwards: Optional[_ModelForwards] = None
         self._refused = False  # the last step() refused its labels; its captures wait for a retry
         self._closed = False
         self._head_ran = False  # set by the head's hook; a head that never runs is warned about once
+        self._undefined_warned = False  # a record with an asked-for diagnostic undefined is warned about once
         self._t0 = time.time()
         if self.probe is None:
             self._forwards = _ModelForwards(model, self._commit)
-            if self._head is not None:
+            if self._layer is not None:
+                self._capture = LayerCapture(self._layer, self._layer_name, self, pool)
+            elif self._head is not None:
                 self._capture = _PendingCapture(self._head, self)
             else:
                 self._finder = HeadFinder(model)
@@ -280,6 +310,12 @@ class Monitor:
         # A head given by the user (or found on the model's first forward) that
         # never runs in a training forward leaves every record empty.
         self._head_ran = True  # once
+        if self._layer is not None:
+            warnings.warn(f"richness.Monitor: after {self.steps} steps the layer {self._layer_name!r} "
+                          f"({type(self._layer).__name__}) has not run in a training forward (with gradients "
+                          "enabled); nothing is recorded. Choose a module that runs with layer=", UserWarning,
+                          stacklevel=3)
+            return
         if self._head is None:
             what = ("no forward of the model has run, so its head was not found (training code that calls a "
                     "submodule directly bypasses the model's forward)")
@@ -296,7 +332,10 @@ class Monitor:
     def _step_rows(self, labels: Any) -> tuple:
         """This step's (features, outputs, label keyword arguments), checked
         (``step_rows``); changes nothing. Captures before the step's own are
-        dropped with a warning."""
+        dropped with a warning. A features-only Monitor's rows are its
+        layer's, whatever the labels."""
+        if self._layer is not None:
+            return layer_rows(self._pending)
         try:
             feats, outs, lk, first, dropped = step_rows(self._pending, labels, self.tokens)
         except (ValueError, TypeError, IndexError, RuntimeError) as e:
@@ -320,7 +359,7 @@ class Monitor:
             self._defer(feats, outs, lk.get("labels"))
             return
         parts = {"features": feats}
-        if not self._uses_weights():
+        if outs is not None and not self._uses_weights():
             parts["outputs"] = outs
         parts.update(lk)
         self._window_route.add(parts, self._threads)
@@ -332,7 +371,8 @@ class Monitor:
         window = 1 the Moments are empty between steps: each window is added
         and reset at its own emission; asking them for n could sync a GPU.)"""
         n, p = int(feats.shape[0]), int(feats.shape[1])
-        return (self.window == 1 and not self.distributed and 2 <= n < p and outs is not None
+        return (self.window == 1 and not self.distributed and 2 <= n < p
+                and (outs is not None or self._layer is not None)
                 and not self._uses_weights() and self.precision in (None, "fp32", "fp64"))
 
     def _defer(self, feats: Any, outs: Any, labels: Any) -> None:
@@ -343,16 +383,21 @@ class Monitor:
 
     def _finish_records(self, meta: tuple, v: np.ndarray) -> None:
         """Finish a reduced group's rows (``finish_group``) and emit their records."""
-        metas, n, c, k, rtol, sample_space = meta
+        metas, n, c, k, rtol, sample_space, e = meta
         bad = [step for (step, _), norm_m in zip(metas, v[:, 0]) if math.isnan(norm_m)]  # _to_unit_spread
         if bad:
-            warnings.warn(f"richness.Monitor: the head's input or output had NaN or Inf values at step(s) "
+            what = "the layer's output" if self._layer is not None else "the head's input or output"
+            warnings.warn(f"richness.Monitor: {what} had NaN or Inf values at step(s) "
                           f"{', '.join(map(str, bad))}: their records have dlr, rank and nc1 None", UserWarning,
                           stacklevel=4)
-        for (step, t), dlr, rank, nc1 in zip(metas, *finish_group(v, n, c, k, rtol, sample_space)):
-            self._dispatch({"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank,
-                            "nc1": _num(nc1), "effective_dim": None, "time": t, "dlr_rtol_range": None,
-                            "dlr_from": "outputs"})
+        dlrs, ranks, nc1s, extra = finish_group(v, n, c, k, rtol, sample_space, e, self.measures)
+        for i, ((step, t), dlr, rank, nc1) in enumerate(zip(metas, dlrs, ranks, nc1s)):
+            rec = {"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank, "nc1": _num(nc1),
+                   "effective_dim": _num(extra["effective_dim"][i])}
+            rec.update({name: _num(extra[name][i]) if name in self.measures else None for name in RECORD_MEASURES})
+            rec.update(time=t, dlr_rtol_range=None, dlr_from="outputs")
+            self._warn_undefined(rec, (), skip=("nc3",))  # per-batch states carry no weights: NC3 None
+            self._dispatch(rec)
 
     @property
     def _group(self) -> Optional[_BatchGroup]:
@@ -389,18 +434,37 @@ class Monitor:
         self._dispatch(rec)
         return rec
 
+    def _warn_undefined(self, rec: dict, why: Any, skip: tuple = ()) -> None:
+        """Warn, once per Monitor, of a record whose asked-for diagnostics are
+        None because they are undefined there (``why``: the reasons finishing
+        gave, when it gave them)."""
+        missing = [m for m in self.measures if m not in skip and rec.get(m) is None]
+        if self._undefined_warned or not missing:
+            return
+        self._undefined_warned = True
+        reasons = "; ".join(why) if why else (
+            "an all-zero spectrum (constant features), fewer than two eigenvalues above the rank cut for "
+            "alpha_req, fewer than two classes for NC2, or no linear head's weights for nc3")
+        warnings.warn(f"richness.Monitor: {', '.join(missing)} undefined at step {rec['step']}, recorded as None "
+                      f"({reasons}); later such records are not warned about", UserWarning, stacklevel=4)
+
     def _dispatch(self, rec: dict) -> None:
         self.history.append(rec)
         for sink in self._sinks:
             sink(rec)
 
-    def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, eff: Any, mode: str, dlr_range: Any = None,
-                weights: bool = False) -> dict:
-        return {"step": self._step_label(), "mode": mode, "n": int(n), "dlr": _num(dlr),
-                "rank": None if rank is None else int(rank), "nc1": _num(nc1), "effective_dim": _num(eff),
-                "time": round(time.time() - self._t0, 6),
-                "dlr_rtol_range": None if dlr_range is None else [_num(d) for d in dlr_range],
-                "dlr_from": "weights" if weights else "outputs"}
+    def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, extra: dict, eff: Any, mode: str,
+                dlr_range: Any = None, weights: bool = False) -> dict:
+        """A record: ``extra`` holds the representation diagnostics by name
+        (and the effective dimension where they came with the eigenvalues)."""
+        eff = extra.get("effective_dim", eff)
+        rec = {"step": self._step_label(), "mode": mode, "n": int(n), "dlr": _num(dlr),
+               "rank": None if rank is None else int(rank), "nc1": _num(nc1), "effective_dim": _num(eff)}
+        rec.update({name: _num(extra.get(name)) for name in RECORD_MEASURES})
+        rec.update(time=round(time.time() - self._t0, 6),
+                   dlr_rtol_range=None if dlr_range is None else [_num(d) for d in dlr_range],
+                   dlr_from="weights" if weights else "outputs")
+        return rec
 
     def _emit_window(self) -> Optional[dict]:
         if self._deferred:  # the record comes from the group, at most `lag` steps later
@@ -409,14 +473,20 @@ class Monitor:
             return None
         self.flush()  # queued records first: history stays in step order
         try:
+            import torch
+
             head = self._head if self._uses_weights() else None
-            values = self._window_route.finish(self._threads, self.distributed, self.rtol, head)
+            linear = self._head if isinstance(self._head, torch.nn.Linear) else None
+            values = self._window_route.finish(self._threads, self.distributed, self.rtol, head,
+                                               self.measures, linear)
         finally:
             self._window_labels = None
         if values is None:
             return None
-        n, dlr, rank, nc1, dlr_range = values
-        return self._record(n, dlr, rank, nc1, None, "window", dlr_range, head is not None)
+        n, dlr, rank, nc1, dlr_range, extra = values
+        rec = self._record(n, dlr, rank, nc1, extra, None, "window", dlr_range, head is not None)
+        self._warn_undefined(rec, extra.get("warnings"))
+        return rec
 
     def _emit_probe(self) -> Optional[dict]:
         import torch
@@ -430,9 +500,10 @@ class Monitor:
         try:
             rep = moments.compute(head=head if isinstance(head, torch.nn.Linear) else None, rtol=self.rtol)
         except ValueError:
-            return self._record(moments.n, None, None, None, None, "probe")
-        return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, rep.effective_dim, "probe", rep.dlr_rtol_range,
-                            isinstance(head, torch.nn.Linear))
+            return self._record(moments.n, None, None, None, {}, None, "probe")
+        extra = {name: getattr(rep, name) for name in RECORD_MEASURES}  # the full report has them all
+        return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, extra, rep.effective_dim, "probe",
+                            rep.dlr_rtol_range, isinstance(head, torch.nn.Linear))
 
     # -- lifetime -------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from .._backend import centered_grams
 from .capture import _StepBuffer
 from ..model.threads import BlasThreads
 from ..finish import GramRows, check_rtol, finish_gram_rows, rtol_for
+from ..finish.diagnostics import measures_of_gram_rows
 
 
 @contextlib.contextmanager
@@ -58,11 +59,12 @@ class _BatchGroup(_StepBuffer):
     reduction (Python, kernel launches, cold caches after the training step)
     are paid once per group."""
 
-    def __init__(self, parts: Dict[str, Any], lag: int, classes: int) -> None:
+    def __init__(self, parts: Dict[str, Any], lag: int, classes: int, eig: bool = False) -> None:
         super().__init__(parts, lag)
         self.lag = lag
-        feats, outs = parts["features"], parts["outputs"]
-        self.x, self.f, self.y = self.bufs["features"], self.bufs["outputs"], self.bufs.get("labels")
+        feats, outs = parts["features"], parts.get("outputs")  # no outputs: a features-only Monitor
+        self.x, self.f, self.y = self.bufs["features"], self.bufs.get("outputs"), self.bufs.get("labels")
+        self.eig = eig  # the Gram's eigenvalues too (representation diagnostics)
         self.classes = classes
         # NC1 needs only the classes present in a batch, at most n of them: with
         # more classes than samples (ImageNet's 1,000 and a batch of 256) each
@@ -70,7 +72,8 @@ class _BatchGroup(_StepBuffer):
         # n x n (a 1,000-class k x k pair is 16 MB a step, and its host eigh
         # costs more than the training step).
         self.label_cols = min(classes, int(feats.shape[0]))
-        self.sample_space = int(outs.shape[1]) > int(feats.shape[0])  # more outputs than samples: n x n forms
+        # more outputs than samples: n x n forms
+        self.sample_space = outs is not None and int(outs.shape[1]) > int(feats.shape[0])
         self.grams: Any = None  # reduction scratch, made on the first reduce
         self.centered: Any = None
 
@@ -102,6 +105,11 @@ class _BatchGroup(_StepBuffer):
         j = len(self.metas)
         finite = _to_unit_spread(self.x[:j])  # in place: the buffer is cleared after the reduction
         G, norm_m = self._grams(j, prec, pdt, threads, core)  # steps x n x n
+        # G's eigenvalues are M's nonzero ones (docs/MATH.md, representation diagnostics)
+        # (in the product precision: below fp32's cut of 1e-5 lambda_1 they are cut anyway)
+        eig = torch.linalg.eigvalsh(G).to(f64).flip(-1).clamp_(min=0.0) if self.eig else None
+        if self.f is None:  # features only: a non-finite step is marked as below
+            return GramRows(torch.where(finite, norm_m, torch.nan), None, None, eig=eig).pack()
         F64 = self.f[:j].to(f64, copy=True)
         Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
         finite &= _to_unit_spread(Fc64)
@@ -124,7 +132,7 @@ class _BatchGroup(_StepBuffer):
         if not self.sample_space:
             c = int(Fc.shape[2])
             Q = W[:, :c, :c]
-        rows = GramRows(norm_m, A, Q)
+        rows = GramRows(norm_m, A, Q, eig=eig)
         if labels:
             off = 0 if self.sample_space else c
             E = H[:, :, off:]  # Xc D^T
@@ -222,8 +230,9 @@ class OneBatchRoute:
     rows)`` finishes and emits a reduced group's records."""
 
     def __init__(self, lag: Optional[int], precision: Optional[str], rtol: Optional[float],
-                 finish_records: Callable[[tuple, np.ndarray], None]) -> None:
+                 finish_records: Callable[[tuple, np.ndarray], None], eig: bool = False) -> None:
         self.lag, self.precision, self.rtol = lag, precision, check_rtol(rtol)
+        self.eig = eig  # reduce the Grams' eigenvalues too (spectral representation diagnostics)
         self.finish_records = finish_records
         self.group: Optional[_BatchGroup] = None
         self.inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
@@ -234,7 +243,9 @@ class OneBatchRoute:
         """Queue one step; a step that does not fit the group reduces the group first."""
         import torch
 
-        parts = {"features": feats, "outputs": outs}
+        parts = {"features": feats}
+        if outs is not None:
+            parts["outputs"] = outs
         if labels is not None:
             parts["labels"] = labels
         g = self.group
@@ -246,7 +257,7 @@ class OneBatchRoute:
                 self.classes = (head.out_features if isinstance(head, torch.nn.Linear)
                                 else int(labels.max()) + 1)  # one sync, on the first group only
             lag = self.lag if self.lag is not None else (16 if feats.device.type == "cpu" else 64)
-            g = self.group = _BatchGroup(parts, lag, self.classes or 0)
+            g = self.group = _BatchGroup(parts, lag, self.classes or 0, self.eig)
         g.add(parts, meta)
 
     def due(self, step: int) -> bool:
@@ -266,14 +277,14 @@ class OneBatchRoute:
         if g is None or not g.metas:
             return
         x, f = g.x, g.f
-        all64 = x.dtype == torch.float64 and f.dtype == torch.float64
+        all64 = x.dtype == torch.float64 and (f is None or f.dtype == torch.float64)
         prec = self.precision or ("fp64" if all64 else "fp32")
         rtol = rtol_for(prec, self.rtol)
         try:
             packed = g.reduce(prec, threads, core_route(x))
             n = int(x.shape[1])
-            meta = (list(g.metas), n, n if g.sample_space else int(f.shape[2]),
-                    g.label_cols if g.y is not None else 0, rtol, g.sample_space)
+            meta = (list(g.metas), n, n if g.sample_space else (0 if f is None else int(f.shape[2])),
+                    g.label_cols if g.y is not None else 0, rtol, g.sample_space, n if g.eig else 0)
         finally:
             g.clear()  # the buffers are reused by the next group (same stream: ordered)
         if packed.device.type == "cuda":
@@ -296,10 +307,18 @@ class OneBatchRoute:
             self.finish_records(meta, host.numpy())
 
 
-def finish_group(v: np.ndarray, n: int, c: int, k: int, rtol: float, sample_space: bool) -> tuple:
+def finish_group(v: np.ndarray, n: int, c: int, k: int, rtol: float, sample_space: bool, e: int = 0,
+                 measures: tuple = ()) -> tuple:
     """DLR, rank and NC1 of each row of ``_BatchGroup.reduce`` (float64, host):
-    three lists, None where a value is undefined (``finish_gram_rows``).
-    ``c`` is the side of A and Q (C, or n in sample space); ``k`` the class
-    columns (the classes, or n when renumbered within each step; 0 without
-    labels)."""
-    return finish_gram_rows(GramRows.unpack(v, c, k), n, rtol, sample_space)
+    three lists, None where a value is undefined (``finish_gram_rows``; all
+    None without outputs, c = 0), and a dict of the representation
+    diagnostics in ``measures`` (and the effective dimension, with the ``e``
+    eigenvalues of each Gram), lists by name. ``c`` is the side of A and Q
+    (C, or n in sample space); ``k`` the class columns (the classes, or n
+    when renumbered within each step; 0 without labels)."""
+    rows = GramRows.unpack(v, c, k, e)
+    extra = measures_of_gram_rows(rows, rtol, measures)
+    if c == 0:
+        none = [None] * int(v.shape[0])
+        return none, none, none, extra
+    return finish_gram_rows(rows, n, rtol, sample_space) + (extra,)

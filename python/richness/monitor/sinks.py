@@ -10,9 +10,11 @@ from typing import Any, Callable
 
 from .._optional import require_mlflow, require_wandb
 
-FIELDS = ("step", "mode", "n", "dlr", "rank", "nc1", "effective_dim", "time")
+# the representation diagnostics (richness.finish.MEASURES), None in a record unless measured
+_MEASURES = ("rankme", "alpha_req", "participation_ratio", "nc2_equinorm", "nc2_equiangle", "nc3")
+FIELDS = ("step", "mode", "n", "dlr", "rank", "nc1", "effective_dim") + _MEASURES + ("time",)
 # the numbers a record sends to a tracker (Lightning's loggers, Hugging Face's Trainer, W&B, MLflow)
-SCALARS = ("dlr", "nc1", "effective_dim", "rank", "n")
+SCALARS = ("dlr", "nc1", "effective_dim", "rank", "n") + _MEASURES
 
 
 def scalars(rec: dict, prefix: str) -> dict:
@@ -54,7 +56,7 @@ class _TensorBoardSink:
         self.writer, self.prefix = writer, prefix
 
     def __call__(self, rec: dict) -> None:
-        for key in ("dlr", "nc1", "effective_dim"):
+        for key in ("dlr", "nc1", "effective_dim") + _MEASURES:
             v = rec.get(key)
             if v is not None:
                 self.writer.add_scalar(f"{self.prefix}/{key}", v, rec["step"])

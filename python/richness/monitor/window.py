@@ -9,7 +9,8 @@ import numpy as np
 from .._moments import Moments
 from .capture import _StepBuffer
 from ..model.threads import BlasThreads
-from ..finish import dlr_only, too_few_samples
+from ..finish import dlr_only, rtol_for, too_few_samples
+from ..finish.diagnostics import measure_values
 
 
 class WindowRoute:
@@ -47,10 +48,14 @@ class WindowRoute:
             w.clear()
 
     def finish(self, threads: BlasThreads, distributed: bool, rtol: Optional[float],
-               head: Any = None) -> Optional[tuple]:
-        """(n, DLR, rank, NC1, DLR at rtol / 10 and rtol * 10) of the window, None below 2 samples; the Moments
-        are empty after. ``head``: a linear head whose weights DLR uses instead
-        of the streamed outputs (C > p; docs/MATH.md, many outputs)."""
+               head: Any = None, measures: tuple = (), nc3_head: Any = None) -> Optional[tuple]:
+        """(n, DLR, rank, NC1, DLR at rtol / 10 and rtol * 10, diagnostics) of
+        the window, None below 2 samples; the Moments are empty after.
+        ``head``: a linear head whose weights DLR uses instead of the streamed
+        outputs (C > p; docs/MATH.md, many outputs). ``measures``: the
+        representation diagnostics to add (a dict by name, with the effective
+        dimension when a spectral one is asked; NC3 from ``nc3_head``'s
+        weights, a linear head)."""
         import torch
 
         m = self.moments
@@ -66,7 +71,14 @@ class WindowRoute:
             # uses, instead of waking numpy's BLAS threads every emission.
             st = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in st.items()}
             W = None if head is None else head.weight.detach().to("cpu", torch.float64)
-            q = dlr_only(st, W, rtol)  # None where undefined (constant features or outputs)
-            return q.n, q.dlr, q.rank, q.nc1, q.dlr_range
+            q = dlr_only(st, W, rtol)  # None where undefined (constant features or outputs, no outputs)
+            extra: dict = {}
+            if measures:
+                W3 = None if nc3_head is None else nc3_head.weight.detach().to("cpu", torch.float64)
+                # float32 eigenvalues for float32 products (their cut is 1e-5): the emission's main cost
+                extra, why = measure_values(st, W3, rtol_for(st["precision"], rtol), measures,
+                                            single=st["precision"] != "fp64")
+                extra["warnings"] = why  # why a value is None, for the Monitor's warning
+            return q.n, q.dlr, q.rank, q.nc1, q.dlr_range, extra
         finally:
             m.reset()

@@ -36,6 +36,13 @@ class DLR(Metric):
             an ``nn.Linear`` has its outputs streamed from ``preds``.
         precision: precision of the products (``Moments``).
         rtol: eigenvalue cut (default by precision).
+        measures: representation diagnostics to return beside DLR (names from
+            ``richness.finish.MEASURES``, or ``"all"``: RankMe, alpha-ReQ,
+            participation ratio, NC2 with labels, NC3 with a linear head).
+            Then ``compute`` and ``forward`` return a dict of float64 scalar
+            tensors, ``{"dlr": ..., "rankme": ..., ...}`` (nan where a value is
+            undefined); each spectral one costs a p x p eigenvalue
+            decomposition. Default None: DLR alone, as a tensor.
         **kwargs: torchmetrics ``Metric`` options.
 
     ``update(preds, target=None, features=None)``: ``preds`` the outputs
@@ -71,8 +78,9 @@ class DLR(Metric):
     plot_upper_bound = 1.0
 
     def __init__(self, num_classes: Optional[int] = None, *, head: Any = None, precision: Optional[str] = None,
-                 rtol: Optional[float] = None, **kwargs: Any) -> None:
+                 rtol: Optional[float] = None, measures: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.measures = _finish.check_measures(measures)
         Moments(num_classes, precision=precision)  # validates the arguments
         self.num_classes, self.precision, self.rtol = num_classes, precision, _finish.check_rtol(rtol)
         # a plain attribute, not a registered submodule: the head belongs to the model
@@ -238,7 +246,7 @@ class DLR(Metric):
                                         "HINT: Did you forget to call ``unsync`` ?.")
         args_in = self._batch(*args, **kwargs)
         feats = _adapt.as_matrix(args_in["features"], "features")
-        if (feats.device == "cpu" and 2 <= feats.rows < feats.cols
+        if (feats.device == "cpu" and 2 <= feats.rows < feats.cols and not self.measures
                 and not (self.dist_sync_on_step and self.distributed_available_fn())):
             W = self._head_weights(feats.cols) if self._uses_weights else None
             self.update(*args, **kwargs)  # validates: a bad batch raises here and changes nothing
@@ -315,9 +323,21 @@ class DLR(Metric):
         nan with a warning where it is undefined."""
         W = None if _finish.too_few_samples(int(st["n"])) else self._weights(st)
         q = _finish.dlr_only(st, W, self.rtol, with_nc1=False)
+        if self.measures:
+            return self._with_measures(st, W, q)
         if q.dlr is None:
             return self._undefined(q.undefined or "")
         return torch.tensor(q.dlr, dtype=torch.float64, device=self.device)
+
+    def _with_measures(self, st: dict, W: Any, q: Any) -> dict:
+        """``{"dlr": ..., measure: ...}`` as float64 scalar tensors, nan where undefined."""
+        values: dict = {}
+        if _finish.too_few_samples(int(st["n"])) is None:
+            values = _finish.measure_values(st, W, _finish.rtol_for(st["precision"], self.rtol), self.measures)[0]
+        out = {"dlr": q.dlr}
+        out.update({name: values.get(name) for name in self.measures})
+        return {k: torch.tensor(math.nan if v is None else float(v), dtype=torch.float64, device=self.device)
+                for k, v in out.items()}
 
     def _head_weights(self, p: int) -> np.ndarray:
         """The head's weight W (C x p) now, checked against the feature width."""
