@@ -90,7 +90,8 @@ class RichnessCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._trainer = trainer
         distributed = self.distributed if self.distributed is not None else trainer.world_size > 1
-        extra = [] if self.sinks is None else (list(self.sinks) if isinstance(self.sinks, (list, tuple)) else [self.sinks])
+        sinks = self.sinks
+        extra = [] if sinks is None else (list(sinks) if isinstance(sinks, (list, tuple)) else [sinks])
         self.monitor = Monitor(pl_module, self.head, every=self.every, window=self.window, probe=self.probe,
                                log=[self._to_loggers] + extra, prefix=self.prefix, distributed=distributed,
                                first_step=trainer.global_step, **self.options)

@@ -90,8 +90,8 @@ def curves(reports: Union[Report, Mapping[str, Report]], prefix: "str | os.PathL
         if ax.lines:
             ax.legend(fontsize=8, loc="upper left")
         else:
-            ax.text(0.5, 0.5, "not available\n(no labels/targets)" if ax is ax_q else "not available\n(no outputs/head)",
-                    ha="center", va="center", transform=ax.transAxes, color="gray")
+            missing = "not available\n(no labels/targets)" if ax is ax_q else "not available\n(no outputs/head)"
+            ax.text(0.5, 0.5, missing, ha="center", va="center", transform=ax.transAxes, color="gray")
     ax_r.set_xscale("log")
     ax_r.set_yscale("log")
     ax_r.set_xlabel("k")

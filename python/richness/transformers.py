@@ -150,7 +150,8 @@ class RichnessCallback(TrainerCallback):
         self._label_name = names[0] if len(names) == 1 else None  # NC1 needs one class label per row
         distributed = self.distributed if self.distributed is not None else args.world_size > 1
         # records carry the Trainer's global_step after their optimizer step (as its own loss logs do)
-        self.monitor = Monitor(model, self.head, every=self.every, window=self.window, log=[self._to_trainer, self.sinks],
+        self.monitor = Monitor(model, self.head, every=self.every, window=self.window,
+                               log=[self._to_trainer, self.sinks],
                                prefix=self.prefix, distributed=distributed, first_step=state.global_step + 1,
                                tokens=self._tokens, **self.options)
         # a ModelHook: a deep-copied or saved model carries an inert hook, not this callback

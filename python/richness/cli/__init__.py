@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Stream arrays from .npy, .npz, .safetensors, .pt (torch.load, weights only), "
                                    ".h5/.hdf5 (h5py) or .parquet (pyarrow) files (FILE or FILE:KEY) in chunks. A "
                                    "bundle (any but .npy) with arrays named features, outputs, labels, targets "
-                                   "supplies them all. Parquet: one sample per row, vectors as list columns. Every array "
+                                   "supplies them all. Parquet: one sample per row, vectors as list columns. "
+                                   "Every array "
                                    "argument also takes a quoted glob or a directory (its files, of one format): "
                                    "shards read in sorted order and paired by position across the arguments.")
     e.add_argument("features", help="features (samples x p): FILE or FILE:KEY, a bundle, or shards ('DIR/*.npy', DIR)")

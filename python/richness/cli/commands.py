@@ -268,8 +268,8 @@ def plot_cmd(args: argparse.Namespace) -> int:
                 raise UserError(f"{path}: unknown input; give a saved state (.npz) or a Monitor log (.jsonl/.csv)")
     except ValueError as e:
         msg = str(e)
-        raise UserError(msg if msg.startswith(path) or (args.test and msg.startswith(args.test)) else f"{path}: {msg}") \
-            from None
+        own = msg.startswith(path) or (args.test and msg.startswith(args.test))
+        raise UserError(msg if own else f"{path}: {msg}") from None
     for w in caught:  # one line each, as every message of the command line
         log.warning("warning: %s%s", "" if str(w.message).startswith(path) else f"{path}: ", w.message)
     for p in paths:

@@ -87,7 +87,8 @@ def check_tokens(tokens: Any) -> None:
         if tokens not in ("all", "last"):
             raise ValueError(f"tokens must be 'all', 'last', a boolean mask or a callable, got {tokens!r}")
     elif not (callable(tokens) or isinstance(tokens, torch.Tensor)):
-        raise TypeError(f"tokens must be 'all', 'last', a boolean mask tensor or a callable, got {type(tokens).__name__}")
+        raise TypeError("tokens must be 'all', 'last', a boolean mask tensor or a callable, "
+                        f"got {type(tokens).__name__}")
     elif isinstance(tokens, torch.Tensor) and tokens.dtype != torch.bool:
         raise TypeError(f"a tokens mask must be a boolean tensor, got dtype {tokens.dtype}")
 
@@ -134,7 +135,8 @@ def select_rows(feats: Any, outs: Any, labels: Any, *, tokens: TokensSpec, batch
         if mask.ndim == 1 and mask.shape[0] == T:
             mask = mask.expand(b, T)
         if tuple(mask.shape) != (b, T):
-            raise ValueError(f"tokens mask has shape {tuple(mask.shape)}, the head input has (batch, tokens) = {(b, T)}")
+            raise ValueError(f"tokens mask has shape {tuple(mask.shape)}, "
+                             f"the head input has (batch, tokens) = {(b, T)}")
     if attention_mask is not None and tuple(attention_mask.shape) == (b, T):
         # padding is never counted, whatever else selects the positions
         pad = attention_mask.to(feats.device).bool()
