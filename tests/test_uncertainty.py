@@ -166,7 +166,7 @@ def test_isotropic_reference_matches_monte_carlo(p, C, n):
 
 
 def test_spec_finite_sample_values():
-    # SPEC.md, "Finite samples": p = 512, C = 10, isotropic: 0.686 at n = 128,
+    # docs/MATH.md, "Finite-sample bias and the isotropic reference": p = 512, C = 10, isotropic: 0.686 at n = 128,
     # 0.844 at n = 2048, 0.860 in the limit.
     from richness.finish import isotropic_dlr
 
@@ -179,7 +179,7 @@ def test_normalized_dlr_is_near_zero_for_collapse():
     rng = np.random.default_rng(4)
     K, p = 5, 40
     Q, _ = np.linalg.qr(rng.normal(size=(p, K)))
-    means = 5 * (np.eye(K) - 1.0 / K) @ Q.T  # simplex ETF: SPEC's DLR = 0 case
+    means = 5 * (np.eye(K) - 1.0 / K) @ Q.T  # simplex ETF: the DLR = 0 case of docs/MATH.md
     y = np.repeat(np.arange(K), 400)
     X = means[y] + 0.01 * rng.normal(size=(len(y), p))
     W = means - means.mean(0)
