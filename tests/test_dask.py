@@ -19,7 +19,7 @@ cloudpickle = pytest.importorskip("cloudpickle")
 
 import richness  # noqa: E402
 import richness.dask as rd  # noqa: E402
-from reference import dlr_naive, nc1_naive  # noqa: E402
+from reference import cka_debiased_naive, cka_naive, dlr_naive, nc1_naive  # noqa: E402
 
 ROWS, P, C, T = 2400, 16, 5, 2
 STEP = 200  # rows per chunk: 12 chunks
@@ -216,3 +216,48 @@ def test_a_chunk_that_keeps_killing_workers_is_a_clear_error(client):
     finally:
         scheduler.allowed_failures = old
     client.wait_for_workers(2, timeout=60)
+
+
+def check_similarity(s, arrays):
+    names = list(arrays)
+    assert s.n == arrays[names[0]].shape[0] and s.names == names
+    rep = s.compute()
+    for i, a in enumerate(names):
+        for j, b in enumerate(names):
+            assert abs(rep.cka[i, j] - cka_naive(arrays[a], arrays[b])) < 1e-10
+            assert abs(rep.cka_debiased[i, j] - cka_debiased_naive(arrays[a], arrays[b])) < 1e-10
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "processes"])
+def test_similarity_on_local_schedulers_equals_the_reference(scheduler):
+    X, F, _, Y = full(6)
+    arrays = {"x": X + 1e3, "f": F, "y": np.tanh(Y)}   # a large offset: the chunks' shifts differ
+    with dask.config.set(scheduler=scheduler):
+        s = rd.similarity({k: da.from_array(v, chunks=(STEP, -1)) for k, v in arrays.items()}, split_every=2)
+    check_similarity(s, arrays)
+
+
+def test_similarity_on_the_local_cluster_uses_both_workers(client):
+    features, outputs, _, targets = as_dask(12, delay=0.05)
+    with distributed.get_task_stream(client) as ts:
+        s = rd.similarity({"features": features, "outputs": outputs, "targets": targets}, split_every=3,
+                          chunks_per_task=2)
+    X, F, _, Y = full(12)
+    check_similarity(s, {"features": X, "outputs": F, "targets": Y})
+    workers = {t["worker"] for t in ts.data if "_similarity_chunk" in str(t["key"])}
+    assert len(workers) == 2
+
+
+def test_similarity_refusals_before_any_work():
+    x = da.zeros((400, 3), chunks=(200, -1))
+    with pytest.raises(ValueError, match=r"b has row chunks .* a \(200, 200\) \(400 rows\)"):
+        rd.similarity({"a": x, "b": da.zeros((400, 2), chunks=(100, -1))})
+    with pytest.raises(TypeError, match="non-empty mapping"):
+        rd.similarity({})
+    with pytest.raises(TypeError, match="must be a dask array"):
+        rd.similarity({"a": x, "b": np.zeros((400, 2))})
+    bad = np.zeros((400, 2))
+    bad[250, 1] = np.nan
+    with pytest.raises(ValueError, match=r"rows 200..399: .*'b' contains 1 NaN"):
+        with dask.config.set(scheduler="sync"):
+            rd.similarity({"a": x, "b": da.from_array(bad, chunks=(200, -1))})

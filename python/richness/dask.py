@@ -28,13 +28,16 @@ Recipes (``import dask, dask.array as da, numpy as np``)::
     features = da.concatenate([da.from_delayed(dask.delayed(np.load)(p, mmap_mode="r"), h.shape, h.dtype)
                                for p, h in zip(paths, heads)])
 
+``similarity({"a": xa, "b": xb, ...})`` is the same reduction for the
+``Similarity`` state (exact CKA between representations of the same rows).
+
 Other engines (Ray Data's ``AggregateFnV2``, Spark's ``treeAggregate``) carry
 the same state dicts and merge: README.md, "Data bigger than one machine".
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -55,11 +58,12 @@ def _short(chunks: Sequence) -> str:
                                       f"{len(c)} chunks)"
 
 
-def _checked(features: Any, others: dict) -> List[Optional[Any]]:
-    """The arrays, checked for kind, dtype, shape and chunks (no data read)."""
+def _checked(features: Any, others: dict, first: str = "features") -> List[Optional[Any]]:
+    """The arrays, checked for kind, dtype, shape and chunks (no data read);
+    ``features`` (named ``first``) sets the row chunks the others must share."""
     da = _da()
     out = []
-    for name, x, ndims, kinds in (("features", features, (2,), "f"),) + tuple(
+    for name, x, ndims, kinds in ((first, features, (2,), "f"),) + tuple(
             (n, x, nd, k) for n, (x, nd, k) in others.items()):
         if x is None:
             out.append(None)
@@ -77,10 +81,10 @@ def _checked(features: Any, others: dict) -> List[Optional[Any]]:
         if x.ndim == 2 and len(x.chunks[1]) != 1:
             raise ValueError(f"{name} is chunked along its columns too (column chunks {_short(x.chunks[1])}); "
                              f"chunk along rows only: {name}.rechunk({{1: -1}})")
-        if name != "features" and x.chunks[0] != features.chunks[0]:
-            raise ValueError(f"{name} has row chunks {_short(x.chunks[0])} ({x.shape[0]} rows), the features "
+        if name != first and x.chunks[0] != features.chunks[0]:
+            raise ValueError(f"{name} has row chunks {_short(x.chunks[0])} ({x.shape[0]} rows), {first} "
                              f"{_short(features.chunks[0])} ({features.shape[0]} rows); chunk them alike: "
-                             f"{name}.rechunk({{0: features.chunks[0]}})")
+                             f"{name}.rechunk({{0: {first}.chunks[0]}})")
         out.append(x)
     return out
 
@@ -100,9 +104,33 @@ def _chunk(start: int, blocks: list, num_classes, precision) -> dict:
     return m.state_dict()
 
 
+def _similarity_chunk(start: int, names: List[str], blocks: list, precision) -> dict:
+    """The similarity state of consecutive row chunks (each a tuple of the
+    representations' blocks, in ``names`` order), on the worker that holds them."""
+    from ._similarity import Similarity
+
+    s = Similarity(precision=precision)
+    for block in blocks:
+        rows = block[0].shape[0]
+        if rows:
+            try:
+                s.update(dict(zip(names, block)))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"rows {start}..{start + rows - 1}: {e}") from None
+        start += rows
+    return s.state_dict()
+
+
 def _combine(kind: str, states: List[dict]) -> dict:
     """Several states merged into one, by the kind's own merge."""
     return _kinds.merge_dicts(kind, states)
+
+
+def _per_task(chunks_per_task: Any) -> int:
+    if (isinstance(chunks_per_task, (bool, np.bool_)) or not isinstance(chunks_per_task, (int, np.integer))
+            or chunks_per_task < 1):
+        raise ValueError(f"chunks_per_task must be a positive integer, got {chunks_per_task!r}")
+    return int(chunks_per_task)
 
 
 def _tree(kind: str, states: list, split_every: Optional[int]):
@@ -146,15 +174,12 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
     import dask
 
     Moments(num_classes, precision=precision)  # the options are checked before any work
-    if (isinstance(chunks_per_task, (bool, np.bool_)) or not isinstance(chunks_per_task, (int, np.integer))
-            or chunks_per_task < 1):
-        raise ValueError(f"chunks_per_task must be a positive integer, got {chunks_per_task!r}")
+    per = _per_task(chunks_per_task)
     arrays = _checked(features, {"outputs": (outputs, (1, 2), "f"), "labels": (labels, (1,), "iu"),
                                  "targets": (targets, (1, 2), "f")})
     blocks = [None if x is None else x.to_delayed().ravel() for x in arrays]
     chunk = dask.delayed(_chunk, pure=True)
     starts = np.concatenate([[0], np.cumsum(features.chunks[0])[:-1]]).astype(int)
-    per = int(chunks_per_task)
     states = [chunk(int(starts[i]), [tuple(None if b is None else b[j] for b in blocks)
                                      for j in range(i, min(i + per, len(starts)))], num_classes, precision)
               for i in range(0, len(starts), per)]
@@ -166,3 +191,48 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
         raise RuntimeError(f"the reduction returned a state of {m.n} samples for {rows} rows: a partial result, "
                            "refused")
     return m
+
+
+def similarity(representations: Mapping[str, Any], *, precision: Optional[str] = None,
+               split_every: Optional[int] = None, chunks_per_task: int = 1) -> Any:
+    """The ``Similarity`` (exact linear CKA, both estimators) of named dask
+    arrays of the same rows, computed on the active scheduler.
+
+    Args:
+        representations: name -> (n, width) floats, chunked along rows only,
+            every array with the first one's row chunks (at least one).
+        precision, split_every, chunks_per_task: as for ``Similarity`` and
+            ``moments``.
+
+    The same tree as ``moments``: a ``Similarity`` per group of row chunks on
+    the worker that holds them, returned as its ``state_dict()``, merged by
+    ``Similarity.merge`` (which re-expresses states taken at different
+    shifts exactly), the sample count checked against the rows.
+    """
+    import dask
+
+    from ._similarity import Similarity
+
+    Similarity(precision=precision)  # the option is checked before any work
+    per = _per_task(chunks_per_task)
+    if not isinstance(representations, Mapping) or not representations:
+        raise TypeError("representations must be a non-empty mapping name -> dask array, got "
+                        f"{type(representations).__name__}")
+    names = [str(k) for k in representations]
+    values = list(representations.values())
+    arrays = _checked(values[0], {n: (x, (2,), "f") for n, x in zip(names[1:], values[1:])}, first=names[0])
+    blocks = [x.to_delayed().ravel() for x in arrays]
+    chunk = dask.delayed(_similarity_chunk, pure=True)
+    starts = np.concatenate([[0], np.cumsum(arrays[0].chunks[0])[:-1]]).astype(int)
+    states = [chunk(int(starts[i]), names, [tuple(b[j] for b in blocks) for j in range(i, min(i + per, len(starts)))],
+                    precision)
+              for i in range(0, len(starts), per)]
+    (state,) = dask.compute(_tree("similarity", states, split_every))
+    s = Similarity(precision=precision)
+    s.load_state_dict(state)
+    rows = int(arrays[0].shape[0])
+    if s.n != rows:
+        raise RuntimeError(f"the reduction returned a state of {s.n} samples for {rows} rows: a partial result, "
+                           "refused")
+    return s
+
