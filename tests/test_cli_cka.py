@@ -87,3 +87,31 @@ def test_richness_merge_of_similarity_states(tmp_path, capsys):
     other.save(tmp_path / "o.npz")
     assert main(["merge", str(tmp_path / "x.npz"), str(halves[0]), str(tmp_path / "o.npz")]) == 2
     assert "different representations" in capsys.readouterr().err and not (tmp_path / "x.npz").exists()
+
+
+def test_cka_shards_equal_the_whole_and_the_oracle(tmp_path, capsys):
+    a, b, _ = data(n=210, offset=50.0)
+    (tmp_path / "b").mkdir()
+    for i, (lo, hi) in enumerate([(0, 70), (70, 71), (71, 210)]):   # uneven, one a single row
+        np.save(tmp_path / f"a-{i:05d}.npy", a[lo:hi])
+        np.save(tmp_path / "b" / f"part-{i}.npy", b[lo:hi])
+    args = ["cka", str(tmp_path / "a-*.npy"), str(tmp_path / "b"), "--json", "--chunk", "16", "--no-progress"]
+    assert main(args) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["n"] == 210 and rep["names"] == [str(tmp_path / "a-*.npy"), str(tmp_path / "b")]
+    assert rep["cka"][0][1] == pytest.approx(cka_naive(a, b), abs=1e-9)
+    assert rep["cka_debiased"][0][1] == pytest.approx(cka_debiased_naive(a, b), abs=1e-9)
+
+
+def test_cka_shard_refusals_are_one_line(tmp_path, capsys):
+    a, b, _ = data(n=60)
+    for i in range(2):
+        np.save(tmp_path / f"a-{i}.npy", a[30 * i:30 * (i + 1)])
+    np.save(tmp_path / "b-0.npy", b)
+    assert main(["cka", str(tmp_path / "a-*.npy"), str(tmp_path / "b-*.npy"), "--no-progress"]) == 2
+    assert "different numbers of files" in capsys.readouterr().err
+    np.save(tmp_path / "b-0.npy", b[:30])
+    np.save(tmp_path / "b-1.npy", b[30:, :2])
+    assert main(["cka", str(tmp_path / "a-*.npy"), str(tmp_path / "b-*.npy"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "b-1.npy: width 2, but shard 1" in err

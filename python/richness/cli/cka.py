@@ -13,6 +13,7 @@ from .. import _io
 from . import UserError
 from .commands import _CHUNK_BYTES, _bar
 from .readers import ArrayFile
+from .shards import expand
 
 
 def _open(spec: str) -> ArrayFile:
@@ -25,33 +26,65 @@ def _open(spec: str) -> ArrayFile:
     return f
 
 
+def _shards(specs: list) -> list:
+    """Each representation's shards (``shards.expand``: a file, a quoted glob or a
+    directory), as lists of one length: shard i of every representation holds
+    the same samples."""
+    lists = [expand(spec) for spec in specs]
+    counts = {spec: len(files) for spec, files in zip(specs, lists)}
+    if len(set(counts.values())) > 1:
+        raise UserError("the representations come in different numbers of files (shards are paired by "
+                        f"position): {counts}")
+    return lists
+
+
 def cka_cmd(args: argparse.Namespace) -> int:
     from .._similarity import Similarity
 
     if len(set(args.inputs)) != len(args.inputs):
         raise UserError(f"the same representation is given twice: {args.inputs}")
-    files = [_open(spec) for spec in args.inputs]
-    rows = {f.label: f.rows for f in files}
-    if len(set(rows.values())) > 1:
-        raise UserError(f"the representations hold different numbers of samples: {rows}")
-    n = files[0].rows
-    P = sum(f.shape[1] for f in files) + len(files)
-    chunk = max(1, min(args.chunk, _CHUNK_BYTES // max(sum(f.row_bytes() for f in files), 1)))
+    lists = _shards(args.inputs)
+    # Every shard is opened and checked before any data is read: the same
+    # widths as shard 1, the same rows across the representations of a shard.
+    shards = []
+    for i in range(len(lists[0])):
+        files = [_open(files[i]) for files in lists]
+        rows = {f.label: f.rows for f in files}
+        if len(set(rows.values())) > 1:
+            raise UserError(f"the representations hold different numbers of samples: {rows}")
+        if shards:
+            for f, (label, _, width, _) in zip(files, shards[0]):
+                if f.shape[1] != width:
+                    raise UserError(f"{f.label}: width {f.shape[1]}, but shard 1 ({label}) has width {width}")
+        shards.append([(f.label, f.rows, f.shape[1], f.row_bytes()) for f in files])
+        for f in files:  # reopened when read: thousands of shards need no descriptors meanwhile
+            f.close()
+    first = shards[0]
+    names = [label if len(files) == 1 else spec for (label, *_), files, spec in zip(first, lists, args.inputs)]
+    n = sum(shard[0][1] for shard in shards)
+    P = sum(width for _, _, width, _ in first) + len(first)
+    chunk = max(1, min(args.chunk, _CHUNK_BYTES // max(sum(nbytes for *_, nbytes in first), 1)))
     _io.check_memory(8.0 * P * P * 3 + chunk * 8.0 * P, f"the joint state of width {P}")
     s = Similarity(precision=args.precision)
     bar = _bar(n, not args.no_progress, "richness cka")
     try:
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            batch = {f.label: f.chunk(a, b) for f in files}
-            try:
-                s.update(batch)
-            except (ValueError, TypeError) as e:
-                raise UserError(f"rows {a}..{b - 1}: {e}") from None
+        for i in range(len(shards)):
+            files = [_open(files[i]) for files in lists]
+            rows = files[0].rows
+            for a in range(0, rows, chunk):
+                b = min(a + chunk, rows)
+                batch = {name: f.chunk(a, b) for name, f in zip(names, files)}
+                try:
+                    s.update(batch)
+                except (ValueError, TypeError) as e:
+                    where = files[0].label if len(shards) > 1 else ""
+                    raise UserError(f"{where + ': ' if where else ''}rows {a}..{b - 1}: {e}") from None
+                for f in files:
+                    f.release(b)
+                if bar is not None:
+                    bar.update(b - a)
             for f in files:
-                f.release(b)
-            if bar is not None:
-                bar.update(b - a)
+                f.close()
     finally:
         if bar is not None:
             bar.close()
