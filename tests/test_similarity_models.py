@@ -122,6 +122,10 @@ except ValueError as e:
 json.dump({{"n": r.n, "cka": r.cka.tolist(), "deb": r.cka_debiased.tolist(), "err": err, "t_n": t.n}},
           open(f"{out}.{{rank}}", "w"))
 dist.destroy_process_group()
+# the results are written: skip the interpreter's teardown, where a gloo thread still joinable at
+# exit can abort the process ("terminate called without an active exception")
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
 """
 
 
