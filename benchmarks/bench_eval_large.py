@@ -13,7 +13,7 @@ reading the file (``cat`` to /dev/null with the file evicted from the page
 cache, then again with it cached). The eval itself starts with the file
 evicted, as a first read of a dataset would.
 
-    python benchmarks/bench_eval_large.py [--dir /tmp/richness-large] [--rows 1300000] [--keep] [--no-limits]
+    python benchmarks/bench_eval_large.py [--dir DIR (default: richness-large in the temp folder)] [--rows 1300000] [--keep] [--no-limits]
 
 Check free disk first (``df -h``). The data file is deleted afterwards unless --keep.
 """
@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -100,7 +101,7 @@ def gemm_rate(p: int, rows: int = 8192, reps: int = 5) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/tmp/richness-large")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "richness-large"))
     ap.add_argument("--rows", type=int, default=1_300_000)
     ap.add_argument("--features", type=int, default=2048)
     ap.add_argument("--classes", type=int, default=1000)

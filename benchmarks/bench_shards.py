@@ -24,7 +24,7 @@ a mean), their int64 labels (``--classes`` classes) and float32 head weights
 
 Each round runs the CLI and both dask runs at 1, then at 2; ``--repeat`` rounds (default 2).
 
-    python benchmarks/bench_shards.py [--dir /tmp/richness-shards] [--shards 20] [--rows 15000]
+    python benchmarks/bench_shards.py [--dir DIR (default: richness-shards in the temp folder)] [--shards 20] [--rows 15000]
                                       [--features 1024] [--classes 1000] [--keep]
 
 The files are deleted afterwards unless --keep.
@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -155,7 +156,7 @@ def dask_in_child(folder: str, workers: int, threads: int, per_task: int) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/tmp/richness-shards")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "richness-shards"))
     ap.add_argument("--shards", type=int, default=20)
     ap.add_argument("--rows", type=int, default=15000, help="rows per shard")
     ap.add_argument("--features", type=int, default=1024)

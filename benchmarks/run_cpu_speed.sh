@@ -25,7 +25,7 @@ cd "$here/.."
 quick="${QUICK:-0}"
 stamp="$(date -u +%Y%m%d-%H%M)"
 out="${RICHNESS_RESULTS_DIR:-benchmarks/results/cpu_speed_${stamp}$([ "$quick" = 1 ] && echo _quick || true)}"
-data="${RICHNESS_BENCH_DIR:-/tmp/richness-cpu-speed-$$}"
+data="${RICHNESS_BENCH_DIR:-$(mktemp -d -t richness-cpu-speed.XXXXXX)}"
 mkdir -p "$out" "$data"
 py="${PYTHON:-python}"
 bench() { env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$@"; }
