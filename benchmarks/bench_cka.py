@@ -6,7 +6,7 @@
    streamed in batches of 64 / 256 / 1024 against ckatorch's minibatch CKA
    (cka_batch, HSIC_1 of Nguyen et al.) at the same batches, over shufflings.
 2. Time and peak memory against n at 4 representations of width 256: ours
-   streamed (each n in a fresh subprocess, peak RSS from ru_maxrss), ckatorch's
+   streamed (each n in a fresh subprocess, peak resident set from VmHWM: ru_maxrss keeps the parent's peak across fork + exec), ckatorch's
    exact n x n route (cka_base) for one pair.
 3. Targets at n = 65,536, 4 representations of width 512: ours against
    ckatorch's minibatch CKA at batch 1024 (all 6 pairs), and our error against
@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import proc_status_mb  # noqa: E402
 
 
 def data(n: int, widths, seed: int = 0, dtype=np.float32):
@@ -131,7 +133,7 @@ def _child(n: int, width: int, k: int) -> None:
     t0 = time.perf_counter()
     s.compute()
     t += time.perf_counter() - t0
-    print(json.dumps({"n": n, "seconds": t, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"n": n, "seconds": t, "peak_mb": proc_status_mb()}))
 
 
 def sweep(ns, exact_ns) -> list:
@@ -140,10 +142,10 @@ def sweep(ns, exact_ns) -> list:
         out = subprocess.run([sys.executable, __file__, "--child", str(n)], capture_output=True, text=True, check=True)
         rows.append({"route": "richness.Similarity (4 x 256, fp32)", **json.loads(out.stdout.strip().splitlines()[-1])})
     for n in exact_ns:
-        code = ("import json,time,resource,sys; sys.path.insert(0, %r); import bench_cka as b; "
+        code = ("import json,time,sys; sys.path.insert(0, %r); import bench_cka as b; "
                 "xs = b.data(%d, [256, 256]); t0 = time.perf_counter(); b.ckatorch_exact(*xs); "
                 "print(json.dumps({'n': %d, 'seconds': time.perf_counter() - t0, "
-                "'peak_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))"
+                "'peak_mb': b.proc_status_mb()}))"
                 % (os.path.dirname(os.path.abspath(__file__)), n, n))
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         rows.append({"route": "ckatorch cka_base (one pair, float64 n x n)", **json.loads(out.stdout.strip())})
