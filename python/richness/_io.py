@@ -26,7 +26,7 @@ import socket
 import stat
 import time
 import zipfile
-from typing import BinaryIO, Dict, NamedTuple, Optional, Tuple
+from typing import BinaryIO, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -39,8 +39,9 @@ VERSION = 1  # bumped by every change of the schema (docs/ARCHITECTURE.md, "Addi
 UPGRADES: dict = {}  # version v -> function(state of version v) -> state of version v + 1
 
 
-def _digest(arrays: dict, scalars: dict) -> str:
-    """SHA-256 over the scalar fields and every array (key, shape, bytes)."""
+def _digest(arrays: dict, scalars: dict, extra: Optional[dict] = None) -> str:
+    """SHA-256 over the scalar fields and every array (key, shape, bytes);
+    a layout's ``extra`` metadata, when it has any, is hashed after them."""
     h = hashlib.sha256()
     h.update(json.dumps({k: scalars[k] for k in SCALARS}, sort_keys=True).encode())
     for key in arrays:  # in the order written (the schema's when it was written)
@@ -48,7 +49,29 @@ def _digest(arrays: dict, scalars: dict) -> str:
         h.update(key.encode())
         h.update(str(a.shape).encode())
         h.update(a.tobytes())
+    if not extra:
+        return h.hexdigest()
+    h = hashlib.sha256(h.hexdigest().encode())
+    h.update(json.dumps(extra, sort_keys=True).encode())
     return h.hexdigest()
+
+
+class Layout(NamedTuple):
+    """A kind of saved state: the Moments layout (its fields and scalars) plus
+    ``extra`` metadata keys (covered by the checksum) and ``members``, further
+    arrays whose shapes follow from the metadata and widths."""
+
+    format: str
+    version: int
+    noun: str
+    writer: str
+    extra: Tuple[str, ...] = ()
+    members: Callable[[dict, Dict[str, int]], Dict[str, Tuple[int, ...]]] = lambda meta, widths: {}
+
+
+def moments_layout() -> Layout:
+    """The layout of ``Moments.save`` files at this module's current version."""
+    return Layout(FORMAT, VERSION, "richness state", "Moments.save")
 
 
 def _umask() -> int:
@@ -140,9 +163,6 @@ def save_state(state: dict, path: "os.PathLike | str") -> None:
     (and a temp file that a later save into the same folder removes once it is
     provably stale). A file saved over keeps its permission bits; a new file
     gets the ones ``open`` would give it under the umask."""
-    path = file_path(path)
-    if path.endswith(os.sep) or os.path.basename(path) in (".", ".."):
-        raise ValueError(f"{path}: names a folder; give a file name")
     arrays = {k: np.asarray(state[k]) for k in FLOATS + INTS}
     meta = {"format": FORMAT, "version": VERSION, **{k: state[k] for k in SCALARS},
             "sha256": _digest(arrays, state)}
@@ -365,12 +385,16 @@ def read_member(zf: zipfile.ZipFile, member: NpzMember) -> np.ndarray:
         return np.lib.format.read_array(f, allow_pickle=False)
 
 
-def load_state(path: "os.PathLike | str") -> dict:
-    """Read and validate a file written by ``save_state``. Every array's shape
-    is checked against the widths the file declares, and the whole state
-    against this process's memory, before any data is read, so a foreign or
-    hostile archive cannot make it allocate."""
+def load_state(path: "os.PathLike | str", layout: Optional[Layout] = None) -> dict:
+    """Read and validate a file written by ``save_state`` (or, with another
+    ``layout``, by ``write_archive`` for that kind of state; its extra keys and
+    members are returned beside the state's). Every array's shape is checked
+    against the widths the file declares, and the whole state against this
+    process's memory, before any data is read, so a foreign or hostile archive
+    cannot make it allocate."""
     path = file_path(path)
+    layout = moments_layout() if layout is None else layout
+    noun = layout.noun
 
     def bad(why: str) -> ValueError:
         return ValueError(f"{path}: {why}")
@@ -387,73 +411,86 @@ def load_state(path: "os.PathLike | str") -> dict:
         raise bad(f"cannot read ({e.strerror or type(e).__name__})") from None
     with f:
         if f.read(6) == b"\x93NUMPY":
-            raise bad("a single .npy array, not a richness state (an .npz archive written by Moments.save)")
+            raise bad(f"a single .npy array, not a {noun} (an .npz archive written by {layout.writer})")
         f.seek(0)
         try:
             zf = zipfile.ZipFile(f)
         except damaged as e:
-            raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
+            raise bad(f"not a {noun}, or truncated or corrupted ({e})") from None
         with zf:
-            return _read_state(zf, path, bad, damaged)
+            return _read_state(zf, path, bad, damaged, layout)
 
 
-def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged) -> dict:
+def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged, layout: Layout) -> dict:
+    noun = layout.noun
     try:
         members = npz_members(zf, path)
     except damaged as e:
         msg = str(e)
-        raise bad(f"not a richness state, or truncated or corrupted "
+        raise bad(f"not a {noun}, or truncated or corrupted "
                   f"({msg[len(path) + 2:] if msg.startswith(path) else msg})") from None
     if "meta" not in members:
-        raise bad("not a richness state (no meta entry)")
+        raise bad(f"not a {noun} (no meta entry)")
     meta_head = members["meta"].header
     if meta_head.dtype != np.uint8 or len(meta_head.shape) != 1 or meta_head.shape[0] > _META_MAX:
-        raise bad(f"not a richness state (meta entry of shape {meta_head.shape}, dtype {meta_head.dtype})")
+        raise bad(f"not a {noun} (meta entry of shape {meta_head.shape}, dtype {meta_head.dtype})")
     try:
         meta_raw = read_member(zf, members["meta"])
     except damaged as e:
-        raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
+        raise bad(f"not a {noun}, or truncated or corrupted ({e})") from None
     try:
         meta = json.loads(meta_raw.tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise bad("corrupted metadata") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise bad(f"not a richness state (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+    if not isinstance(meta, dict) or meta.get("format") != layout.format:
+        raise bad(f"not a {noun} (format {meta.get('format') if isinstance(meta, dict) else None!r})")
     version = meta.get("version")
     known = isinstance(version, int) and not isinstance(version, bool)
-    if not (known and 1 <= version <= VERSION):
-        newer = " (written by a newer richness: update richness to read it)" if known and version > VERSION else ""
-        raise bad(f"unsupported state version {version!r}{newer}; this richness reads versions 1 to {VERSION}")
+    if not (known and 1 <= version <= layout.version):
+        newer = " (written by a newer richness: update richness to read it)" if known and version > layout.version \
+            else ""
+        raise bad(f"unsupported state version {version!r}{newer}; this richness reads versions 1 to {layout.version}")
     # An upgraded file's members are the upgrades' to map; the result is checked on loading (load_state_dict).
-    upgraded = any(v in UPGRADES for v in range(version, VERSION))
-    missing = [k for k in SCALARS + ("sha256",) if k not in meta] + [
+    upgraded = layout.format == FORMAT and any(v in UPGRADES for v in range(version, VERSION))
+    missing = [k for k in SCALARS + ("sha256",) + layout.extra if k not in meta] + [
         f.name for f in FIELDS if f.name not in members and f.fill is None and not upgraded]
     if missing:
         raise bad(f"missing entries: {', '.join(missing)}")
-    extra = sorted(set(members) - set(FLOATS + INTS) - {"meta"})
-    if extra and not upgraded:
-        raise bad(f"unexpected entries: {', '.join(extra)}")
     try:
         widths = widths_of(meta)
+        more = layout.members(meta, widths)
     except (TypeError, ValueError) as e:
-        raise bad(f"not a valid richness state ({e})") from None
+        raise bad(f"not a valid {noun} ({e})") from None
+    missing = sorted(set(more) - set(members))
+    if missing:
+        raise bad(f"missing entries: {', '.join(missing)}")
+    extra = sorted(set(members) - set(FLOATS + INTS) - set(more) - {"meta"})
+    if extra and not upgraded:
+        raise bad(f"unexpected entries: {', '.join(extra)}")
     for f in (f for f in FIELDS if f.name in members and not upgraded):
         head = members[f.name].header
         want = shape_of(f, widths)
         if head.shape != want:
-            raise bad(f"not a valid richness state (entry {f.name} has shape {head.shape}, but the file's widths "
+            raise bad(f"not a valid {noun} (entry {f.name} has shape {head.shape}, but the file's widths "
                       f"give {want})")
         if head.dtype != np.dtype(f.dtype):
             raise bad(f"entry {f.name} has dtype {head.dtype}, expected {np.dtype(f.dtype)}")
+    for name, want in more.items():
+        head = members[name].header
+        if head.shape != want or head.dtype != np.float64:
+            raise bad(f"not a valid {noun} (entry {name} has shape {head.shape} and dtype {head.dtype}, the file's "
+                      f"widths give {want} float64)")
     check_memory(state_bytes(widths), f"{path}: the state at p={widths['p']}")
     try:
         data = {k: read_member(zf, m) for k, m in members.items() if k != "meta"}  # in the order written
     except damaged as e:
-        raise bad(f"not a richness state, or truncated or corrupted ({e})") from None
-    if _digest(data, meta) != meta["sha256"]:
+        raise bad(f"not a {noun}, or truncated or corrupted ({e})") from None
+    kept = {k: meta[k] for k in layout.extra}
+    if _digest(data, meta, kept) != meta["sha256"]:
         raise bad("checksum mismatch: the file is corrupted")
     state = {k: meta[k] for k in SCALARS}
     state.update(data)
+    state.update(kept)
     for v in range(version, VERSION):
         state = UPGRADES[v](state) if v in UPGRADES else state
     return state

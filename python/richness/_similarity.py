@@ -16,12 +16,9 @@ how the samples are split into batches or in which order states are merged.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import math
 import os
 import warnings
-import zipfile
 from typing import Any, List, Mapping, NamedTuple, Optional
 
 import numpy as np
@@ -318,7 +315,7 @@ class Similarity:
         arrays["shift"] = st["shift"]
         extra = {"names": st["names"], "widths": st["widths"]}
         meta = {"format": FORMAT, "version": VERSION, **{k: mst[k] for k in _state.SCALARS}, **extra,
-                "sha256": _digest(arrays, mst, extra)}
+                "sha256": _io._digest(arrays, mst, extra)}
         _io.write_archive(path, meta, arrays)
 
     @classmethod
@@ -451,62 +448,19 @@ def _finish(mean: np.ndarray, M: np.ndarray, n: int, names: List[str], widths: L
 # -- files ------------------------------------------------------------------------
 
 
-def _digest(arrays: dict, scalars: dict, extra: dict) -> str:
-    h = hashlib.sha256(_io._digest(arrays, scalars).encode())
-    h.update(json.dumps(extra, sort_keys=True).encode())
-    return h.hexdigest()
+def _shift_shape(meta: dict, widths: dict) -> dict:
+    w = meta.get("widths")
+    if not isinstance(w, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in w):
+        raise ValueError(f"widths {w!r} are not a list of positive integers")
+    return {"shift": (sum(w) if widths["n"] > 0 else 0,)}
+
+
+LAYOUT = _io.Layout(FORMAT, VERSION, "richness similarity state", "Similarity.save", ("names", "widths"), _shift_shape)
 
 
 def _read(path: str) -> dict:
-    """The state dict of a file written by ``Similarity.save``, every member's
-    shape checked against the file's widths before any data is read."""
-    def bad(why: str) -> ValueError:
-        return ValueError(f"{path}: {why}")
-
-    damaged = (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile,
-               NotImplementedError, RuntimeError, UnicodeDecodeError, json.JSONDecodeError)
-    try:
-        f = _io.open_regular(path)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise bad(f"cannot read ({e.strerror or type(e).__name__})") from None
-    with f:
-        try:
-            with zipfile.ZipFile(f) as zf:
-                members = _io.npz_members(zf, path)
-                if "meta" not in members or members["meta"].header.nbytes > _io._META_MAX:
-                    raise bad("not a richness similarity state (no meta entry)")
-                meta = json.loads(_io.read_member(zf, members["meta"]).tobytes().decode())
-                if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                    fmt = meta.get("format") if isinstance(meta, dict) else None
-                    raise bad(f"not a richness similarity state (format {fmt!r}; Moments.load reads "
-                              f"'{_io.FORMAT}' files)")
-                version = meta.get("version")
-                if not (isinstance(version, int) and 1 <= version <= VERSION):
-                    raise bad(f"unsupported similarity state version {version!r}; this richness reads 1 "
-                              f"to {VERSION}")
-                want_members = set(_state.FIELD_NAMES) | {"shift", "meta"}
-                if set(members) != want_members:
-                    raise bad(f"entries {sorted(set(members) ^ want_members)} missing or unexpected")
-                widths = _state.widths_of(meta)
-                shapes = {fld.name: _state.shape_of(fld, widths) for fld in _state.FIELDS}
-                shapes["shift"] = (sum(int(w) for w in meta.get("widths", [])) if widths["n"] > 0 else 0,)
-                for name, shape in shapes.items():
-                    if members[name].header.shape != shape:
-                        raise bad(f"entry {name} has shape {members[name].header.shape}, the widths give {shape}")
-                _io.check_memory(_io.state_bytes(widths), f"{path}: the state at p={widths['p']}")
-                data = {name: _io.read_member(zf, members[name]) for name in members if name != "meta"}
-        except ValueError as e:
-            if str(e).startswith(path):
-                raise
-            raise bad(f"not a richness similarity state, or truncated or corrupted ({e})") from None
-        except damaged as e:
-            raise bad(f"not a richness similarity state, or truncated or corrupted ({e})") from None
-    extra = {"names": meta.get("names"), "widths": meta.get("widths")}
-    arrays = {k: data[k] for k in list(_state.FIELD_NAMES) + ["shift"]}
-    if meta.get("sha256") != _digest(arrays, meta, extra):
-        raise bad("checksum mismatch: the file is corrupted")
-    moments = {k: meta[k] for k in _state.SCALARS}
-    moments.update({k: data[k] for k in _state.FIELD_NAMES})
-    return {"names": extra["names"], "widths": extra["widths"], "shift": data["shift"], "moments": moments}
+    """The state dict of a file written by ``Similarity.save`` (``_io.load_state``
+    with this layout: every member's shape checked before any data is read)."""
+    st = _io.load_state(path, LAYOUT)
+    moments = {k: st[k] for k in _state.SCALARS + tuple(_state.FIELD_NAMES)}
+    return {"names": st["names"], "widths": st["widths"], "shift": st["shift"], "moments": moments}
