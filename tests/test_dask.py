@@ -211,7 +211,7 @@ def test_a_chunk_that_keeps_killing_workers_is_a_clear_error(client):
     scheduler.allowed_failures = 1  # two deaths of the same task end the run
     try:
         features, outputs, _, _ = as_dask(4, die_at=2)
-        with pytest.raises(distributed.KilledWorker, match="rows"):
+        with pytest.raises(distributed.KilledWorker, match="died"):
             rd.moments(features, outputs)
     finally:
         scheduler.allowed_failures = old
