@@ -1,7 +1,6 @@
-"""The save-format policy: a file written before a field existed still loads
-(its missing array filled by the field's fill rule, or mapped by a registered
-upgrade), a field with neither refuses the old file by name, and a file from a
-newer richness is refused naming both versions.
+"""The save-format policy: the stored version-1 file loads with its values, a
+file written before a field existed is refused naming the field, and a file
+from a newer richness is refused naming both versions.
 
 tests/data/state_v1.npz was written by format version 1 from ``seeded_data()``
 (``python tests/test_save_format.py`` wrote it); it is never regenerated, so
@@ -84,27 +83,9 @@ def test_the_stored_v1_file_loads_with_the_seeded_values():
     assert abs(m.compute().dlr - dlr_naive(X, F)[0]) < 1e-12
 
 
-def test_a_field_with_a_fill_rule_is_filled_in_an_older_file_and_state_dict(monkeypatch, tmp_path):
-    old_state_dict = _io.load_state(FIXTURE)  # what Moments.state_dict() of that version held
-    with_field(monkeypatch, _state.Field("D", ("p", "c"), fill=_state.zeros))
-    for state in (_io.load_state(FIXTURE), old_state_dict):
-        st = _state.checked(state)  # the one loader path (load_state_dict)
-        assert_matches_reference(st)
-        assert st["D"].shape == (3, 2) and st["D"].dtype == np.float64 and not st["D"].any()
-    # a file written under the new schema holds the field and records the new version
-    st["D"] = np.arange(6.0).reshape(3, 2)
-    _io.save_state(st, tmp_path / "v2.npz")
-    again = _state.checked(_io.load_state(tmp_path / "v2.npz"))
-    assert np.array_equal(again["D"], st["D"])
-    assert json.loads(np.load(tmp_path / "v2.npz")["meta"].tobytes().decode())["version"] == 2
-    # members the schema does not know are refused, not ignored
-    with pytest.raises(ValueError, match="unknown entries: Z"):
-        _state.checked(dict(old_state_dict, Z=np.zeros(3)))
-
-
-def test_a_field_without_a_fill_rule_refuses_the_older_file_by_name(monkeypatch):
+def test_a_field_added_later_refuses_the_older_file_by_name(monkeypatch):
     old_state_dict = _io.load_state(FIXTURE)
-    with_field(monkeypatch, _state.Field("D", ("p", "c"), fill=None))
+    with_field(monkeypatch, _state.Field("D", ("p", "c")))
     with pytest.raises(ValueError, match=r"state_v1\.npz: missing entries: D$"):
         _io.load_state(FIXTURE)
     with pytest.raises(ValueError, match=r"state_v1\.npz: missing entries: D$"):
@@ -113,15 +94,21 @@ def test_a_field_without_a_fill_rule_refuses_the_older_file_by_name(monkeypatch)
         _state.checked(old_state_dict)
 
 
-def test_an_upgrade_registered_for_version_1_maps_the_older_file(monkeypatch):
-    with_field(monkeypatch, _state.Field("total", ("p",)))  # no fill rule: the upgrade derives it
-    monkeypatch.setattr(_io, "UPGRADES", {1: lambda st: dict(st, total=st["class_sums"].sum(0))})
+def test_a_file_written_under_a_new_field_holds_it_and_records_the_new_version(monkeypatch, tmp_path):
     st = _state.checked(_io.load_state(FIXTURE))
-    assert_matches_reference(st)
-    np.testing.assert_allclose(st["total"], seeded_data()[0].sum(0), rtol=1e-12)
+    # members the schema does not know are refused, not ignored
+    with pytest.raises(ValueError, match="unknown entries: Z"):
+        _state.checked(dict(st, Z=np.zeros(3)))
+    with_field(monkeypatch, _state.Field("D", ("p", "c")))
+    st["D"] = np.arange(6.0).reshape(3, 2)
+    _io.save_state(st, tmp_path / "v2.npz")
+    again = _state.checked(_io.load_state(tmp_path / "v2.npz"))
+    assert_matches_reference(again)
+    assert np.array_equal(again["D"], st["D"])
+    assert json.loads(np.load(tmp_path / "v2.npz")["meta"].tobytes().decode())["version"] == 2
 
 
-def test_a_torchmetrics_state_dict_from_before_a_field_gets_it_by_the_same_rule(monkeypatch):
+def test_a_torchmetrics_state_dict_from_before_a_field_is_refused_by_name(monkeypatch):
     torch = pytest.importorskip("torch")
     tm = pytest.importorskip("richness.torchmetrics")
     X, F, y = (torch.from_numpy(a) for a in seeded_data())
@@ -129,13 +116,7 @@ def test_a_torchmetrics_state_dict_from_before_a_field_gets_it_by_the_same_rule(
     old.persistent(True)
     old.update(F, y, features=X)
     sd = old.state_dict()
-    with_field(monkeypatch, _state.Field("D", ("p", "c"), fill=_state.zeros))
-    new = tm.DLR()
-    new.persistent(True)
-    new.load_state_dict(dict(sd))
-    assert tuple(new.D.shape) == (3, 2) and new.D.dtype == torch.float64 and not new.D.any()
-    np.testing.assert_allclose(new.M.numpy(), expected()["M"], rtol=1e-12)
-    with_field(monkeypatch, _state.Field("D", ("p", "c"), fill=None))
+    with_field(monkeypatch, _state.Field("D", ("p", "c")))
     with pytest.raises(ValueError, match=r"state is missing entries: D$"):
         tm.DLR().load_state_dict(dict(sd))
 

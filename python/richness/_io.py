@@ -7,11 +7,8 @@ is rejected with a message naming the file and the problem.
 
 Versions: a file records the ``VERSION`` that wrote it. A file of a newer
 version is refused, naming both versions; members the schema does not know
-are refused, never ignored. An older file still loads: a field it predates
-is filled by the field's ``fill`` rule (``_state.Field``; the same rule
-completes an older ``state_dict`` in ``load_state_dict``), and a change no
-fill rule can express registers ``UPGRADES[v]``, which turns a version-``v``
-state into version ``v + 1``'s. A field with neither is refused by name.
+are refused, never ignored. An older file loads when it holds every field of
+the schema; a field it predates is refused by name.
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ from ._state import INT_FIELDS as INTS
 
 FORMAT = "richness.moments"
 VERSION = 1  # bumped by every change of the schema (docs/ARCHITECTURE.md, "Adding things")
-UPGRADES: dict = {}  # version v -> function(state of version v) -> state of version v + 1
 
 
 def _digest(arrays: dict, scalars: dict, extra: Optional[dict] = None) -> str:
@@ -450,10 +446,8 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged, layout: Layout) ->
         newer = " (written by a newer richness: update richness to read it)" if known and version > layout.version \
             else ""
         raise bad(f"unsupported state version {version!r}{newer}; this richness reads versions 1 to {layout.version}")
-    # An upgraded file's members are the upgrades' to map; the result is checked on loading (load_state_dict).
-    upgraded = layout.format == FORMAT and any(v in UPGRADES for v in range(version, VERSION))
     missing = [k for k in SCALARS + ("sha256",) + layout.extra if k not in meta] + [
-        f.name for f in FIELDS if f.name not in members and f.fill is None and not upgraded]
+        f.name for f in FIELDS if f.name not in members]
     if missing:
         raise bad(f"missing entries: {', '.join(missing)}")
     try:
@@ -465,9 +459,9 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged, layout: Layout) ->
     if missing:
         raise bad(f"missing entries: {', '.join(missing)}")
     extra = sorted(set(members) - set(FLOATS + INTS) - set(more) - {"meta"})
-    if extra and not upgraded:
+    if extra:
         raise bad(f"unexpected entries: {', '.join(extra)}")
-    for f in (f for f in FIELDS if f.name in members and not upgraded):
+    for f in FIELDS:
         head = members[f.name].header
         want = shape_of(f, widths)
         if head.shape != want:
@@ -491,6 +485,4 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged, layout: Layout) ->
     state = {k: meta[k] for k in SCALARS}
     state.update(data)
     state.update(kept)
-    for v in range(version, VERSION):
-        state = UPGRADES[v](state) if v in UPGRADES else state
     return state

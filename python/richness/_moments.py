@@ -175,7 +175,7 @@ class Moments(Lockable):
         """The backend of a ``Moments(groups=k)`` (created)."""
         return cast(GroupedBackend, self._backend)
 
-    def _sink(self, device: str) -> Backend:
+    def _backend_for(self, device: str) -> Backend:
         """The backend the next update or merge goes to."""
         if self._backend is None:
             with self._lock:  # two threads' first batches must not create two backends
@@ -198,7 +198,7 @@ class Moments(Lockable):
         devices = {m.device for m in batch if m is not None}
         if len(devices) > 1:
             raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
-        backend = self._sink(batch.features.device)
+        backend = self._backend_for(batch.features.device)
         backend.update(batch, batch_precision(self.precision, batch))
 
     def merge(self, other: "Moments") -> None:
@@ -208,7 +208,7 @@ class Moments(Lockable):
         if other._backend is None or other.n == 0:
             return
         _state.check_sample_count([self.n, other.n])
-        self._sink(self._device if self._backend is not None else other._device).merge(other._backend)
+        self._backend_for(self._device if self._backend is not None else other._device).merge(other._backend)
 
     def all_reduce(self, group: Any = None) -> None:
         """Merge the states of all ranks of ``group`` (torch.distributed, gloo or
@@ -226,7 +226,7 @@ class Moments(Lockable):
                     else [_state.empty(self.num_classes) for _ in range(self._groups)])
             states = [_state.checked(st) for st in all_reduce_states(mine, group=group)]
             self._check_num_classes(states)
-            self._sink(self._device or "cpu")
+            self._backend_for(self._device or "cpu")
             self._grouped().load_group_states(states)
             self.num_classes = self._merged_num_classes(states)
             return

@@ -24,7 +24,7 @@ collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -78,11 +78,6 @@ class Field:
     axes: its shape in terms of the widths p, c, t, k (a width of -1 counts 0).
     shift: for a co-moment, the two means whose shifts enter the merge
         (``X + n d_a d_b^T``); None for a mean or a plain sum.
-    fill: for a field added after states were first saved, how a state
-        written before it (an older file, an older ``state_dict``) gets it:
-        ``fill(field, state)`` returns the array from the state's widths and
-        the fields listed before it (``zeros`` where that is exact). None: a
-        state without it is refused (docs/ARCHITECTURE.md, "Adding things").
     """
 
     name: str
@@ -91,13 +86,7 @@ class Field:
     symmetric: bool = False
     shift: Optional[Tuple[str, str]] = None
     is_mean: bool = False
-    fill: Optional[Callable[["Field", dict], np.ndarray]] = None
 
-
-def zeros(field: Field, state: dict) -> np.ndarray:
-    """A fill rule: zeros of the field's shape (exact for a sum of terms that
-    the older state cannot have held, such as a stream it did not have)."""
-    return np.zeros(shape_of(field, state), dtype=field.dtype)
 
 
 FIELDS: Tuple[Field, ...] = (
@@ -159,8 +148,8 @@ def validate(state: dict) -> Dict[str, int]:
     ``load_state_dict``, the many-state and distributed merges): every entry
     present, integer widths, a known precision, every array of the shape its
     widths give, finite floats, and what every state built by updates and
-    merges satisfies (``check_invariants``). A field the state lacks is
-    filled by its ``fill`` rule, or refused when it has none."""
+    merges satisfies (``check_invariants``). A field the state lacks (a
+    state written before the field existed) is refused by name."""
     checked(state)
     return widths_of(state)
 
@@ -170,8 +159,7 @@ def checked(state: dict) -> dict:
     widths and C-contiguous float64 / int64 arrays: what the core imports."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
-    missing = [k for k in SCALARS if k not in state] + [f.name for f in FIELDS
-                                                       if f.name not in state and f.fill is None]
+    missing = [k for k in SCALARS + FIELD_NAMES if k not in state]
     if missing:
         raise ValueError(f"state is missing entries: {', '.join(missing)}")
     extra = sorted(str(k) for k in state if k not in SCALARS + FIELD_NAMES)
@@ -187,7 +175,7 @@ def checked(state: dict) -> dict:
     out: dict = dict(w, precision=str(state["precision"]))
     for f in FIELDS:
         want = shape_of(f, w)
-        raw = state[f.name] if f.name in state else f.fill(f, out)  # written before the field existed
+        raw = state[f.name]
         got = np.shape(raw)
         if got != want:
             raise ValueError(f"state entry {f.name!r} has shape {got}, expected {want}")

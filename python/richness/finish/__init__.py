@@ -20,7 +20,7 @@ import numpy as np
 from .._report import Report
 from ._xp import host, ns
 from .diagnostics import MEASURES, check_measures, measure_values
-from .dlr import DEFAULT_RTOL, check_features, dlr_of_state, dlr_values, dlr_with_range, finishing, \
+from .dlr import DEFAULT_RTOL, NumericFailureGuard, check_features, dlr_of_state, dlr_values, dlr_with_range, \
     function_moments, logits, span_of_grams
 from .isotropic import isotropic_dlr, reference
 from .nc1 import nc1_from_grams
@@ -63,7 +63,7 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
         if test is not None:
             test = {k: (xp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in test.items()}
     norm_m = check_features(st)
-    with finishing(st, W):
+    with NumericFailureGuard(st, W):
         report = _report(st, W, test, rtol, centered, spectrum, norm_m)
         if wanted is None:
             wanted = MEASURES if spectrum else ()

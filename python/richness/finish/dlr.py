@@ -200,7 +200,7 @@ def function_moments(st: dict, W, M=None) -> Optional[Functions]:
     return None
 
 
-class finishing:
+class NumericFailureGuard:
     """Turns a numerical failure of the finishing math (an eigensolver that
     does not converge, an overflow to Inf or NaN) into a ValueError that says
     what to do: the moments span more than float64 holds."""
@@ -235,7 +235,7 @@ def dlr_of_state(st: dict, W, rtol: float, with_range: bool = False) -> tuple:
     if W is None and not st["c"] > 0:
         raise ValueError("DLR is undefined for this state (no outputs/head)")
     norm_m = check_features(st)
-    with finishing(st, W):
+    with NumericFailureGuard(st, W):
         fn = function_moments(st, W)
         if with_range:
             dlr, rank, _, dlr_range, _ = dlr_with_range(fn, st["M"], norm_m, rtol)

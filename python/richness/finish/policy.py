@@ -61,7 +61,7 @@ def nc1_reported(st: dict, rtol: float) -> tuple:
     return value, None
 
 
-class Quick(NamedTuple):
+class DlrOnlyResult(NamedTuple):
     """DLR without the spectrum. ``undefined``: why DLR is None (too few
     samples, constant features or outputs, no outputs or head), else None;
     ``warnings``: what else the caller may pass on."""
@@ -75,7 +75,7 @@ class Quick(NamedTuple):
     dlr_range: Optional[tuple] = None  # DLR at rtol / 10 and rtol * 10
 
 
-def dlr_only(st: dict, W: Any = None, rtol: Optional[float] = None, with_nc1: bool = True) -> Quick:
+def dlr_only(st: dict, W: Any = None, rtol: Optional[float] = None, with_nc1: bool = True) -> DlrOnlyResult:
     """DLR, rank and (``with_nc1``) NC1 of a state dict, no spectrum
     (O(p^2 C)), on the rules of the full report: the default ``rtol``, NC1's
     gating, None where a value is undefined (never an exception for data
@@ -84,7 +84,7 @@ def dlr_only(st: dict, W: Any = None, rtol: Optional[float] = None, with_nc1: bo
     n = int(st["n"])
     few = too_few_samples(n)
     if few is not None:
-        return Quick(n, None, None, None, f"until at least 2 samples are added ({few})", ())
+        return DlrOnlyResult(n, None, None, None, f"until at least 2 samples are added ({few})", ())
     rtol = rtol_for(st["precision"], rtol)
     dlr = rank = undefined = dlr_range = None
     try:
@@ -92,7 +92,7 @@ def dlr_only(st: dict, W: Any = None, rtol: Optional[float] = None, with_nc1: bo
     except ValueError as e:  # constant features or outputs, no outputs or head
         undefined = f"for the samples added ({e})"
     value, warning = nc1_reported(st, rtol) if with_nc1 else (None, None)
-    return Quick(n, dlr, rank, value, undefined, (warning,) if warning else (), dlr_range)
+    return DlrOnlyResult(n, dlr, rank, value, undefined, (warning,) if warning else (), dlr_range)
 
 
 class GramRows(NamedTuple):

@@ -420,13 +420,11 @@ class DLR(Metric):
         return super().state_dict(*args, **kwargs)
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
-        # A state dict saved before a field existed gets it by the field's fill rule, or is refused
-        # naming it: the policy of saved states (docs/ARCHITECTURE.md, "Adding things").
+        # A state dict saved before a field existed is refused naming the field, in the words of
+        # every other loader (_state.checked; docs/ARCHITECTURE.md, "Adding things").
         lacking = [f.name for f in _state.FIELDS if prefix + f.name not in state_dict]
         if lacking and prefix + "widths" in state_dict:
-            filled = _state.checked(_from_tensors(state_dict, prefix))
-            for name in lacking:
-                state_dict[prefix + name] = torch.from_numpy(filled[name])
+            _state.checked(_from_tensors(state_dict, prefix))
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _apply(self, fn: Callable, exclude_state: Any = ()) -> Any:
