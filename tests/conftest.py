@@ -1,4 +1,32 @@
+"""What the test files share: the tests folder on the import path (for
+``reference``, ``tiny_models`` and this file's helpers) and the data and
+ports several files need."""
+
 import os
+import socket
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def linear_data(n=300, p=10, c=3, seed=0, classes=None, shift=2.0, noise=0.3, head=False):
+    """Seeded rows for the streaming tests: features (n, p) with correlated
+    columns around ``shift``, outputs (n, c) a linear head ``W`` (c, p) of
+    them plus ``noise``, labels in ``range(classes)`` (default ``c``).
+    Returns ``(X, F, y)``, or ``(X, F, y, W)`` with ``head=True``."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, p)) @ rng.normal(size=(p, p)) + shift
+    W = rng.normal(size=(c, p))
+    F = X @ W.T + noise * rng.normal(size=(n, c))
+    y = rng.integers(0, c if classes is None else classes, n)
+    return (X, F, y, W) if head else (X, F, y)
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 free at the time of the call (for a
+    torch.distributed rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,5 +1,6 @@
 """The command line: eval / plot / info / demo, against the n x n oracles."""
 
+import functools
 import io
 import json
 import os
@@ -14,15 +15,11 @@ import pytest
 import richness
 from richness.cli import main
 from reference import dlr_naive, nc1_naive
+from conftest import linear_data
+
+data = functools.partial(linear_data, n=500, p=12, c=4, noise=0.2)
 
 
-def data(n=500, p=12, c=4, seed=0):
-    rng = np.random.default_rng(seed)
-    X = rng.normal(size=(n, p)) @ rng.normal(size=(p, p)) + 2.0
-    W = rng.normal(size=(c, p))
-    F = X @ W.T + 0.2 * rng.normal(size=(n, c))
-    y = rng.integers(0, c, n)
-    return X, F, y, W
 
 
 def run_json(argv, capsys):
@@ -43,7 +40,7 @@ def run_error(argv, capsys):
 
 
 def test_eval_npy_files_in_chunks(tmp_path, capsys):
-    X, F, y, _ = data()
+    X, F, y = data()
     for name, a in (("x", X), ("f", F), ("y", y)):
         np.save(tmp_path / f"{name}.npy", a)
     rep = run_json([str(tmp_path / "x.npy"), "--outputs", str(tmp_path / "f.npy"), "--labels",
@@ -56,7 +53,7 @@ def test_eval_npy_files_in_chunks(tmp_path, capsys):
 
 
 def test_eval_bundles_head_and_held_out(tmp_path, capsys):
-    X, F, y, W = data(n=700)
+    X, F, y, W = data(n=700, head=True)
     np.savez(tmp_path / "train.npz", features=X[:500], outputs=F[:500], labels=y[:500])
     np.savez_compressed(tmp_path / "test.npz", features=X[500:], outputs=F[500:], labels=y[500:])
     np.save(tmp_path / "w.npy", W)
@@ -75,7 +72,7 @@ def test_eval_bundles_head_and_held_out(tmp_path, capsys):
 
 def test_eval_safetensors_float16_and_bfloat16(tmp_path, capsys):
     st = pytest.importorskip("safetensors.numpy")
-    X, F, y, _ = data()
+    X, F, y = data()
     X16, F16 = X.astype(np.float16), F.astype(np.float16)
     st.save_file({"features": X16, "outputs": F16, "labels": y.astype(np.int64)}, str(tmp_path / "d.safetensors"))
     rep = run_json([str(tmp_path / "d.safetensors"), "--chunk", "64"], capsys)
@@ -93,7 +90,7 @@ def test_eval_safetensors_float16_and_bfloat16(tmp_path, capsys):
 
 
 def test_save_then_plot_state_and_log(tmp_path, capsys):
-    X, F, y, _ = data()
+    X, F, y = data()
     np.savez(tmp_path / "d.npz", features=X, outputs=F, labels=y)
     state = tmp_path / "state.npz"
     assert main(["eval", str(tmp_path / "d.npz"), "--save", str(state), "--no-progress"]) == 0
@@ -144,7 +141,7 @@ def test_monitor_csv_log_plots(tmp_path, capsys):
 
 
 def test_user_errors_are_one_line_exit_2(tmp_path, capsys):
-    X, F, y, _ = data(n=50)
+    X, F, y = data(n=50)
     np.save(tmp_path / "x.npy", X)
     np.save(tmp_path / "f.npy", F[:40])
     np.save(tmp_path / "yf.npy", y.astype(np.float64))
@@ -246,7 +243,7 @@ def test_mypy_finds_the_types_of_a_user_script(tmp_path):
 
 
 def test_verbose_logs_what_is_read_and_json_warnings_go_to_stderr(tmp_path, capsys):
-    X, F, y, _ = data(n=60)  # n < 10 p: the finite-n caveat
+    X, F, y = data(n=60)  # n < 10 p: the finite-n caveat
     np.savez(tmp_path / "d.npz", features=X, outputs=F, labels=y)
     assert main(["-v", "eval", str(tmp_path / "d.npz"), "--json", "--no-progress"]) == 0
     cap = capsys.readouterr()
@@ -270,7 +267,7 @@ def _expect(rep, X, F, y):
 
 def test_eval_torch_pt_bundle_and_single_tensor(tmp_path, capsys):
     torch = pytest.importorskip("torch")
-    X, F, y, _ = data()
+    X, F, y = data()
     torch.save({"features": torch.from_numpy(X), "outputs": torch.from_numpy(F), "labels": torch.from_numpy(y),
                 "epoch": 3}, tmp_path / "b.pt")
     _expect(run_json([str(tmp_path / "b.pt"), "--chunk", "37"], capsys), X, F, y)
@@ -293,7 +290,7 @@ class _Pickled:
 
 def test_eval_hdf5_read_by_chunks(tmp_path, capsys, monkeypatch):
     h5py = pytest.importorskip("h5py")
-    X, F, y, _ = data()
+    X, F, y = data()
     with h5py.File(tmp_path / "d.h5", "w") as f:
         f["features"] = X
         f["outputs"] = F.astype(np.float32)
@@ -316,7 +313,7 @@ def test_eval_hdf5_read_by_chunks(tmp_path, capsys, monkeypatch):
 def test_eval_parquet_list_columns(tmp_path, capsys):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    X, F, y, _ = data()
+    X, F, y = data()
     table = pa.table({"features": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), X.shape[1]),
                       "outputs": pa.array(list(F)),  # variable-length list type, equal lengths
                       "labels": pa.array(y)})
@@ -340,7 +337,7 @@ def test_missing_optional_reader_names_the_package(tmp_path, capsys, monkeypatch
 # -- robustness -------------------------------------------------------------------
 
 def test_save_to_a_missing_folder_keeps_the_report(tmp_path, capsys):
-    X, F, y, _ = data()
+    X, F, y = data()
     np.savez(tmp_path / "d.npz", features=X, outputs=F, labels=y)
     bad = str(tmp_path / "nodir" / "s.npz")
     code = main(["eval", str(tmp_path / "d.npz"), "--save", bad, "--no-progress"])
@@ -353,7 +350,7 @@ def test_save_to_a_missing_folder_keeps_the_report(tmp_path, capsys):
 
 def test_plot_into_a_missing_folder_is_an_error_like_save(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    X, F, y, _ = data(n=200)
+    X, F, y = data(n=200)
     m = richness.Moments()
     m.update(X, F, labels=y)
     m.save(tmp_path / "s.npz")
@@ -370,7 +367,7 @@ def test_missing_bundle_says_no_such_file(tmp_path, capsys):
 
 
 def test_held_out_outputs_of_another_width_are_rejected(tmp_path, capsys):
-    X, F, y, _ = data(n=300)
+    X, F, y = data(n=300)
     np.savez(tmp_path / "tr.npz", features=X[:200], outputs=F[:200], labels=y[:200])
     np.savez(tmp_path / "te.npz", features=X[200:], outputs=np.hstack([F[200:], F[200:, :1]]), labels=y[200:])
     line = run_error(["eval", str(tmp_path / "tr.npz"), "--test-features", str(tmp_path / "te.npz"),
@@ -385,7 +382,7 @@ def test_depth_plot_takes_a_report_and_held_out_axis_says_unbounded(tmp_path):
     pytest.importorskip("matplotlib")
     from richness import plot
 
-    X, F, y, _ = data()
+    X, F, y = data()
     m, t = richness.Moments(), richness.Moments()
     m.update(X[:400], F[:400], labels=y[:400])
     t.update(X[400:], F[400:], labels=y[400:])
@@ -617,7 +614,7 @@ def test_a_state_too_large_for_memory_is_refused_before_reading(tmp_path, capsys
         f.truncate(len(head.getvalue()) + 16 * 10**6)
     line = run_error(["eval", str(tmp_path / "wide.npy"), "--no-progress"], capsys)
     assert "the state at p=1000000 needs 8e+12 bytes" in line
-    X, F, y, _ = data(n=50)
+    X, F, y = data(n=50)
     np.save(tmp_path / "x.npy", X)
     np.save(tmp_path / "y.npy", y)
     line = run_error(["eval", str(tmp_path / "x.npy"), "--labels", str(tmp_path / "y.npy"), "--num-classes",
@@ -635,7 +632,7 @@ def test_demo_alphas_outside_the_working_range_are_one_line(capsys, alphas):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 def test_plot_to_an_unwritable_place_is_one_line(tmp_path, capsys):
-    X, F, y, _ = data(n=60)
+    X, F, y = data(n=60)
     m = richness.Moments()
     m.update(X, F)
     m.save(tmp_path / "s.npz")
@@ -657,7 +654,7 @@ def test_unforeseen_failures_are_one_line_too(tmp_path, capsys, monkeypatch):
 
 
 def test_eval_refuses_to_overwrite_its_inputs(tmp_path, capsys):
-    X, F, y, _ = data(n=60)
+    X, F, y = data(n=60)
     bundle = tmp_path / "d.npz"
     np.savez(bundle, features=X, outputs=F, labels=y)
     before = bundle.read_bytes()
@@ -677,7 +674,7 @@ def test_eval_refuses_to_overwrite_its_inputs(tmp_path, capsys):
 
 
 def test_held_out_streams_the_training_set_lacks_are_errors(tmp_path, capsys):
-    X, F, y, _ = data(n=60)
+    X, F, y = data(n=60)
     np.save(tmp_path / "x.npy", X)
     np.save(tmp_path / "y.npy", y)
     line = run_error(["eval", str(tmp_path / "x.npy"), "--test-features", str(tmp_path / "x.npy"),
@@ -688,7 +685,7 @@ def test_held_out_streams_the_training_set_lacks_are_errors(tmp_path, capsys):
 
 
 def test_compressed_npz_is_streamed_and_matches_the_oracle(tmp_path, capsys):
-    X, F, y, _ = data(n=300)
+    X, F, y = data(n=300)
     np.savez_compressed(tmp_path / "c.npz", features=X, outputs=F, labels=y)
     rep = run_json([str(tmp_path / "c.npz"), "--chunk", "37"], capsys)
     assert abs(rep["dlr"] - dlr_naive(X, F)[0]) < 1e-10

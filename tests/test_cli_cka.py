@@ -10,7 +10,8 @@ from richness.cli import main
 from richness import Similarity
 
 
-def data(n=150, offset=0.0, seed=0):
+def representations(n=150, offset=0.0, seed=0):
+    """Three representations of the same n rows: a and b share a 4-dimensional base, c is independent."""
     rng = np.random.default_rng(seed)
     base = rng.normal(size=(n, 4))
     a = base @ rng.normal(size=(4, 6)) + rng.normal(size=(n, 6)) + offset
@@ -21,7 +22,7 @@ def data(n=150, offset=0.0, seed=0):
 
 @pytest.mark.parametrize("offset", [0.0, 1e4])
 def test_cka_json_matches_oracle_in_chunks(tmp_path, capsys, offset):
-    a, b, c = data(offset=offset)
+    a, b, c = representations(offset=offset)
     np.save(tmp_path / "a.npy", a)
     np.savez(tmp_path / "bc.npz", b=b, c=c.astype(np.float32))
     args = ["cka", str(tmp_path / "a.npy"), f"{tmp_path / 'bc.npz'}:b", f"{tmp_path / 'bc.npz'}:c", "--json",
@@ -41,7 +42,7 @@ def test_cka_json_matches_oracle_in_chunks(tmp_path, capsys, offset):
 
 
 def test_cka_text_table(tmp_path, capsys):
-    a, b, _ = data()
+    a, b, _ = representations()
     np.save(tmp_path / "a.npy", a)
     np.save(tmp_path / "b.npy", b)
     assert main(["cka", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), "--debiased", "--no-progress"]) == 0
@@ -50,7 +51,7 @@ def test_cka_text_table(tmp_path, capsys):
 
 
 def test_cka_refusals(tmp_path, capsys):
-    a, b, _ = data()
+    a, b, _ = representations()
     np.save(tmp_path / "a.npy", a)
     np.save(tmp_path / "short.npy", b[:100])
     np.save(tmp_path / "int.npy", np.ones((150, 2), dtype=np.int64))
@@ -70,7 +71,7 @@ def test_richness_merge_of_similarity_states(tmp_path, capsys):
     from richness._similarity import FORMAT
 
     assert _kinds.get("similarity").format == FORMAT
-    a, b, c = data(offset=300.0)
+    a, b, c = representations(offset=300.0)
     halves = []
     for i, rows in enumerate((slice(0, 40), slice(40, 150))):
         s = Similarity()
@@ -90,7 +91,7 @@ def test_richness_merge_of_similarity_states(tmp_path, capsys):
 
 
 def test_cka_shards_equal_the_whole_and_the_oracle(tmp_path, capsys):
-    a, b, _ = data(n=210, offset=50.0)
+    a, b, _ = representations(n=210, offset=50.0)
     (tmp_path / "b").mkdir()
     for i, (lo, hi) in enumerate([(0, 70), (70, 71), (71, 210)]):   # uneven, one a single row
         np.save(tmp_path / f"a-{i:05d}.npy", a[lo:hi])
@@ -104,7 +105,7 @@ def test_cka_shards_equal_the_whole_and_the_oracle(tmp_path, capsys):
 
 
 def test_cka_shard_refusals_are_one_line(tmp_path, capsys):
-    a, b, _ = data(n=60)
+    a, b, _ = representations(n=60)
     for i in range(2):
         np.save(tmp_path / f"a-{i}.npy", a[30 * i:30 * (i + 1)])
     np.save(tmp_path / "b-0.npy", b)

@@ -1272,7 +1272,7 @@ def test_device_moments_copies_and_pickles_through_its_state(emu, monkeypatch, h
     m.load_state_dict(cpu.state_dict())
     before = m.state_dict()
     dup = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda o: pickle.loads(pickle.dumps(o))}[how](m)
-    core, orig_core = dup._backend.core, m._backend.core
+    core, orig_core = dup._backend.core, m._backend.core  # the device accumulators themselves: internals under test
     assert dup.device == "cuda:0" and type(core) is type(orig_core) and core is not orig_core
     assert core.stack_rows == 64 and dup.num_classes == 5
     assert_equal_states(dup.state_dict(), before)
@@ -1295,6 +1295,7 @@ def test_device_moments_cuda_options_reach_the_core_and_survive_copies(emu, monk
     for groups in (None, 2):
         m = richness.Moments(5, device="cuda:0", stack_rows=64, stack_joint=False, cuda_product="tiles:16",
                              groups=groups)
+        # the options as the device accumulator (and each group's) holds them: no public view of those
         backend = m._backend if groups is None else m._backend.parts[1]
         assert m.staged_rows == 0 and m.staged_batches == 0
         backend.core.update(marg(X[:50]), marg(F[:50]), marg(y[:50]), marg(T[:50]), precision="fp32")

@@ -23,7 +23,8 @@ from richness.finish import diagnostics as dg
 NAMES = ("rankme", "alpha_req", "participation_ratio", "nc2_equinorm", "nc2_equiangle", "nc3")
 
 
-def data(rng, n=900, p=12, K=5):
+def class_clusters(rng, n=900, p=12, K=5):
+    """Features clustered around K class means with an anisotropic spread, their labels and a head W (K, p)."""
     means = rng.normal(size=(K, p)) * 1.5
     y = rng.integers(0, K, size=n)
     mix = np.diag(np.linspace(2.0, 0.2, p)) @ (np.eye(p) + 0.3 * rng.normal(size=(p, p)))
@@ -47,7 +48,7 @@ def check(rep, want, rtol):
 @pytest.mark.parametrize("splits", [1, 7])
 def test_fields_match_oracle_over_batch_splits(splits):
     rng = np.random.default_rng(0)
-    X, y, W = data(rng)
+    X, y, W = class_clusters(rng)
     m = richness.Moments()
     for idx in np.array_split(np.arange(len(y)), splits):
         m.update(X[idx], labels=y[idx])
@@ -62,7 +63,7 @@ def test_fields_match_oracle_over_batch_splits(splits):
 
 def test_merge_and_float32_inputs():
     rng = np.random.default_rng(1)
-    X, y, W = data(rng)
+    X, y, W = class_clusters(rng)
     a, b = richness.Moments(), richness.Moments()
     a.update(X[:400], labels=y[:400])
     b.update(X[400:], labels=y[400:])
@@ -78,7 +79,7 @@ def test_merge_and_float32_inputs():
 
 def test_spectrum_false_only_when_asked():
     rng = np.random.default_rng(2)
-    X, y, W = data(rng)
+    X, y, W = class_clusters(rng)
     m = richness.Moments()
     m.update(X, labels=y)
     full = m.compute(head=W)
@@ -97,7 +98,7 @@ def test_spectrum_false_only_when_asked():
 
 def test_uncentered_rankme_follows_centered_option():
     rng = np.random.default_rng(3)
-    X, y, _ = data(rng)
+    X, y, _ = class_clusters(rng)
     m = richness.Moments()
     m.update(X)
     rep = m.compute(centered=False)
@@ -108,7 +109,7 @@ def test_uncentered_rankme_follows_centered_option():
 def test_torch_state_matches_numpy():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(4)
-    X, y, W = data(rng)
+    X, y, W = class_clusters(rng)
     m = richness.Moments()
     m.update(X, labels=y)
     st = m.state_dict()
@@ -181,7 +182,7 @@ def test_simplex_etf_gives_nc2_zero_and_head_equal_means_nc3_zero():
     assert rep.nc2_equiangle == pytest.approx(0.0, abs=1e-12)
     assert rep.nc3 == pytest.approx(0.0, abs=1e-12)
     # unbalanced classes on a non-ETF: both nonzero and still the oracle's
-    X2, y2, W2 = data(rng)
+    X2, y2, W2 = class_clusters(rng)
     m2 = richness.Moments()
     m2.update(X2, labels=y2)
     r2 = m2.compute(head=W2)
@@ -190,7 +191,7 @@ def test_simplex_etf_gives_nc2_zero_and_head_equal_means_nc3_zero():
 
 def test_jackknife_standard_errors_match_leave_one_group_out_oracle():
     rng = np.random.default_rng(9)
-    X, y, W = data(rng, n=800)
+    X, y, W = class_clusters(rng, n=800)
     k = 4
     m = richness.Moments(groups=k)
     chunks = np.array_split(np.arange(len(y)), 8)
@@ -210,7 +211,7 @@ def test_jackknife_standard_errors_match_leave_one_group_out_oracle():
 
 def test_features_only_jackknife_without_outputs():
     rng = np.random.default_rng(10)
-    X, _, _ = data(rng)
+    X, _, _ = class_clusters(rng)
     m = richness.Moments(groups=3)
     for idx in np.array_split(np.arange(len(X)), 6):
         m.update(X[idx])
@@ -259,7 +260,7 @@ def test_one_class_gives_none_with_warning():
 
 def test_head_width_and_rows():
     rng = np.random.default_rng(13)
-    X, y, W = data(rng)
+    X, y, W = class_clusters(rng)
     m = richness.Moments()
     m.update(X, labels=y)
     with pytest.raises(ValueError, match="input columns"):
@@ -280,7 +281,7 @@ def test_measures_argument_checked():
 
 def test_no_warning_noise_for_defined_values():
     rng = np.random.default_rng(14)
-    X, y, W = data(rng)
+    X, y, W = class_clusters(rng)
     m = richness.Moments()
     m.update(X, labels=y)
     with warnings.catch_warnings():

@@ -10,7 +10,6 @@ are checked against the float64 n x n oracle on activations computed here.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,11 +21,13 @@ torch = pytest.importorskip("torch")
 
 import richness  # noqa: E402
 from reference import dlr_naive, nc1_naive  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 N, P, C = 96, 6, 3
 
 
-def data():
+def model_and_rows():
+    """A small float64 MLP and seeded rows (X, y) for it."""
     g = torch.Generator().manual_seed(11)
     X = torch.randn(N, P, generator=g, dtype=torch.float64) * 2 + 1
     y = torch.randint(0, C, (N,), generator=g)
@@ -47,7 +48,7 @@ def loader(X, y, bs=16):
 
 
 def test_default_is_local_without_a_process_group():
-    model, X, y = data()
+    model, X, y = model_and_rows()
     assert not torch.distributed.is_initialized()
     rep = richness.evaluate(model, loader(X, y), progress=False)
     dlr, nc1 = oracle(model, X, y)
@@ -60,7 +61,7 @@ def test_default_is_local_without_a_process_group():
 
 def test_single_process_accelerator():
     accelerate = pytest.importorskip("accelerate")
-    model, X, y = data()
+    model, X, y = model_and_rows()
     acc = accelerate.Accelerator(cpu=True)
     prepared_model, prepared = acc.prepare(model, loader(X, y))
     rep = richness.evaluate(prepared_model, prepared, progress=False)
@@ -74,11 +75,11 @@ SCRIPT = textwrap.dedent("""
     import accelerate
     import richness
     sys.path.insert(0, {tests!r})
-    from test_distributed_default import data, loader
+    from test_distributed_default import model_and_rows, loader
 
     acc = accelerate.Accelerator(cpu=True)   # torchrun's environment: a gloo process group
     torch.set_num_threads(1)
-    model, X, y = data()
+    model, X, y = model_and_rows()
     model, shard = acc.prepare(model, loader(X, y))
     local = richness.evaluate(model, shard, progress=False, distributed=False)
     rep = richness.evaluate(model, shard, progress=False)   # the same call as in one process
@@ -96,10 +97,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_with_accelerate_merges_by_default(tmp_path):
@@ -109,11 +106,11 @@ def test_torchrun_with_accelerate_merges_by_default(tmp_path):
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={_free_port()}", str(script)], capture_output=True, text=True,
+                        f"--master_port={free_port()}", str(script)], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [json.load(open(f"{out}.{i}")) for i in range(2)]
-    model, X, y = data()
+    model, X, y = model_and_rows()
     dlr, nc1 = oracle(model, X, y)
     for res in ranks:
         assert res["world"] == 2 and res["group"]

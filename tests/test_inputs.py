@@ -8,16 +8,11 @@ import torch
 
 import richness
 from reference import dlr_naive, one_hot, states_equal
+from conftest import linear_data
 
 
-def data(seed=0, n=240, p=8, C=3):
-    rng = np.random.default_rng(seed)
-    Q = np.linalg.qr(rng.normal(size=(p, p)))[0]
-    X = rng.normal(size=(n, p)) * np.linspace(2.0, 1.0, p) @ Q + 1.0
-    G = np.linalg.qr(rng.normal(size=(p, C)))[0]
-    F = X @ G + 0.2 * np.tanh(X[:, :C])
-    y = rng.integers(0, 4, size=n)
-    return X, F, y
+def data(seed=0, n=240, p=8):
+    return linear_data(n, p, c=3, seed=seed, classes=4)
 
 
 def state_of(*batches, **kw):

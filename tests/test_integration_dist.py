@@ -9,7 +9,6 @@ writes what it measured to a JSON file the test then compares.
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import richness  # noqa: E402
 from reference import dlr_naive, nc1_naive  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 N, P, C = 600, 12, 4
 
@@ -86,7 +86,8 @@ def _worker(rank, world, port, out_path):
         except ValueError as e:
             res["num_classes"] = str(e)
         res["num_classes_n"] = nc.n
-        # groups survive the reduction: group i of each rank merged with group i of the others
+        # groups survive the reduction: group i of each rank merged with group i of the others (the groups'
+        # sizes have no public view)
         g = richness.Moments(groups=3)
         for idx in np.array_split(shard, 6):
             g.update(X[idx], F[idx])
@@ -150,16 +151,12 @@ def _worker(rank, world, port, out_path):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist") / "rank.json"
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     ranks = []
     for r in range(2):
         with open(str(out).replace(".json", f".{r}.json")) as f:

@@ -1,5 +1,6 @@
 """Sharded inputs of `richness eval` and `richness merge`, against the float64 n x n oracles."""
 
+import functools
 import json
 import os
 
@@ -9,17 +10,14 @@ import pytest
 import richness
 from richness.cli import main
 from reference import dlr_naive, nc1_naive
+from conftest import linear_data
+
+data = functools.partial(linear_data, n=400, p=10, c=4, shift=3.0)
 
 # uneven shards, one of a single row (a shard need not have 2)
 CUTS = (0, 130, 131, 290, 400)
 
 
-def data(n=400, p=10, c=4, seed=0):
-    rng = np.random.default_rng(seed)
-    X = rng.normal(size=(n, p)) @ rng.normal(size=(p, p)) + 3.0
-    F = X @ rng.normal(size=(p, c)) + 0.3 * rng.normal(size=(n, c))
-    y = rng.integers(0, c, n)
-    return X, F, y
 
 
 def write_shards(folder, name, a, cuts=CUTS, ext="npy"):

@@ -4,6 +4,7 @@ padded ranks, merge_state, state_dict, device moves, copies) and
 MetricCollection."""
 
 import copy
+import functools
 import pickle
 import warnings
 
@@ -16,14 +17,11 @@ nn = torch.nn
 
 from richness.torchmetrics import DLR  # noqa: E402
 from reference import dlr_naive, nc1_naive  # noqa: E402
+from conftest import linear_data  # noqa: E402
+
+data = functools.partial(linear_data, seed=4, shift=3.0, noise=0.5)
 
 
-def data(n=300, p=10, c=3, seed=4, classes=3):
-    rng = np.random.default_rng(seed)
-    X = rng.normal(size=(n, p)) + 3
-    F = X @ rng.normal(size=(p, c)) + 0.5 * rng.normal(size=(n, c))
-    y = rng.integers(0, classes, n)
-    return X, F, y
 
 
 def t(a):

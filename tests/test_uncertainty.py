@@ -63,6 +63,9 @@ def test_groups_do_not_change_the_answer():
         assert abs(m.compute().dlr - whole.compute().dlr) < 1e-12
 
 
+# The tests below read the groups' own states (``m._backend.group_states()``):
+# which group a batch went to (the rotation) has no public view; the jackknife
+# only reports what is computed from all of them.
 def test_rejected_batch_leaves_grouped_state_and_rotation_unchanged():
     rng = np.random.default_rng(2)
     m = richness.Moments(groups=3)
