@@ -702,17 +702,17 @@ import numpy as np
 from richness.cli import main
 path = sys.argv[1]
 vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize")][0]
-resource.setrlimit(resource.RLIMIT_AS, (vm + 300_000_000, resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (vm + 200_000_000, resource.RLIM_INFINITY))
 sys.exit(main(["eval", path, "--no-progress", "--json"]))
 """
 
 
 def test_compressed_member_larger_than_memory_is_streamed(tmp_path):
-    # 1.5 M rows x 100 float32 (600 MB) compress to about 1 MB: a process limited to 300 MB more
-    # than it has reads it chunk by chunk (reading the member whole would need the 600 MB)
+    # 800 k rows x 100 float32 (320 MB) compress to under 1 MB: a process limited to 200 MB more
+    # than it has reads it chunk by chunk (reading the member whole would need the 320 MB)
     rng = np.random.default_rng(0)
     block = rng.normal(size=(4, 100)).astype(np.float32)
-    rows, path = 1_500_000, tmp_path / "bomb.npz"
+    rows, path = 800_000, tmp_path / "bomb.npz"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
         with z.open("features.npy", "w", force_zip64=True) as f:
             head = io.BytesIO()
