@@ -326,12 +326,14 @@ def test_eval_parquet_list_columns(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("suffix,module,package", [(".h5", "h5py", "h5py"), (".parquet", "pyarrow", "pyarrow"),
-                                                    (".safetensors", "safetensors", "safetensors")])
-def test_missing_optional_reader_names_the_package(tmp_path, capsys, monkeypatch, suffix, module, package):
+                                                    (".safetensors", "safetensors", "safetensors"),
+                                                    (".pt", "torch", "torch")])
+def test_missing_optional_reader_names_the_package_and_its_extra(tmp_path, capsys, monkeypatch, suffix, module,
+                                                                 package):
     (tmp_path / f"d{suffix}").write_bytes(b"x")
     monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
     line = run_error(["eval", str(tmp_path / f"d{suffix}"), "--no-progress"], capsys)
-    assert line == f"richness: error: reading {suffix} files needs {package}: pip install {package}"
+    assert line == f'richness: error: reading {suffix} files needs {package}: pip install "richness[{package}]"'
 
 
 # -- robustness -------------------------------------------------------------------

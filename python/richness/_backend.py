@@ -14,7 +14,7 @@ one batch at a time.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol
 
 import numpy as np
 
@@ -169,8 +169,8 @@ class CoreBackend:
                 "stack_joint": self.stack_joint, "product": self.product, "state": self.to_state()}
 
     def __setstate__(self, st: dict) -> None:
-        self.__init__(st["device"], st["num_classes"], st["stack_rows"], st.get("stack_joint", True),
-                      st.get("product"))
+        CoreBackend.__init__(self, st["device"], st["num_classes"], st["stack_rows"], st.get("stack_joint", True),
+                             st.get("product"))
         self.from_state(st["state"])
 
 
@@ -340,7 +340,7 @@ def _device_state(core: Any, device: str) -> dict:
         return core.get_state()
     dev = torch.device(device)
     st = {"n": n, **{k: sh[k] for k in ("p", "c", "t", "k", "num_classes", "precision")}}
-    dtypes = {np.float64: torch.float64, np.int64: torch.int64}
+    dtypes: Dict[type, Any] = {np.float64: torch.float64, np.int64: torch.int64}
     for f in _state.FIELDS:
         st[f.name] = torch.empty(_state.shape_of(f, sh), dtype=dtypes[f.dtype], device=dev)
     core.export_to({f.name: st[f.name].data_ptr() for f in _state.FIELDS if st[f.name].numel() > 0})

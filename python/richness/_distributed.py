@@ -17,6 +17,7 @@ from typing import Any, List, Optional
 import numpy as np
 
 from . import _state
+from ._optional import pip_extra
 
 
 def _dist():
@@ -24,7 +25,7 @@ def _dist():
         import torch
         import torch.distributed as dist
     except ImportError:
-        raise ImportError('Moments.all_reduce needs PyTorch: pip install "richness[torch]"') from None
+        raise ImportError(f"Moments.all_reduce needs PyTorch: {pip_extra('torch')}") from None
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("Moments.all_reduce needs an initialised torch.distributed process group "
                            "(torch.distributed.init_process_group)")

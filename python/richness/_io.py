@@ -23,7 +23,7 @@ import socket
 import stat
 import time
 import zipfile
-from typing import BinaryIO, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import IO, BinaryIO, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -304,7 +304,7 @@ class NpyHeader(NamedTuple):
         return count * self.dtype.itemsize
 
 
-def read_npy_header(f: BinaryIO, name: str) -> NpyHeader:
+def read_npy_header(f: IO[bytes], name: str) -> NpyHeader:
     """The header of the .npy that starts at ``f``'s position (nothing after
     it is read). Refuses object dtypes and negative or non-integer shapes."""
     start = f.tell()
@@ -441,10 +441,10 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged, layout: Layout) ->
     if not isinstance(meta, dict) or meta.get("format") != layout.format:
         raise bad(f"not a {noun} (format {meta.get('format') if isinstance(meta, dict) else None!r})")
     version = meta.get("version")
-    known = isinstance(version, int) and not isinstance(version, bool)
-    if not (known and 1 <= version <= layout.version):
-        newer = " (written by a newer richness: update richness to read it)" if known and version > layout.version \
-            else ""
+    known = version if isinstance(version, int) and not isinstance(version, bool) else None
+    if known is None or not 1 <= known <= layout.version:
+        newer = " (written by a newer richness: update richness to read it)" \
+            if known is not None and known > layout.version else ""
         raise bad(f"unsupported state version {version!r}{newer}; this richness reads versions 1 to {layout.version}")
     missing = [k for k in SCALARS + ("sha256",) + layout.extra if k not in meta] + [
         f.name for f in FIELDS if f.name not in members]

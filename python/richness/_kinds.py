@@ -34,7 +34,7 @@ class Kind:
 
     name: str
     format: str
-    cls: Callable[[], type]
+    cls: Callable[[], Any]
     widths: Callable[[Any], Dict[str, int]]
     check: Callable[[List[Dict[str, int]]], None]
     report: Callable[[Any], dict]

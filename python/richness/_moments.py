@@ -208,7 +208,8 @@ class Moments(Lockable):
         if other._backend is None or other.n == 0:
             return
         _state.check_sample_count([self.n, other.n])
-        self._backend_for(self._device if self._backend is not None else other._device).merge(other._backend)
+        device = self._device if self._backend is not None else other._device
+        self._backend_for(cast(str, device)).merge(other._backend)  # a Moments with a backend has a device
 
     def all_reduce(self, group: Any = None) -> None:
         """Merge the states of all ranks of ``group`` (torch.distributed, gloo or
@@ -371,8 +372,9 @@ def batch_precision(precision: Optional[str], batch: Batch) -> str:
     return "fp64" if all(d == _adapt.F64 for d in floats) else "fp32"
 
 
-def dlr(features: Any, outputs: Any = None, *, head: Any = None, rtol: Optional[float] = None) -> float:
-    """DLR of one set of samples (0 = rich, 1 = lazy).
+def dlr(features: Any, outputs: Any = None, *, head: Any = None, rtol: Optional[float] = None) -> Optional[float]:
+    """DLR of one set of samples (0 = rich, 1 = lazy); None where it is
+    undefined (as ``Report.dlr``).
 
     Give ``outputs`` (n, C), or ``head`` (``(W, b)``, ``W`` or a ``torch.nn.Linear``)
     for the linear-head shortcut.

@@ -1,13 +1,22 @@
-"""Imports of optional dependencies (torch, tqdm, wandb, mlflow) that fail naming the pip extra to install."""
+"""Imports of optional dependencies that fail naming the pip extra to install.
+
+Every optional integration has an extra of its own in pyproject.toml
+(``[project.optional-dependencies]``), and every message about a missing one
+names it in the words of ``pip_extra``."""
 
 import importlib
+
+
+def pip_extra(extra: str) -> str:
+    """The command that installs the optional dependencies of ``extra``."""
+    return f'pip install "richness[{extra}]"'
 
 
 def _require(module: str, what: str, name: str, extra: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f'{what} needs {name}: pip install "richness[{extra}]"') from None
+        raise ImportError(f"{what} needs {name}: {pip_extra(extra)}") from None
 
 
 def require_torch(what: str):
@@ -19,7 +28,7 @@ def require_tqdm(what: str):
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        raise ImportError(f'{what} with progress=True needs tqdm: pip install "richness[demo]" '
+        raise ImportError(f"{what} with progress=True needs tqdm: {pip_extra('progress')} "
                           "(or pass progress=False)") from None
     return tqdm
 

@@ -19,7 +19,7 @@ import copy
 import math
 import os
 import warnings
-from typing import Any, List, Mapping, NamedTuple, Optional
+from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -155,6 +155,12 @@ class Similarity:
     def widths(self) -> List[int]:
         return list(self._widths or [])
 
+    def _layout(self) -> Tuple[List[str], List[int], np.ndarray]:
+        """The names, widths and shift of a Similarity that has seen a batch
+        (the three are set, and cleared, together)."""
+        assert self._names is not None and self._widths is not None and self._shift is not None
+        return self._names, self._widths, self._shift
+
     def _check_names(self, names: List[str], widths: List[int]) -> None:
         if self._names is None:
             return
@@ -167,7 +173,7 @@ class Similarity:
                              f" ({why or 'another order'}); give the same names in every update")
         if widths != self._widths:
             raise ValueError(f"update: widths {dict(zip(names, widths))} differ from the first batch's "
-                             f"{dict(zip(self._names, self._widths))}")
+                             f"{dict(zip(*self._layout()[:2]))}")
 
     def update(self, batch: Mapping[str, Any]) -> None:
         """Add one batch: a mapping name -> (rows x width) of the same rows."""
@@ -215,7 +221,8 @@ class Similarity:
         if other._names != self._names or other._widths != self._widths:
             raise ValueError(f"cannot merge: this Similarity holds names {self._names} of widths {self._widths}, "
                              f"the other names {other._names} of widths {other._widths}")
-        st = _reshift(other._moments.state_dict(), other._widths, other._shift, self._shift)
+        _, widths, shift = other._layout()
+        st = _reshift(other._moments.state_dict(), widths, shift, self._layout()[2])
         m = Moments()
         m.load_state_dict(st)
         self._moments.merge(m)
@@ -231,7 +238,7 @@ class Similarity:
 
         _, dist = _dist()
         world = dist.get_world_size(group)
-        mine = None if self.n == 0 else (self._names, self._widths, self._shift.tolist())
+        mine = None if self.n == 0 else (self._names, self._widths, self._layout()[2].tolist())
         gathered: List[Any] = [None] * world
         dist.all_gather_object(gathered, mine, group=group)
         live = [g for g in gathered if g is not None]
@@ -243,7 +250,7 @@ class Similarity:
                 raise ValueError(f"all_reduce: ranks hold different representations: names {names} of widths "
                                  f"{widths} and names {g[0]} of widths {g[1]}; no rank's state changed")
         st = (self._moments.state_dict() if self.n == 0
-              else _reshift(self._moments.state_dict(), widths, self._shift, shift))
+              else _reshift(self._moments.state_dict(), widths, self._layout()[2], shift))
         merged = all_reduce_states([st], group=group)[0]
         m = Moments(precision=self.precision)
         m.load_state_dict(merged)
@@ -267,7 +274,7 @@ class Similarity:
         if self._names is None or self.n == 0:
             raise ValueError("compute: the Similarity holds no samples; update it first")
         st = self._moments.state_dict()
-        return _finish(st["mean"], st["M"], self.n, self._names, self._widths, self._shift)
+        return _finish(st["mean"], st["M"], self.n, *self._layout())
 
     # -- persistence ----------------------------------------------------------
 
@@ -374,9 +381,9 @@ def _joint(xs: List[Any], shift: np.ndarray, wide: bool = False) -> Any:
         cols += [((x.to(torch.float64) - c[offs[r]:offs[r + 1]]) ** 2).sum(dim=1, keepdim=True).to(dt)
                  for r, x in enumerate(xs)]
         return torch.cat(cols, dim=1)
-    dt = np.float64 if wide or all(x.dtype == np.float64 for x in xs) else np.float32
+    dtype = np.float64 if wide or all(x.dtype == np.float64 for x in xs) else np.float32
     n, k = xs[0].shape[0], len(xs)
-    out = np.empty((n, offs[-1] + k), dtype=dt)
+    out = np.empty((n, offs[-1] + k), dtype=dtype)
     for r, x in enumerate(xs):
         out[:, offs[r]:offs[r + 1]] = x
         d = x.astype(np.float64) - shift[offs[r]:offs[r + 1]]

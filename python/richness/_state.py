@@ -114,7 +114,7 @@ def shape_of(field: Field, widths: Dict[str, int]) -> Tuple[int, ...]:
 
 def empty(num_classes: Optional[int] = None) -> dict:
     """The state of a Moments that has seen nothing."""
-    st = {"n": 0, "p": -1, "c": -1, "t": -1, "k": -1,
+    st: dict = {"n": 0, "p": -1, "c": -1, "t": -1, "k": -1,
           "num_classes": -1 if num_classes is None else int(num_classes), "precision": "fp64"}
     for f in FIELDS:
         st[f.name] = np.zeros(shape_of(f, st), dtype=f.dtype)
@@ -472,8 +472,8 @@ def merge(states: List[dict]) -> dict:
         out = empty(None if w["num_classes"] < 0 else w["num_classes"])
         return out
     with np.errstate(over="ignore", invalid="ignore"):
-        means = split_means(sum(weighted_means(s, w) for s in live) / w["n"], w)
-        flat = sum(shifted_sums(s, means, w) for s in live)
+        means = split_means(np.asarray(sum(weighted_means(s, w) for s in live) / w["n"]), w)
+        flat = np.asarray(sum(shifted_sums(s, means, w) for s in live))
     check_finite(flat, means)
     return assemble(flat, means, w, coarsest(s["precision"] for s in live))
 

@@ -1,6 +1,6 @@
 """``richness.lightning.RichnessCallback``: a ``richness.Monitor`` in a Lightning run.
 
-Needs ``lightning`` (or the older ``pytorch_lightning``): ``pip install lightning``.
+Needs ``lightning`` (or the older ``pytorch_lightning``): ``pip install "richness[lightning]"``.
 
 The callback builds the Monitor on the LightningModule when training starts,
 counts one Monitor step per optimizer step (gradient accumulation: the
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
+from ._optional import pip_extra
+
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - the older package name
     try:
-        from pytorch_lightning.callbacks import Callback
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment,unused-ignore]
     except ImportError as _e:
-        raise ImportError("richness.lightning needs Lightning: pip install lightning "
+        raise ImportError(f"richness.lightning needs Lightning: {pip_extra('lightning')} "
                           f"(or pytorch_lightning) ({_e})") from None
 
 from .monitor.monitor import Monitor

@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from . import _io
+from ._optional import pip_extra
 from ._report import Report
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
@@ -30,7 +31,7 @@ def _plt():
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError('richness plots need matplotlib: pip install "richness[demo]"') from None
+        raise ImportError(f"richness plots need matplotlib: {pip_extra('plot')}") from None
     return plt
 
 
@@ -63,6 +64,10 @@ def curves(reports: Union[Report, Mapping[str, Report]], prefix: "str | os.PathL
     held_out = False
     for i, (label, rep) in enumerate(reports.items()):
         c = _COLORS[i % len(_COLORS)]
+        rel = rep.relative_eigenvalues
+        if rep.feature_rank is None or rel is None:
+            raise ValueError(f"curves needs reports with the spectrum; {label or 'the report'} was computed "
+                             "with spectrum=False")
         kmax = max(int(rep.feature_rank), 1)
         k = np.arange(1, kmax + 1)
         name = f"{label} " if label else ""
@@ -73,7 +78,7 @@ def curves(reports: Union[Report, Mapping[str, Report]], prefix: "str | os.PathL
             if test is not None:
                 held_out = True
                 ax.plot(k, test[:kmax], color=c, lw=2, ls="--", label=f"{name}held-out")
-        ax_r.plot(k, np.clip(rep.relative_eigenvalues[:kmax], 1e-300, None), color=c, lw=2,
+        ax_r.plot(k, np.clip(rel[:kmax], 1e-300, None), color=c, lw=2,
                   label=f"{name}eff. dim {rep.effective_dim:.1f}")
     ax_q.set_title("cumulative quality Pi*(k): targets")
     ax_u.set_title("cumulative utilization Pi_hat(k): outputs")

@@ -30,11 +30,12 @@ from __future__ import annotations
 import warnings
 from typing import Any, List, Optional, Tuple
 
+from ._optional import pip_extra
+
 try:
     from transformers import TrainerCallback
 except ImportError as _e:
-    raise ImportError(f"richness.transformers needs transformers: pip install transformers accelerate ({_e})") \
-        from None
+    raise ImportError(f"richness.transformers needs transformers: {pip_extra('transformers')} ({_e})") from None
 
 from .model.batches import UNSHIFTED, labels_are_inputs, next_token_labels
 from .model.hooks import ModelHook

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import warnings
+from typing import List
 
 import numpy as np
 
@@ -46,7 +47,7 @@ def cka_cmd(args: argparse.Namespace) -> int:
     lists = _shards(args.inputs)
     # Every shard is opened and checked before any data is read: the same
     # widths as shard 1, the same rows across the representations of a shard.
-    shards = []
+    shards: List[list] = []
     for i in range(len(lists[0])):
         files = [_open(files[i]) for files in lists]
         rows = {f.label: f.rows for f in files}
@@ -70,9 +71,9 @@ def cka_cmd(args: argparse.Namespace) -> int:
     try:
         for i in range(len(shards)):
             files = [_open(files[i]) for files in lists]
-            rows = files[0].rows
-            for a in range(0, rows, chunk):
-                b = min(a + chunk, rows)
+            count = files[0].rows
+            for a in range(0, count, chunk):
+                b = min(a + chunk, count)
                 batch = {name: f.chunk(a, b) for name, f in zip(names, files)}
                 try:
                     s.update(batch)

@@ -11,6 +11,7 @@ import warnings
 from typing import Optional
 
 from .. import _io
+from .._optional import pip_extra
 from . import UserError
 from .readers import head_weights, split_spec
 from .shards import Layout, Shard, Shards, scan
@@ -151,6 +152,7 @@ def eval_cmd(args: argparse.Namespace) -> int:
                 progress=progress, desc="richness eval")
     test = None
     if test_shards is not None:
+        assert test_layout is not None  # scanned with the held-out shards
         test = _stream(test_shards, test_layout, chunk=args.chunk, precision=args.precision,
                        num_classes=args.num_classes, progress=progress, desc="richness eval (held-out)")
     try:
@@ -294,5 +296,5 @@ def info(args: argparse.Namespace) -> int:
         archs = ", ".join(torch.cuda.get_arch_list()) if torch.cuda.is_available() else "none (no GPU visible)"
         print(f"torch {torch.__version__} ({cuda}), {torch.get_num_threads()} threads; GPU architectures: {archs}")
     except ImportError:
-        print('torch: not installed (evaluate/Monitor need pip install "richness[torch]")')
+        print(f"torch: not installed (evaluate/Monitor need {pip_extra('torch')})")
     return 0

@@ -56,7 +56,7 @@ class RawRows:
     def _read(self, pos: int, length: int, a: int, b: int, into: Optional[np.ndarray] = None) -> np.ndarray:
         """``length`` bytes from ``pos`` (into ``into``'s memory when given)."""
         buf = np.empty(length, np.uint8) if into is None else into
-        view = memoryview(buf.view(np.uint8))
+        view = memoryview(buf.view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs give arrays the buffer protocol from Python 3.12
         got = 0
         while got < length:
             self.raw.seek(pos + got)

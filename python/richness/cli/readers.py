@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import sys
 import zipfile
-from typing import List, Optional
+from typing import IO, Any, Callable, List, Optional, cast
 
 import numpy as np
 
 from .. import _io
+from .._optional import pip_extra
 from . import UserError, reason
 from .raw import RawRows, c_strides, mapped_file_offset, safetensors_offset
 
@@ -34,14 +35,14 @@ def split_spec(spec: str):
     return spec, None
 
 
-def _optional(module: str, package: str, suffix: str):
-    """Import an optional reader or fail naming the pip package."""
+def _optional(module: str, package: str, suffix: str, extra: str):
+    """Import an optional reader or fail naming the pip extra that installs it."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UserError(f"reading {suffix} files needs {package}: pip install {package}") from None
+        raise UserError(f"reading {suffix} files needs {package}: {pip_extra(extra)}") from None
 
 
 class ArrayFile:
@@ -82,8 +83,8 @@ class ArrayFile:
         self.bf16 = False
         self.array: Optional[np.ndarray] = None
         self.names: List[str] = []  # the file's named arrays (empty for a one-array file)
-        self._reader = None  # (a, b) -> rows a..b-1, for arrays not held whole in self.array
-        self._keep = None  # an open h5py file behind _reader
+        self._reader: Optional[Callable[[int, int], np.ndarray]] = None  # rows a..b-1, for arrays not held whole
+        self._keep: Any = None  # an open file (h5py, or the .npz's) behind _reader
         low = path.lower()
         try:
             if low.endswith(".npy"):
@@ -156,6 +157,7 @@ class ArrayFile:
 
     def _open_npz(self, path: str) -> None:
         f = _io.open_regular(path)
+        kept = False
         try:
             zf = zipfile.ZipFile(f)
             members = _io.npz_members(zf, path)
@@ -172,14 +174,13 @@ class ArrayFile:
                 self.array = _io.read_member(zf, member)
                 return
             self._reader = _NpzRows(zf, member)
-            self._keep = f
-            f = None
+            self._keep, kept = f, True
         finally:
-            if f is not None:
+            if not kept:
                 f.close()
 
     def _open_safetensors(self, path: str) -> None:
-        st = _optional("safetensors", "safetensors", ".safetensors")
+        st = _optional("safetensors", "safetensors", ".safetensors", "safetensors")
         try:  # the library validates the header (by pread where it can: no mapping); RawRows reads the data
             try:
                 handle = st.safe_open(path, framework="numpy", backend="pread")
@@ -192,6 +193,7 @@ class ArrayFile:
         shape = tuple(int(s) for s in sl.get_shape())
         kind = sl.get_dtype()
         del sl, handle
+        dtype: np.dtype
         if kind == "BF16":  # numpy has no bfloat16: the bits are read, widened per chunk
             self.bf16, dtype = True, np.dtype(np.uint16)
         elif kind in _ST_DTYPES:
@@ -202,7 +204,7 @@ class ArrayFile:
             self._raw(f, safetensors_offset(f, key, self.label), shape, c_strides(shape, dtype.itemsize), dtype)
 
     def _open_torch(self, path: str) -> None:
-        torch = _optional("torch", "torch", ".pt")
+        torch = _optional("torch", "torch", ".pt", "torch")
         import pickle
 
         mapped = True
@@ -258,7 +260,7 @@ class ArrayFile:
         self.shape, self.dtype = shape, dtype
 
     def _open_hdf5(self, path: str) -> None:
-        h5py = _optional("h5py", "h5py", ".h5")
+        h5py = _optional("h5py", "h5py", ".h5", "h5py")
         f = h5py.File(path, "r")
         names: List[str] = []
         f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
@@ -290,8 +292,8 @@ class ArrayFile:
             raise UserError(f"{self.label}: an empty dataset (HDF5 null dataspace: no shape, no data)")
 
     def _open_parquet(self, path: str) -> None:
-        pa = _optional("pyarrow", "pyarrow", ".parquet")
-        pq = _optional("pyarrow.parquet", "pyarrow", ".parquet")
+        pa = _optional("pyarrow", "pyarrow", ".parquet", "pyarrow")
+        pq = _optional("pyarrow.parquet", "pyarrow", ".parquet", "pyarrow")
         pf = pq.ParquetFile(path)
         key = self._pick(list(pf.schema_arrow.names), "column")
         md = pf.metadata
@@ -333,7 +335,7 @@ class ArrayFile:
 
     def chunk(self, a: int, b: int) -> np.ndarray:
         try:
-            x = self._reader(a, b) if self._reader is not None else self.array[a:b]
+            x = self._reader(a, b) if self._reader is not None else cast(np.ndarray, self.array)[a:b]
         except UserError:
             raise
         except _UNREADABLE as e:
@@ -381,7 +383,7 @@ class _NpzRows:
         for s in self.row_shape:
             width *= s
         self.row_bytes = width * h.dtype.itemsize
-        self.f = None
+        self.f: Optional[IO[bytes]] = None
         self._restart()
 
     def _restart(self) -> None:
@@ -392,6 +394,7 @@ class _NpzRows:
         self.pos = 0
 
     def _read(self, n: int) -> bytes:
+        assert self.f is not None  # opened by _restart
         parts, left = [], n
         while left:
             piece = self.f.read(min(left, 1 << 24))
@@ -426,7 +429,7 @@ class _ParquetColumn:
 
     def _restart(self) -> None:
         self.it = self.pf.iter_batches(batch_size=self.batch, columns=[self.key])
-        self.start, self.buf = 0, None
+        self.start, self.buf = 0, cast(Optional[np.ndarray], None)
 
     def _convert(self, col, first: int) -> np.ndarray:
         if col.null_count:
@@ -452,7 +455,7 @@ class _ParquetColumn:
     def __call__(self, a: int, b: int) -> np.ndarray:
         if a < self.start:
             self._restart()
-        parts = []
+        parts: List[np.ndarray] = []
         while True:
             lo = self.start
             hi = lo + (0 if self.buf is None else len(self.buf))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, cast, overload
 
 from . import UserError
 from .readers import ArrayFile, open_or_bundle, split_spec, width
@@ -29,6 +29,12 @@ def _format(path: str) -> str:
     return _FORMAT.get(ext, ext or "(no suffix)")
 
 
+@overload
+def expand(spec: str) -> List[str]: ...
+@overload
+def expand(spec: None) -> None: ...
+@overload
+def expand(spec: Optional[str]) -> Optional[List[str]]: ...
 def expand(spec: Optional[str]) -> Optional[List[str]]:
     """The files an argument names, as reader specs (``FILE`` or ``FILE:KEY``):
     itself when it is a file, else the sorted files a glob matches or a
@@ -98,7 +104,8 @@ class Shards:
                 continue
             short, long_ = (s, "features") if len(other) < len(feats) else ("features", s)
             i = len(self.specs[short] or [])
-            raise UserError(f"{self.specs[long_][i]}: shard {i + 1} of {self.names[long_]} has no partner in "
+            long_specs = cast(List[str], self.specs[long_])  # the longer list is given
+            raise UserError(f"{long_specs[i]}: shard {i + 1} of {self.names[long_]} has no partner in "
                             f"{self.names[short]} {given[short]} ({len(other)} {s} files against {len(feats)} "
                             "features files; shards pair by position in sorted order)")
 

@@ -237,6 +237,7 @@ def dlr_of_state(st: dict, W, rtol: float, with_range: bool = False) -> tuple:
     norm_m = check_features(st)
     with NumericFailureGuard(st, W):
         fn = function_moments(st, W)
+        assert fn is not None  # outputs or a head, checked above
         if with_range:
             dlr, rank, _, dlr_range, _ = dlr_with_range(fn, st["M"], norm_m, rtol)
             return dlr, rank, dlr_range

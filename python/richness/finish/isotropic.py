@@ -16,8 +16,8 @@ def isotropic_dlr(n: int, p_eff: float, r: int) -> float:
     isotropic reference); docs/READING_DLR.md derives it."""
     m = max(n - 1, 1)
     p = max(p_eff, 1.0)
-    r = min(r, m, p)
-    value = 1.0 - math.sqrt(r) * (m + p - r) / math.sqrt(m * p * (m + p + 1))
+    span = min(r, m, p)
+    value = 1.0 - math.sqrt(span) * (m + p - span) / math.sqrt(m * p * (m + p + 1))
     return min(max(value, 0.0), 1.0)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from ._xp import eigh_desc, f64, ns
 from .dlr import Functions, function_moments
@@ -12,10 +12,10 @@ from .dlr import Functions, function_moments
 class Spectrum(NamedTuple):
     """Eigenpairs of the feature operator (docs/MATH.md, spectrum and eigenfunctions)."""
 
-    rho: object  # eigenvalues of Sigma = M / n, descending, all p
+    rho: Any  # eigenvalues of Sigma = M / n, descending, all p
     rank: int  # eigenvalues above rtol * rho_1: the eigenfunctions the curves use
-    V: object  # their eigenvectors (p x rank)
-    lam: object  # their eigenvalues of M (rank)
+    V: Any  # their eigenvectors (p x rank)
+    lam: Any  # their eigenvalues of M (rank)
     effective_dim: float  # exp(-sum q_k log q_k), q_k = rho_k / sum rho
 
 

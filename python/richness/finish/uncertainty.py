@@ -57,6 +57,7 @@ def add_jackknife(report: Report, loo_states: list, W) -> None:
     theta_J = k theta - (k-1) theta_bar, 95% interval theta_J +- t_{k-1} SE.
     The interval is centred on theta_J: DLR's finite-sample bias is O(1/n),
     which the jackknife removes to first order."""
+    assert report.dlr is not None  # the caller adds the jackknife only to a defined DLR
     k = len(loo_states)
     theta = np.array([dlr_of_state(st, W, report.rtol)[0] for st in loo_states])
     bar = float(theta.mean())

@@ -86,6 +86,7 @@ class _HeadTap:
 
     def take(self, model: Any, inputs: Any, out: Any) -> Tuple[Any, Any]:
         if self.finder is None:
+            assert self.capture is not None  # a resolved head has its capture
             return self.capture.take()
         _, self.module, x, y = self.finder.result(out)
         self.finder.remove()

@@ -71,7 +71,7 @@ def output_tensors(out: Any) -> List[Any]:
         vals = [out.logits]
     else:
         return []
-    res = []
+    res: list = []
     for v in vals:
         res.extend(output_tensors(v) if not isinstance(v, torch.Tensor) else [v])
     return res

@@ -142,7 +142,8 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
             for batch in loader:
                 captured.clear()
                 for n in names:
-                    x = feeds[n](batch) if feeds[n] is not None else split_batch(batch)[0]
+                    feed = feeds[n]
+                    x = feed(batch) if feed is not None else split_batch(batch)[0]
                     state["n"] = batch_size_of(x)
                     call_model(mods[n], to_device(x, _model_device(mods[n])))
                 missing = [k for k in order if k not in captured]

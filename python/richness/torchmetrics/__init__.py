@@ -1,6 +1,6 @@
 """``richness.torchmetrics.DLR``: DLR as a torchmetrics ``Metric``.
 
-Needs the optional dependency torchmetrics (``pip install torchmetrics``).
+Needs the optional dependency torchmetrics (``pip install "richness[torchmetrics]"``).
 
 The state is one tensor per field of the state schema (``_state.FIELDS``:
 ``mean``, ``M``, ``out_mean``, ``B``, ``A``, ...) plus ``widths`` (n, p, c, t,
@@ -18,11 +18,13 @@ exported from it when anything reads them (``compute``, ``sync``,
 back into it before the next batch.
 """
 
+from .._optional import pip_extra
+
 try:
     import torch  # noqa: F401
     import torchmetrics  # noqa: F401
 except ImportError as _e:  # pragma: no cover - exercised only without the extra
-    raise ImportError('richness.torchmetrics needs torch and torchmetrics: pip install "richness[torch]" torchmetrics '
+    raise ImportError(f"richness.torchmetrics needs torch and torchmetrics: {pip_extra('torchmetrics')} "
                       f"({_e})") from None
 
 from .metric import DLR

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, cast
 
 import numpy as np
 
@@ -331,11 +331,13 @@ class DLR(Metric):
 
     def _with_measures(self, st: dict, W: Any, q: Any) -> dict:
         """``{"dlr": ..., measure: ...}`` as float64 scalar tensors, nan where undefined."""
+        measures = self.measures
+        assert measures  # called only when measures are set
         values: dict = {}
         if _finish.too_few_samples(int(st["n"])) is None:
-            values = _finish.measure_values(st, W, _finish.rtol_for(st["precision"], self.rtol), self.measures)[0]
+            values = _finish.measure_values(st, W, _finish.rtol_for(st["precision"], self.rtol), measures)[0]
         out = {"dlr": q.dlr}
-        out.update({name: values.get(name) for name in self.measures})
+        out.update({name: values.get(name) for name in measures})
         return {k: torch.tensor(math.nan if v is None else float(v), dtype=torch.float64, device=self.device)
                 for k, v in out.items()}
 
@@ -350,7 +352,7 @@ class DLR(Metric):
         """The head's weight for finishing ``st``, on the state's device."""
         if not self._uses_weights:
             return None
-        W = self._head_weights(int(st["p"]))
+        W: Any = self._head_weights(int(st["p"]))
         if not isinstance(st["M"], np.ndarray):
             W = torch.as_tensor(W, device=st["M"].device)
         return W
@@ -431,10 +433,10 @@ class DLR(Metric):
         self._present()
         # The states keep their dtypes (float64 sums, int64 widths) whatever
         # dtype conversion is asked; they follow device moves only.
-        this = super()._apply(fn, exclude_state=tuple(exclude_state) + _STATES)
+        this = cast("DLR", super()._apply(fn, exclude_state=tuple(exclude_state) + _STATES))
         dev = this._device
         for name in _STATES:
-            this._defaults[name] = this._defaults[name].to(dev)
+            this._defaults[name] = cast(torch.Tensor, this._defaults[name]).to(dev)  # our states are tensors
             t = this.__dict__[name]
             if t.device != dev:
                 setattr(this, name, t.to(dev))

@@ -14,7 +14,7 @@ from .. import _state
 
 _FIELDS = tuple(f.name for f in _state.FIELDS)
 _STATES = _FIELDS + ("widths",)
-_TORCH_DTYPE = {np.float64: torch.float64, np.int64: torch.int64}
+_TORCH_DTYPE: Dict[type, Any] = {np.float64: torch.float64, np.int64: torch.int64}
 
 
 def _widths_of(widths: Any) -> Dict[str, Any]:
@@ -77,8 +77,10 @@ class Capture:
         else None (a copied model's forwards never reach a metric that was not
         copied with it)."""
         metric = self.ref()
-        twin = memo.get(id(metric)) if metric is not None else None
-        head_copy = memo.get(id(metric.head)) if metric is not None else None
+        if metric is None:
+            return None
+        twin = memo.get(id(metric))
+        head_copy = memo.get(id(metric.head))
         if twin is None or head_copy is None or twin.head is not metric.head:
             return None
         object.__setattr__(twin, "head", head_copy)
