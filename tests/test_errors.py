@@ -372,9 +372,9 @@ def test_bad_merges_leave_state():
     wide_out = richness.Moments()
     wide_out.update(X, np.hstack([F, F[:, :1] ** 2]), labels=Y)
     cases = [
-        (narrow, ValueError, r"feature widths differ \(4 here, 3 in the other\)"),
-        (no_outputs, ValueError, r"only one side streamed outputs"),
-        (wide_out, ValueError, r"output widths differ \(2 here, 3 in the other\)"),
+        (narrow, ValueError, r"cannot merge: states hold different feature widths \[3, 4\] \(-1 = not streamed\)"),
+        (no_outputs, ValueError, r"cannot merge: states hold different output widths \[-1, 2\]"),
+        (wide_out, ValueError, r"cannot merge: states hold different output widths \[2, 3\]"),
         ("not a Moments", TypeError, r"merge expects a Moments"),
     ]
     for other, exc, pattern in cases:

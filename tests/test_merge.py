@@ -276,3 +276,67 @@ def test_a_cuda_only_precision_gets_one_message_on_every_route(name):
         _core.CpuMoments().update((x.ctypes.data, 4, 2, 2, "float64"), precision=name)
     assert str(ctor.value) == str(core.value)
     assert str(core.value) == f"precision '{name}' needs device='cuda'; the CPU multiplies in fp64 or fp32"
+
+
+# -- one merge rule ------------------------------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+def _shaped(n, p, c, k, num_classes, seed, groups=None):
+    """A Moments of n rows of width p, with c outputs (None: none) and labels below k (None: none)."""
+    m = richness.Moments(num_classes, groups=groups)
+    if n:
+        rng = np.random.default_rng(seed)
+        X = rng.normal(size=(n, p))
+        m.update(X, None if c is None else rng.normal(size=(n, c)),
+                 labels=None if k is None else np.arange(n) % k)
+    return m
+
+
+SHAPES = st.tuples(st.sampled_from([0, 6]), st.sampled_from([2, 3]), st.sampled_from([None, 1, 2]),
+                   st.sampled_from([None, 2, 3]), st.sampled_from([None, 2, 3, 4]))
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(SHAPES, SHAPES)
+def test_every_merge_route_applies_the_one_python_rule(a, b):
+    """Moments.merge (with and without groups) refuses exactly what
+    _state.check_compatible refuses, in its words, leaving the state as it was;
+    whatever that rule accepts, the core's own pairwise check accepts too."""
+    from richness import _state
+
+    if a[3] is not None and a[4] is not None and a[3] > a[4]:
+        a = a[:4] + (None,)  # labels beyond a fixed num_classes never make a state
+    if b[3] is not None and b[4] is not None and b[3] > b[4]:
+        b = b[:4] + (None,)
+    other = _shaped(*b, seed=2)
+    widths = [_shaped(*a, seed=1)._widths(), other._widths()]
+    try:
+        _state.check_compatible(widths)
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    for groups in (None, 2):
+        m = _shaped(*a, seed=1, groups=groups)
+        before = m.state_dict()
+        if refusal is None:
+            m.merge(other)  # the core merges what the rule accepts
+            assert m.n == a[0] + other.n
+        else:
+            with pytest.raises(ValueError) as e:
+                m.merge(other)
+            assert str(e.value) == refusal
+            assert states_equal(m.state_dict(), before)
+
+
+def test_states_fixing_different_num_classes_do_not_merge_on_any_route():
+    from richness import _state
+
+    a, b = moments_of(chunk(1, 30, 2), num_classes=4), moments_of(chunk(2, 30, 2), num_classes=5)
+    message = r"cannot merge: states fix different num_classes \[4, 5\]"
+    with pytest.raises(ValueError, match=message):
+        a.merge(b)
+    with pytest.raises(ValueError, match=message):
+        _state.merge([a.state_dict(), b.state_dict()])
+    assert a.num_classes == 4 and a.n == 30

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _adapt, _io, _state
 from . import finish as _finish
-from ._backend import PRODUCT_CPU, STACK_CPU, Backend, Batch, CoreBackend, GroupedBackend, Lockable
+from ._backend import Backend, Batch, CoreBackend, GroupedBackend, Lockable
 from ._report import Report
 
 
@@ -97,10 +97,7 @@ class Moments(Lockable):
                              "(each group holds a whole state: k groups cost k times the memory)")
         if group_seed is not None and groups is None:
             raise ValueError("group_seed needs groups=k")
-        if num_classes is not None and (isinstance(num_classes, (bool, np.bool_))
-                                        or not isinstance(num_classes, (int, np.integer))
-                                        or not 1 <= num_classes <= _state.INT64_MAX):
-            raise ValueError(f"num_classes must be an integer from 1 to 2**63 - 1 (or None), got {num_classes!r}")
+        num_classes = _state.check_num_classes(num_classes)
         if precision is not None and precision not in _state.PRECISIONS:
             raise ValueError(f"precision must be one of {_state.PRECISIONS} or None, got {precision!r}")
         if device is not None:
@@ -114,14 +111,12 @@ class Moments(Lockable):
         if (isinstance(stack_rows, (bool, np.bool_)) or not isinstance(stack_rows, (int, np.integer))
                 or not 0 <= stack_rows < 2**31):
             raise ValueError(f"stack_rows must be an integer in [0, 2**31), got {stack_rows!r}")
-        if stack_rows and device == "cpu":
-            raise ValueError(STACK_CPU)
         if cuda_product is not None and (not isinstance(cuda_product, str)
                                          or not _PRODUCT.fullmatch(cuda_product)):
             raise ValueError(f"cuda_product must be None or an algorithm's name, optionally with ':block' "
                              f"(an integer), as in 'tiles:16'; got {cuda_product!r}")
-        if cuda_product is not None and device == "cpu":
-            raise ValueError(PRODUCT_CPU)
+        # stack_rows and cuda_product on the CPU are refused by CoreBackend, where the device is
+        # known: here below (device given) or at the first batch, merge or load.
         self.stack_rows = int(stack_rows)
         self.stack_joint = bool(stack_joint)
         self.cuda_product = cuda_product
@@ -152,11 +147,7 @@ class Moments(Lockable):
         return self._device
 
     def _create(self, device: str) -> None:
-        if device == "cpu" and self.stack_rows:  # before anything changes
-            raise ValueError(STACK_CPU)
-        if device == "cpu" and self.cuda_product is not None:
-            raise ValueError(PRODUCT_CPU)
-        backend = self._new_backend(device)
+        backend = self._new_backend(device)  # raises before anything changes (CUDA options on the CPU)
         self._device = device
         self._backend = backend
 
@@ -205,9 +196,9 @@ class Moments(Lockable):
         """Add another state (Chan et al. pairwise merge; exact up to rounding)."""
         if not isinstance(other, Moments):
             raise TypeError(f"merge expects a Moments, got {type(other).__name__}")
+        _state.check_compatible([self._widths(), other._widths()])  # the rule of every merge, one wording
         if other._backend is None or other.n == 0:
             return
-        _state.check_sample_count([self.n, other.n])
         device = self._device if self._backend is not None else other._device
         self._backend_for(cast(str, device)).merge(other._backend)  # a Moments with a backend has a device
 
@@ -232,6 +223,13 @@ class Moments(Lockable):
             self.num_classes = self._merged_num_classes(states)
             return
         self.load_state_dict(all_reduce_states([self.state_dict()], group=group)[0])
+
+    def _widths(self) -> dict:
+        """The state's integer widths (``_state.WIDTHS``, ``n`` included), from the host."""
+        if self._backend is None:
+            return _state.widths_of(_state.empty(self.num_classes))
+        w = self._backend.widths()
+        return dict({k: int(w[k]) for k in _state.WIDTHS if k != "n"}, n=self.n)
 
     def _check_num_classes(self, states: list) -> None:
         for st in states:
@@ -366,10 +364,8 @@ class Moments(Lockable):
 def batch_precision(precision: Optional[str], batch: Batch) -> str:
     """The product precision of one batch: ``precision``, or by default
     ``"fp64"`` when every float input is float64, else ``"fp32"``."""
-    if precision is not None:
-        return precision
     floats = [m.dtype for m in (batch.features, batch.outputs, batch.targets) if m is not None]
-    return "fp64" if all(d == _adapt.F64 for d in floats) else "fp32"
+    return _state.default_precision(precision, all(d == _adapt.F64 for d in floats))
 
 
 def dlr(features: Any, outputs: Any = None, *, head: Any = None, rtol: Optional[float] = None) -> Optional[float]:

@@ -66,6 +66,15 @@ def check_runs_on_cpu(name: str) -> None:
     _core.check_cpu_precision(name)
 
 
+def default_precision(precision: Optional[str], all_float64: bool) -> str:
+    """The product precision of a batch: ``precision`` when one is fixed, else
+    ``"fp64"`` when every float input of the batch is float64 and ``"fp32"``
+    otherwise (the rule of ``Moments.update`` and the Monitor's every=1 route)."""
+    if precision is not None:
+        return precision
+    return "fp64" if all_float64 else "fp32"
+
+
 def coarsest(names: Iterable[str]) -> str:
     """The coarsest of several precisions (what a merged state's products were)."""
     return max((precision_mode(n) for n in names), key=lambda m: m.coarseness).name
@@ -122,6 +131,18 @@ def empty(num_classes: Optional[int] = None) -> dict:
 
 
 INT64_MAX = 2**63 - 1
+
+
+def check_num_classes(num_classes: object) -> Optional[int]:
+    """``num_classes`` as an int (None stays None), or a ValueError naming
+    the range it must be in: an integer from 1 to 2**63 - 1 (in a state dict,
+    -1 stands for None)."""
+    if num_classes is None:
+        return None
+    if (isinstance(num_classes, (bool, np.bool_)) or not isinstance(num_classes, (int, np.integer))
+            or not 1 <= num_classes <= INT64_MAX):
+        raise ValueError(f"num_classes must be an integer from 1 to 2**63 - 1 (or None), got {num_classes!r}")
+    return int(num_classes)
 
 
 def _as_int(key: str, v: object) -> int:
@@ -350,8 +371,12 @@ def check_gram(st: dict) -> None:
 
 def check_compatible(metas: List[Dict[str, int]]) -> None:
     """Raise the same ValueError for every caller when states of widths
-    ``metas`` (dicts of WIDTHS) cannot merge. Empty states merge with anything
-    (within a fixed num_classes)."""
+    ``metas`` (dicts of WIDTHS) cannot merge: the one merge rule of richness
+    (``Moments.merge``, the many-state and distributed merges, ``richness
+    merge``, ``richness.dask``; the core's own pairwise check,
+    ``check_mergeable`` in csrc/common/state.hpp, accepts everything this
+    accepts and stays as a backstop). States that fix num_classes must fix the
+    same one; empty states merge with anything else."""
     fixed = sorted({m["num_classes"] for m in metas if m["num_classes"] >= 0})
     if len(fixed) > 1:
         raise ValueError(f"cannot merge: states fix different num_classes {fixed}")

@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import _adapt
 from .._backend import centered_grams
+from .._state import default_precision
 from .capture import _StepBuffer
 from ..model.threads import BlasThreads
 from ..finish import GramRows, check_rtol, finish_gram_rows, rtol_for
@@ -278,7 +279,7 @@ class OneBatchRoute:
             return
         x, f = g.x, g.f
         all64 = x.dtype == torch.float64 and (f is None or f.dtype == torch.float64)
-        prec = self.precision or ("fp64" if all64 else "fp32")
+        prec = default_precision(self.precision, all64)
         rtol = rtol_for(prec, self.rtol)
         try:
             packed = g.reduce(prec, threads, core_route(x))
