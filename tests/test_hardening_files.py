@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import richness
-from richness import _io
+from richness import _statefile
 from richness.cli import UserError, main
 from richness.cli.readers import ArrayFile
 from reference import dlr_naive, states_equal
@@ -288,7 +288,7 @@ def test_save_keeps_other_writers_temp_files(tmp_path):
     m.update(features(n=30, p=3))
     m.save(tmp_path / "s.npz")
     assert sorted(os.listdir(tmp_path)) == sorted(names + ["s.npz"])
-    old = time.time() - _io.STALE_TEMP_AGE - 60
+    old = time.time() - _statefile.STALE_TEMP_AGE - 60
     for name in names:
         os.utime(tmp_path / name, (old, old))
     m.save(tmp_path / "s.npz")
@@ -297,7 +297,7 @@ def test_save_keeps_other_writers_temp_files(tmp_path):
 
 def test_save_removes_this_hosts_dead_writer_temp_only(tmp_path):
     pid = _dead_pid()
-    host = _io._host_tag()
+    host = _statefile._host_tag()
     mine = tmp_path / f".richness-{host}-{pid}-zz.tmp"  # this host, writer gone: provably stale
     alive = tmp_path / f".richness-{host}-{os.getppid()}-zz.tmp"  # this host, writer alive
     for p in (mine, alive):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import richness
-from richness import _io, _state
+from richness import _state, _statefile
 from reference import states_equal
 
 P, C, T, K = 6, 3, 2, 4
@@ -196,7 +196,7 @@ def test_impossible_state_is_refused_and_nothing_changes(name, tmp_path):
     # and a file holding it (intact archive, valid checksum) is refused on load, naming the file
     if kind is ValueError:
         path = tmp_path / "tampered.npz"
-        _io.save_state(dict(st, **{k: int(st[k]) for k in _state.WIDTHS if isinstance(st[k], np.integer)}),
+        _statefile.save_state(dict(st, **{k: int(st[k]) for k in _state.WIDTHS if isinstance(st[k], np.integer)}),
                        path)
         with pytest.raises(ValueError, match=r"tampered\.npz: (not a valid richness state .*" + pattern
                            + "|entry class_counts has dtype uint64)"):  # the file format holds int64 only

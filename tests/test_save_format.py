@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import richness
-from richness import _io, _state
+from richness import _state, _statefile
 from reference import dlr_naive
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "state_v1.npz")
@@ -65,13 +65,13 @@ def with_field(monkeypatch, field, version=2):
     its own, so these tests stay at the loader)."""
     fields = SCHEMA + (field,)
     for mod, names in ((_state, ("FIELDS", "FIELD_NAMES", "FLOAT_FIELDS", "INT_FIELDS")),
-                       (_io, ("FIELDS", None, "FLOATS", "INTS"))):
+                       (_statefile, ("FIELDS", None, "FLOATS", "INTS"))):
         values = (fields, tuple(f.name for f in fields), tuple(f.name for f in fields if f.dtype == np.float64),
                   tuple(f.name for f in fields if f.dtype == np.int64))
         for name, value in zip(names, values):
             if name:
                 monkeypatch.setattr(mod, name, value)
-    monkeypatch.setattr(_io, "VERSION", version)
+    monkeypatch.setattr(_statefile, "VERSION", version)
 
 
 def test_the_stored_v1_file_loads_with_the_seeded_values():
@@ -84,10 +84,10 @@ def test_the_stored_v1_file_loads_with_the_seeded_values():
 
 
 def test_a_field_added_later_refuses_the_older_file_by_name(monkeypatch):
-    old_state_dict = _io.load_state(FIXTURE)
+    old_state_dict = _statefile.load_state(FIXTURE)
     with_field(monkeypatch, _state.Field("D", ("p", "c")))
     with pytest.raises(ValueError, match=r"state_v1\.npz: missing entries: D$"):
-        _io.load_state(FIXTURE)
+        _statefile.load_state(FIXTURE)
     with pytest.raises(ValueError, match=r"state_v1\.npz: missing entries: D$"):
         richness.Moments.load(FIXTURE)
     with pytest.raises(ValueError, match=r"state is missing entries: D$"):
@@ -95,14 +95,14 @@ def test_a_field_added_later_refuses_the_older_file_by_name(monkeypatch):
 
 
 def test_a_file_written_under_a_new_field_holds_it_and_records_the_new_version(monkeypatch, tmp_path):
-    st = _state.checked(_io.load_state(FIXTURE))
+    st = _state.checked(_statefile.load_state(FIXTURE))
     # members the schema does not know are refused, not ignored
     with pytest.raises(ValueError, match="unknown entries: Z"):
         _state.checked(dict(st, Z=np.zeros(3)))
     with_field(monkeypatch, _state.Field("D", ("p", "c")))
     st["D"] = np.arange(6.0).reshape(3, 2)
-    _io.save_state(st, tmp_path / "v2.npz")
-    again = _state.checked(_io.load_state(tmp_path / "v2.npz"))
+    _statefile.save_state(st, tmp_path / "v2.npz")
+    again = _state.checked(_statefile.load_state(tmp_path / "v2.npz"))
     assert_matches_reference(again)
     assert np.array_equal(again["D"], st["D"])
     assert json.loads(np.load(tmp_path / "v2.npz")["meta"].tobytes().decode())["version"] == 2

@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from . import _io
+from . import _bounded_io, _statefile
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def _moments_check(metas: List[Dict[str, int]]) -> None:
     _state.check_compatible(metas)
 
 
-register(Kind("moments", _io.FORMAT, _moments_class, _moments_widths, _moments_check,
+register(Kind("moments", _statefile.FORMAT, _moments_class, _moments_widths, _moments_check,
               lambda m: m.compute().to_dict()))
 
 
@@ -77,12 +77,12 @@ def file_format(path: str) -> Optional[str]:
     """The format name a saved file's ``meta`` entry gives, or None where the
     file is not such an archive (the kind's own ``load`` then says why)."""
     try:
-        with _io.open_regular(path) as f, zipfile.ZipFile(f) as zf:
-            members = _io.npz_members(zf, path)
+        with _bounded_io.open_regular(path) as f, zipfile.ZipFile(f) as zf:
+            members = _bounded_io.npz_members(zf, path)
             meta = members.get("meta")
-            if meta is None or meta.header.dtype.kind != "u" or meta.header.nbytes > _io._META_MAX:
+            if meta is None or meta.header.dtype.kind != "u" or meta.header.nbytes > _statefile._META_MAX:
                 return None
-            doc = json.loads(_io.read_member(zf, meta).tobytes().decode())
+            doc = json.loads(_bounded_io.read_member(zf, meta).tobytes().decode())
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError, NotImplementedError, RuntimeError,
             zipfile.LargeZipFile, UnicodeDecodeError):
         return None

@@ -11,7 +11,7 @@ from typing import Any, Optional, cast
 
 import numpy as np
 
-from . import _adapt, _io, _state
+from . import _adapt, _state, _statefile
 from . import finish as _finish
 from ._backend import Backend, Batch, CoreBackend, GroupedBackend, Lockable
 from ._report import Report
@@ -333,7 +333,7 @@ class Moments(Lockable):
 
     def save(self, path: "os.PathLike | str") -> None:
         """Write the state to ``path`` atomically (an .npz archive, no pickle)."""
-        _io.save_state(self.state_dict(), path)
+        _statefile.save_state(self.state_dict(), path)
 
     @classmethod
     def load(cls, path: "os.PathLike | str", *, device: Optional[str] = None) -> "Moments":
@@ -341,7 +341,7 @@ class Moments(Lockable):
         (docs/ARCHITECTURE.md, "Adding things"); rejects truncated, corrupted or
         foreign files and files of a newer richness with a ValueError naming
         the file."""
-        state = _io.load_state(path)
+        state = _statefile.load_state(path)
         m = cls(device=device or "cpu")
         try:  # the archive is intact; its entries may still not form a valid state
             m.load_state_dict(state)

@@ -23,7 +23,7 @@ from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _adapt, _io, _state
+from . import _adapt, _state, _statefile
 from ._moments import Moments
 
 __all__ = ["Similarity", "SimilarityReport", "cka", "FORMAT"]
@@ -322,14 +322,14 @@ class Similarity:
         arrays["shift"] = st["shift"]
         extra = {"names": st["names"], "widths": st["widths"]}
         meta = {"format": FORMAT, "version": VERSION, **{k: mst[k] for k in _state.SCALARS}, **extra,
-                "sha256": _io._digest(arrays, mst, extra)}
-        _io.write_archive(path, meta, arrays)
+                "sha256": _statefile._digest(arrays, mst, extra)}
+        _statefile.write_archive(path, meta, arrays)
 
     @classmethod
     def load(cls, path: "os.PathLike | str") -> "Similarity":
         """Read a file written by ``save``; truncated, corrupted or foreign files
         (a Moments file included) raise a ValueError naming the file."""
-        path = _io.file_path(path)
+        path = _statefile.file_path(path)
         state = _read(path)
         s = cls()
         try:
@@ -462,12 +462,13 @@ def _shift_shape(meta: dict, widths: dict) -> dict:
     return {"shift": (sum(w) if widths["n"] > 0 else 0,)}
 
 
-LAYOUT = _io.Layout(FORMAT, VERSION, "richness similarity state", "Similarity.save", ("names", "widths"), _shift_shape)
+LAYOUT = _statefile.Layout(FORMAT, VERSION, "richness similarity state", "Similarity.save", ("names", "widths"),
+                           _shift_shape)
 
 
 def _read(path: str) -> dict:
-    """The state dict of a file written by ``Similarity.save`` (``_io.load_state``
+    """The state dict of a file written by ``Similarity.save`` (``_statefile.load_state``
     with this layout: every member's shape checked before any data is read)."""
-    st = _io.load_state(path, LAYOUT)
+    st = _statefile.load_state(path, LAYOUT)
     moments = {k: st[k] for k in _state.SCALARS + tuple(_state.FIELD_NAMES)}
     return {"names": st["names"], "widths": st["widths"], "shift": st["shift"], "moments": moments}

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _io
+from . import _bounded_io
 from ._optional import pip_extra
 from ._report import Report
 
@@ -126,7 +126,7 @@ def read_log(path: "str | os.PathLike") -> List[Dict[str, Any]]:
     recs = []
     try:
         # regular files only: a device or a pipe could be endless or block for ever
-        with io.TextIOWrapper(_io.open_regular(path), newline="") as f:
+        with io.TextIOWrapper(_bounded_io.open_regular(path), newline="") as f:
             if path.endswith(".csv"):
                 for i, row in enumerate(csv.DictReader(f), start=2):
                     rec: Dict[str, Any] = {}

@@ -10,7 +10,7 @@ from typing import List
 
 import numpy as np
 
-from .. import _io
+from .. import _bounded_io
 from . import UserError
 from .commands import _CHUNK_BYTES, _bar
 from .readers import ArrayFile
@@ -65,7 +65,7 @@ def cka_cmd(args: argparse.Namespace) -> int:
     n = sum(shard[0][1] for shard in shards)
     P = sum(width for _, _, width, _ in first) + len(first)
     chunk = max(1, min(args.chunk, _CHUNK_BYTES // max(sum(nbytes for *_, nbytes in first), 1)))
-    _io.check_memory(8.0 * P * P * 3 + chunk * 8.0 * P, f"the joint state of width {P}")
+    _bounded_io.check_memory(8.0 * P * P * 3 + chunk * 8.0 * P, f"the joint state of width {P}")
     s = Similarity(precision=args.precision)
     bar = _bar(n, not args.no_progress, "richness cka")
     try:

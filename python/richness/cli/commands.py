@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import Optional
 
-from .. import _io
+from .. import _bounded_io, _statefile
 from .._optional import pip_extra
 from . import UserError
 from .readers import head_weights, split_spec
@@ -69,7 +69,7 @@ def _stream(shards: Shards, layout: Layout, *, chunk: int, precision: Optional[s
     sh = layout.shapes
     widths = {"p": sh["features"][0], "c": _width(sh.get("outputs")), "t": _width(sh.get("targets")),
               "k": num_classes or -1}
-    _io.check_memory(_io.state_bytes(widths) + chunk * layout.row_bytes,
+    _bounded_io.check_memory(_statefile.state_bytes(widths) + chunk * layout.row_bytes,
                      f"{layout.label}: the state at p={widths['p']}"
                      + (f" with {num_classes} classes" if num_classes else ""))
     bar = _bar(layout.rows, progress, desc)

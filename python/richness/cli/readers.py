@@ -11,7 +11,7 @@ from typing import IO, Any, Callable, List, Optional, cast
 
 import numpy as np
 
-from .. import _io
+from .. import _bounded_io
 from .._optional import pip_extra
 from . import UserError, reason
 from .raw import RawRows, c_strides, mapped_file_offset, safetensors_offset
@@ -75,7 +75,7 @@ class ArrayFile:
         if os.path.isdir(path):
             raise UserError(f"{path}: is a directory, expected a {_SUFFIXES} file")
         try:
-            size = _io.check_regular(path)
+            size = _bounded_io.check_regular(path)
         except (OSError, ValueError) as e:
             raise UserError(reason(e) if str(e).startswith(path) else f"{path}: {reason(e)}") from None
         if size == 0:
@@ -136,7 +136,7 @@ class ArrayFile:
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self._reader = RawRows(f, self.label, offset, self.shape, tuple(strides), self.dtype)
 
-    def _map(self, f, offset: int, header: "_io.NpyHeader") -> None:
+    def _map(self, f, offset: int, header: "_bounded_io.NpyHeader") -> None:
         """The .npy array whose data starts at ``offset`` of the open file ``f``."""
         size = os.fstat(f.fileno()).st_size
         if offset + header.nbytes > size:
@@ -146,9 +146,9 @@ class ArrayFile:
                   header.dtype)
 
     def _open_npy(self, path: str) -> None:
-        with _io.open_regular(path) as f:
+        with _bounded_io.open_regular(path) as f:
             try:
-                header = _io.read_npy_header(f, self.label)
+                header = _bounded_io.read_npy_header(f, self.label)
             except ValueError as e:
                 msg = str(e)
                 raise UserError(msg if "impossible shape" in msg or "object arrays" in msg
@@ -156,22 +156,22 @@ class ArrayFile:
             self._map(f, header.header_bytes, header)
 
     def _open_npz(self, path: str) -> None:
-        f = _io.open_regular(path)
+        f = _bounded_io.open_regular(path)
         kept = False
         try:
             zf = zipfile.ZipFile(f)
-            members = _io.npz_members(zf, path)
+            members = _bounded_io.npz_members(zf, path)
             member = members[self._pick(list(members), "array")]
             if member.info.compress_type == zipfile.ZIP_STORED:
                 size = os.fstat(f.fileno()).st_size
-                self._map(f, _io.stored_data_offset(f, member, size, self.label), member.header)
+                self._map(f, _bounded_io.stored_data_offset(f, member, size, self.label), member.header)
                 return
             header = member.header
             self.shape, self.dtype = header.shape, header.dtype
             if header.fortran and len(header.shape) == 2 and header.shape[1] > 1:
                 # column-major data cannot be read by rows: read it whole
-                _io.check_memory(header.nbytes, f"{self.label} (a compressed column-major array)")
-                self.array = _io.read_member(zf, member)
+                _bounded_io.check_memory(header.nbytes, f"{self.label} (a compressed column-major array)")
+                self.array = _bounded_io.read_member(zf, member)
                 return
             self._reader = _NpzRows(zf, member)
             self._keep, kept = f, True
@@ -200,7 +200,7 @@ class ArrayFile:
             dtype = np.dtype(_ST_DTYPES[kind])
         else:
             raise UserError(f"{self.label}: unsupported dtype {kind}")
-        with _io.open_regular(path) as f:
+        with _bounded_io.open_regular(path) as f:
             self._raw(f, safetensors_offset(f, key, self.label), shape, c_strides(shape, dtype.itemsize), dtype)
 
     def _open_torch(self, path: str) -> None:
@@ -215,7 +215,7 @@ class ArrayFile:
                 if "mmap" not in str(e):
                     raise
                 mapped = False
-                _io.check_memory(os.path.getsize(path), f"{path} (a legacy-format .pt file, read whole)")
+                _bounded_io.check_memory(os.path.getsize(path), f"{path} (a legacy-format .pt file, read whole)")
                 obj = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
         except pickle.UnpicklingError as e:
             raise UserError(f"{path}: not a file of tensors (torch.load with weights_only=True refused it: "
@@ -250,11 +250,11 @@ class ArrayFile:
             strides = tuple(int(s) * dtype.itemsize for s in t.stride())
             offset = start + t.storage_offset() * dtype.itemsize
             del t
-            with _io.open_regular(path) as f:
+            with _bounded_io.open_regular(path) as f:
                 self._raw(f, offset, shape, strides, dtype)
             return
         if mapped and t.numel():  # where the mapping cannot be located: the tensor read whole, now
-            _io.check_memory(t.untyped_storage().nbytes(), f"{self.label} (read whole)")
+            _bounded_io.check_memory(t.untyped_storage().nbytes(), f"{self.label} (read whole)")
             t = t.clone()
         self.array = (t.view(torch.int16) if self.bf16 else t).numpy().view(dtype)
         self.shape, self.dtype = shape, dtype
@@ -375,7 +375,7 @@ class _NpzRows:
     before the cursor restarts). The member's size was checked against its
     header, so a read never goes past it: a short member raises EOFError."""
 
-    def __init__(self, zf: zipfile.ZipFile, member: "_io.NpzMember") -> None:
+    def __init__(self, zf: zipfile.ZipFile, member: "_bounded_io.NpzMember") -> None:
         self.zf, self.member = zf, member
         h = member.header
         self.row_shape = h.shape[1:]
@@ -484,7 +484,7 @@ def head_weights(spec: Optional[str]):
     f.check_float("head weights")
     if len(f.shape) != 2:
         raise UserError(f"{f.label}: head weights must be 2-D (outputs, features), got shape {f.shape}")
-    _io.check_memory(2 * 8 * f.rows * f.shape[1], f"{f.label}: the head weights (read whole, as float64)")
+    _bounded_io.check_memory(2 * 8 * f.rows * f.shape[1], f"{f.label}: the head weights (read whole, as float64)")
     return np.array(f.chunk(0, f.rows), dtype=np.float64)
 
 
