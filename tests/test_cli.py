@@ -399,6 +399,8 @@ def test_depth_plot_takes_a_report_and_held_out_axis_says_unbounded(tmp_path):
     assert "can exceed 1" in (tmp_path / "c.svg").read_text()
     plot.curves(m.compute(), tmp_path / "c2")
     assert "can exceed 1" not in (tmp_path / "c2.svg").read_text()
+    with pytest.raises(ValueError, match="'short' was computed with spectrum=False"):
+        plot.curves({"full": rep, "short": m.compute(spectrum=False)}, tmp_path / "c3")
 
 
 def test_demo_says_where_it_writes_and_how_to_read(tmp_path, capsys):

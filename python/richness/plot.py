@@ -66,8 +66,8 @@ def curves(reports: Union[Report, Mapping[str, Report]], prefix: "str | os.PathL
         c = _COLORS[i % len(_COLORS)]
         rel = rep.relative_eigenvalues
         if rep.feature_rank is None or rel is None:
-            raise ValueError(f"curves needs reports with the spectrum; {label or 'the report'} was computed "
-                             "with spectrum=False")
+            which = repr(label) if label else "the report"
+            raise ValueError(f"curves needs reports with the spectrum; {which} was computed with spectrum=False")
         kmax = max(int(rep.feature_rank), 1)
         k = np.arange(1, kmax + 1)
         name = f"{label} " if label else ""
