@@ -28,11 +28,6 @@
 
 #include "products.hpp"
 
-#define RB_SET_THREADS scipy_openblas_set_num_threads
-#define RB_GET_THREADS scipy_openblas_get_num_threads
-#define RB_CONFIG scipy_openblas_get_config
-#define RB_CORE scipy_openblas_get_corename
-
 namespace richness {
 
 namespace {
@@ -153,10 +148,8 @@ inline int64_t label_at(const Matrix& y, int64_t i) {
   return static_cast<const int64_t*>(y.ptr)[i * y.ld];
 }
 
-
-// Column means in float64 (docs/MATH.md, "Streaming estimator": the batch mean is never formed in a narrower
-// type). Also the finiteness check: a finite sum of finite values is finite,
-// so only a non-finite sum needs the element-wise count.
+// Adds rows r0..r1 of m into float64 column sums s (docs/MATH.md, "Streaming
+// estimator": the batch mean is never formed in a narrower type).
 void add_column_sums(const Matrix& m, int64_t r0, int64_t r1, double* s) {
   for_each_row(m, r0, r1, [&](int64_t, auto get) {
     for (int64_t j = 0; j < m.cols; ++j) s[j] += get(j);
@@ -214,7 +207,6 @@ int64_t count_nonfinite(const Matrix& m) {
   });
   return bad;
 }
-
 
 // Float64 column means, which double as the finiteness check: a finite sum
 // of finite values is finite, so only a non-finite sum needs the count.
@@ -391,8 +383,6 @@ struct BatchClasses {
   }
 };
 
-// ---- CPU update -------------------------------------------------------------
-
 // ---- fork -------------------------------------------------------------------
 
 namespace {
@@ -437,7 +427,6 @@ CpuMoments::~CpuMoments() {
   std::lock_guard<std::mutex> lock(r.mu);
   r.live.erase(&mu_);
 }
-
 
 void CpuMoments::update(const Batch& b, Precision precision) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -658,7 +647,6 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std
   target.commit();
 }
 
-
 // ---- Gram matrices of row blocks (the Monitor's one-batch windows) ----------
 
 namespace {
@@ -717,7 +705,8 @@ void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out
 std::string blas_info() {
   Msg os;
   os << "scipy-openblas32 ";
-  os << RB_CONFIG() << " (core: " << RB_CORE() << "; " << blas_get_num_threads()
+  os << scipy_openblas_get_config() << " (core: " << scipy_openblas_get_corename() << "; "
+     << blas_get_num_threads()
      << " richness worker threads, each calling BLAS single-threaded)";
   return os.str();
 }
@@ -726,8 +715,8 @@ namespace {
 // OpenBLAS's own count (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS or the cores)
 // becomes ours; OpenBLAS itself then runs in the calling thread.
 int initial_threads() {
-  const int n = std::max(1, RB_GET_THREADS());
-  RB_SET_THREADS(1);
+  const int n = std::max(1, scipy_openblas_get_num_threads());
+  scipy_openblas_set_num_threads(1);
   return n;
 }
 std::atomic<int> g_threads{initial_threads()};

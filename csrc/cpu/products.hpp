@@ -14,7 +14,13 @@
 // whole triangle, single-threaded, SkylakeX and Haswell kernels alike), and
 // OpenBLAS 0.3.34's SYRK runs its GEMM kernel over the triangle's blocks at
 // about the GEMM's rate on these kernels (benchmarks/RESULTS.md, "CPU
-// products at the BLAS limit").
+// products at the BLAS limit"). The same holds on an AMD EPYC (Zen 4, where
+// OpenBLAS picks its SkylakeX kernels): at p = 2048, k = 4096 these bands ran
+// the triangle at 49 G multiply-adds/s on one thread (SGEMM: 51 G/s on the
+// full square) and 98 G/s on two, where GEMM tilings (row panels with GEMM
+// or SYRK diagonal blocks, square tiles, 128 to 512 rows) reached 69-91 G/s
+// on two (RESULTS.md, "Tilings on an AMD EPYC"). So one rule serves both
+// processors and nothing is chosen per machine.
 //
 // The workers take tiles largest first from one shared counter and write
 // disjoint parts of one product, so there is one p x p product a batch
@@ -41,30 +47,30 @@
 
 #include "../common/parallel.hpp"
 
-// The scipy-openblas32 wheel's symbols carry a scipy_ prefix (CMakeLists.txt).
-#define RB(name) scipy_cblas_##name
-
 namespace richness {
+
+// BLAS calls go through these wrappers. The scipy-openblas32 wheel's symbols
+// carry a scipy_ prefix (CMakeLists.txt), hence scipy_cblas_*.
 
 // C (m x n, row stride ldc) = A^T B for row-major A (k x m, stride lda) and
 // B (k x n, stride ldb).
 inline void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
                     float* c, int64_t ldc) {
-  RB(sgemm)(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0f, a, (int)lda, b, (int)ldb,
+  scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0f, a, (int)lda, b, (int)ldb,
             0.0f, c, (int)ldc);
 }
 inline void gemm_tn(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb,
                     double* c, int64_t ldc) {
-  RB(dgemm)(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0, a, (int)lda, b, (int)ldb, 0.0,
+  scipy_cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0, a, (int)lda, b, (int)ldb, 0.0,
             c, (int)ldc);
 }
 
 // C (n x n, lower, row-major) = A A^T for row-major A (n x k): the Gram of rows.
 inline void syrk_rows(int64_t n, int64_t k, const float* a, float* c) {
-  RB(ssyrk)(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0f, a, (int)k, 0.0f, c, (int)n);
+  scipy_cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0f, a, (int)k, 0.0f, c, (int)n);
 }
 inline void syrk_rows(int64_t n, int64_t k, const double* a, double* c) {
-  RB(dsyrk)(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0, a, (int)k, 0.0, c, (int)n);
+  scipy_cblas_dsyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0, a, (int)k, 0.0, c, (int)n);
 }
 
 // One product to form: out (rows x cols, row-major) = a^T b, where a holds
@@ -80,10 +86,10 @@ struct Product {
 };
 
 inline void syrk_lower(int64_t n, int64_t k, const float* a, int64_t lda, float* c, int64_t ldc) {
-  RB(ssyrk)(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)k, 1.0f, a, (int)lda, 0.0f, c, (int)ldc);
+  scipy_cblas_ssyrk(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)k, 1.0f, a, (int)lda, 0.0f, c, (int)ldc);
 }
 inline void syrk_lower(int64_t n, int64_t k, const double* a, int64_t lda, double* c, int64_t ldc) {
-  RB(dsyrk)(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)k, 1.0, a, (int)lda, 0.0, c, (int)ldc);
+  scipy_cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)k, 1.0, a, (int)lda, 0.0, c, (int)ldc);
 }
 
 // Row bands of a rows-row product for `bands` workers' shares: equal areas
