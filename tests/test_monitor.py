@@ -666,3 +666,103 @@ def test_monitor_rejects_a_bad_rtol_when_made():
     for bad in (0.0, 1.0, 2.0, "1e-5"):
         with pytest.raises(ValueError, match=r"rtol must be a number in \(0, 1\)"):
             richness.Monitor(model, rtol=bad)
+
+
+
+
+def _window_run(head, batches, every, window, labels=True, **kw):
+    """Monitor(head) over ``batches`` (x, y); returns the history and, per
+    emitted window, the float64 oracle (DLR, rank, NC1 or None, n)."""
+    want, H, F, Y = [], [], [], []
+    with richness.Monitor(head, every=every, window=window, **kw) as mon:
+        for s, (x, y) in enumerate(batches, start=1):
+            if (s - 1) % every >= every - window:
+                with torch.no_grad():
+                    H.append(x.double().numpy())
+                    F.append(head(x).double().numpy())
+                    Y.append(y.numpy())
+            head(x)
+            mon.step(labels=y if labels else None)
+            if s % every == 0:
+                Hw, Fw, Yw = np.concatenate(H), np.concatenate(F), np.concatenate(Y)
+                d, r = dlr_naive(Hw, Fw)
+                want.append((d, r, nc1_naive(Hw, Yw) if labels else None, len(Hw)))
+                H, F, Y = [], [], []
+    return mon.history, want
+
+
+@pytest.mark.parametrize("precision", [None, "fp64"])
+def test_monitor_window_float32_with_a_large_mean_matches_oracle(precision):
+    # The window's Moments centers on float64 batch means: a mean of 1e4 with a
+    # spread of 1e-2 in float32 features still gives DLR and NC1 of the float32
+    # values.
+    torch.manual_seed(3)
+    head = nn.Linear(96, 6)
+    with torch.no_grad():
+        head.weight.mul_(100.0)
+    batches = [(1e4 + 1e-2 * torch.randn(40, 96), torch.randint(0, 6, (40,))) for _ in range(8)]
+    hist, want = _window_run(head, batches, every=4, window=3, precision=precision)
+    assert [r["step"] for r in hist] == [4, 8]
+    tol = 1e-10 if precision == "fp64" else 2e-5
+    for rec, (d, r, nc1, n) in zip(hist, want):
+        assert rec["n"] == n == 120 and rec["rank"] == r
+        assert abs(rec["dlr"] - d) < tol and abs(rec["nc1"] - nc1) < 1e3 * tol * nc1
+        lo, hi = rec["dlr_rtol_range"]
+        assert 0.0 <= lo <= 1.0 and 0.0 <= hi <= 1.0
+
+
+def test_monitor_window_refuses_what_moments_refuse():
+    # Rows the Moments would refuse (non-finite features, negative labels) raise
+    # the Moments' own error at emission; the next window is recorded as usual.
+    torch.manual_seed(4)
+    head = nn.Linear(16, 3).double()
+    good = [(torch.randn(20, 16, dtype=torch.float64), torch.randint(0, 3, (20,))) for _ in range(4)]
+    nan_x = good[1][0].clone()
+    nan_x[5, 2] = float("nan")
+    for bad, match in (((nan_x, good[1][1]), "non-finite"), ((good[1][0], good[1][1] - 1), "labels out of range")):
+        with richness.Monitor(head, every=2, window=2) as mon:
+            head(good[0][0])
+            mon.step(labels=good[0][1])
+            head(bad[0])
+            with pytest.raises(ValueError, match=match):
+                mon.step(labels=bad[1])
+            for x, y in good[2:]:
+                head(x)
+                mon.step(labels=y)
+        assert [r["step"] for r in mon.history] == [4]
+        H = torch.cat([x for x, _ in good[2:]]).numpy()
+        with torch.no_grad():
+            F = head(torch.cat([x for x, _ in good[2:]])).numpy()
+        assert abs(mon.history[0]["dlr"] - dlr_naive(H, F)[0]) < 1e-10
+
+
+def test_monitor_window_with_targets_and_constant_features():
+    # Float targets (no NC1) and a window of constant features (DLR undefined: None)
+    torch.manual_seed(5)
+    head = nn.Linear(12, 4).double()
+    batches = [(torch.randn(25, 12, dtype=torch.float64), torch.randn(25, 2, dtype=torch.float64)) for _ in range(2)]
+    batches += [(torch.ones(25, 12, dtype=torch.float64), torch.randn(25, 2, dtype=torch.float64)) for _ in range(2)]
+    with richness.Monitor(head, every=2, window=2) as mon:
+        for x, t in batches:
+            head(x)
+            mon.step(labels=t)
+    H = torch.cat([x for x, _ in batches[:2]]).numpy()
+    with torch.no_grad():
+        F = head(torch.cat([x for x, _ in batches[:2]])).numpy()
+    first, second = mon.history
+    assert abs(first["dlr"] - dlr_naive(H, F)[0]) < 1e-10 and first["nc1"] is None
+    assert second["n"] == 50 and second["dlr"] is None and second["rank"] is None
+
+
+def test_monitor_window_on_many_classes_and_a_changing_shape():
+    # More classes than the window has (absent classes), and a window whose
+    # batch size changes in the middle, against the float64 oracle.
+    torch.manual_seed(6)
+    head = nn.Linear(40, 30)
+    sizes = [24, 24, 24, 24, 24, 16, 24, 24]
+    batches = [(torch.randn(n, 40) * 2 + 1, torch.randint(0, 30, (n,))) for n in sizes]
+    hist, want = _window_run(head, batches, every=4, window=4)
+    assert len(hist) == 2
+    for rec, (d, r, nc1, n) in zip(hist, want):
+        assert rec["n"] == n and rec["rank"] == r
+        assert abs(rec["dlr"] - d) < 2e-5 and abs(rec["nc1"] - nc1) < 1e-3 * nc1
