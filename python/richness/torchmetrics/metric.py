@@ -19,10 +19,7 @@ from .. import finish as _finish
 from .._moments import Moments
 from .._report import Report
 from ..model.hooks import hook_forward
-from .._backend import Batch
-from .._core import check_batch
-from .tensors import _STATE_DTYPES, _STATES, _TORCH_DTYPE, Capture as _Capture, _added, _from_tensors, _kept, \
-    _padded, _widths_of
+from .tensors import _STATES, _TORCH_DTYPE, Capture as _Capture, _from_tensors, _host, _kept, _padded, _widths_of
 
 
 class DLR(Metric):
@@ -100,15 +97,30 @@ class DLR(Metric):
             self.add_state(f.name, torch.zeros(_state.shape_of(f, empty), dtype=_TORCH_DTYPE[f.dtype],
                                                device=self.device), dist_reduce_fx=None)
         self.add_state("widths", self._widths_tensor(empty, self.device), dist_reduce_fx=None)
-        self.__dict__.update(_scratch=None, _pending=None, _captured=None, _hook=None)
+        self.__dict__.update(_acc=None, _acc_ok=False, _pending=None, _captured=None, _hook=None,
+                             _ok_before_sync=False, _gram=None)
         self._watch_head()
 
-    # -- the state tensors ------------------------------------------------------
+    # -- the accumulator and the state tensors ----------------------------------
 
     @staticmethod
     def _widths_tensor(st: dict, device: Any) -> Any:
         vals = [int(st[k]) for k in _state.WIDTHS] + [_state.PRECISIONS.index(st["precision"])]
         return torch.tensor(vals, dtype=torch.int64, device=device)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _STATES:  # written from outside (reset, unsync, load, merge): reload before the next batch
+            self._present()
+            self.__dict__["_acc_ok"] = False
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # The state tensors are dropped when a batch moves the accumulator
+        # ahead of them; the first read exports them again.
+        if name in _STATES and self.__dict__.get("_acc") is not None:
+            self._export()
+            return self.__dict__[name]
+        return super().__getattr__(name)
 
     def _device_name(self) -> str:
         dev = self.device
@@ -119,45 +131,35 @@ class DLR(Metric):
     def _new_moments(self) -> Moments:
         return Moments(self.num_classes, device=self._device_name(), precision=self.precision)
 
-    def _batch_state(self, args: dict) -> dict:
-        """The state of one batch alone (``_batch``'s arguments), checked
-        against the metric's state: accumulated by the core into a kept,
-        reset ``Moments`` (a buffer, never state between calls: the state is
-        the tensors) and exported (numpy on the CPU, device tensors on a GPU).
-        A bad batch raises here, before the state tensors are touched."""
-        batch = Batch(_adapt.as_matrix(args["features"], "features"),
-                      _adapt.as_matrix(args["outputs"], "outputs", allow_1d=True) if "outputs" in args else None,
-                      _adapt.as_labels(args["labels"]) if "labels" in args else None,
-                      _adapt.as_matrix(args["targets"], "targets", allow_1d=True) if "targets" in args else None)
-        check_batch(_widths_of(self.widths), *batch.args())  # in the words of Moments.update
-        scratch = self.__dict__.get("_scratch")
-        if scratch is None or scratch.device != self._device_name():
-            scratch = self.__dict__["_scratch"] = self._new_moments()
-        else:
-            scratch.reset()
-        scratch.update(**args)
-        self.__dict__["_captured"] = None
-        return scratch.device_state()
-
-    def _add(self, batch: dict) -> None:
-        """Add a batch's state (``_batch_state``) into the state tensors:
-        written in place once they hold samples (``tensors._added``), the
-        batch's own tensors while they hold none."""
-        if int(batch["n"]) == 0:
-            return
-        mine = _widths_of(self.widths)
-        _state.check_compatible([{k: mine[k] for k in _state.WIDTHS}, {k: int(batch[k]) for k in _state.WIDTHS}])
-        merged = dict(_state.merged_widths([mine, batch]),
-                      precision=_state.coarsest([mine["precision"], batch["precision"]]) if mine["n"]
-                      else batch["precision"])
+    def _export(self) -> None:
+        """Write the accumulator's state into the state tensors (a copy on the
+        CPU, a device-to-device copy on a GPU)."""
+        st = self._acc.device_state()
         dev = self.device
-        if mine["n"] == 0:
-            for f in _state.FIELDS:
-                setattr(self, f.name, torch.as_tensor(batch[f.name]).to(dev))
-        else:
-            for name, t in _added(self.metric_state, mine["n"], batch).items():
-                setattr(self, name, t)
-        self.widths = self._widths_tensor(merged, dev)
+        for f in _state.FIELDS:
+            a = st[f.name]
+            self.__dict__[f.name] = (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(dev)
+        self.__dict__["widths"] = self._widths_tensor(st, dev)
+
+    def _present(self) -> None:
+        """Export the state tensors if they were dropped."""
+        if self.__dict__.get("_acc") is not None and "widths" not in self.__dict__:
+            self._export()
+
+    def _drop(self) -> None:
+        for name in _STATES:
+            self.__dict__.pop(name, None)
+
+    def _accumulator(self) -> Moments:
+        """The accumulator, loaded from the state tensors if they were written
+        from outside since (host copy; not on the path of consecutive batches)."""
+        if not self._acc_ok:
+            acc = self._new_moments()
+            st = self._local_state(host=True)
+            if st["n"] > 0:
+                acc.load_state_dict(st)
+            self.__dict__.update(_acc=acc, _acc_ok=True)
+        return self._acc
 
     def _state_at(self, rank: Optional[int], host: bool) -> dict:
         """One state dict from the state tensors: rank ``rank`` of a synced
@@ -192,11 +194,15 @@ class DLR(Metric):
         if self._is_synced:
             raise TorchMetricsUserError("The metric is synced: call unsync() before update().")
         pending = self.__dict__.get("_pending")
-        if pending is not None:  # forward has already taken the batch's state
+        if pending is not None:  # forward has already taken the batch's moments
             self.__dict__["_pending"] = None
-            self._add(pending)
+            self._accumulator().merge(pending)
+            self._drop()
             return
-        self._add(self._batch_state(self._batch(preds, target, features)))
+        args = self._batch(preds, target, features)
+        self._accumulator().update(**args)
+        self.__dict__["_captured"] = None
+        self._drop()
 
     def _batch(self, preds: Any = None, target: Any = None, features: Any = None) -> dict:
         if features is None:
@@ -227,28 +233,86 @@ class DLR(Metric):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The DLR of this batch alone (no spectrum), and the batch added to
-        the state; takes what ``update`` takes: the batch is accumulated on
-        its own (one product, as ``update`` does), finished (O(p^2 C)) and
-        added to the state tensors (one O(p^2) merge). With
-        ``dist_sync_on_step`` the value is that of every rank's batch
-        together; each rank's state adds its own batch."""
+        the state; takes what ``update`` takes.
+
+        A CPU batch with fewer rows than features (a training batch against
+        a wide penultimate layer) is added by ``update`` itself, and its own
+        DLR comes from its n x n Gram (docs/MATH.md, per-batch sample-space
+        form): n^2 p / 2 multiply-adds against the update's n p^2 / 2, and
+        no second p x p state to fill, export and merge. Otherwise the batch
+        is accumulated on its own (one product), finished, and merged."""
         if self._is_synced:
             raise TorchMetricsUserError("The Metric shouldn't be synced when performing ``forward``. "
                                         "HINT: Did you forget to call ``unsync`` ?.")
-        batch = self._batch_state(self._batch(*args, **kwargs))
+        args_in = self._batch(*args, **kwargs)
+        feats = _adapt.as_matrix(args_in["features"], "features")
+        if (feats.device == "cpu" and 2 <= feats.rows < feats.cols and not self.measures
+                and not (self.dist_sync_on_step and self.distributed_available_fn())):
+            W = self._head_weights(feats.cols) if self._uses_weights else None
+            self.update(*args, **kwargs)  # validates: a bad batch raises here and changes nothing
+            value = self._gram_value(feats, args_in, W)
+            self._forward_cache = value
+            return value
+        batch = self._new_moments()
+        batch.update(**args_in)
+        self.__dict__["_captured"] = None
         seen = batch
         if self.dist_sync_on_step and self.distributed_available_fn():
-            from .._distributed import all_reduce_states
-
-            seen = all_reduce_states([batch], group=self.process_group)[0]
-        value = self._value(seen)  # before the merge, which shifts the batch's arrays in place
+            seen = self._new_moments()
+            seen.merge(batch)
+            seen.all_reduce(group=self.process_group)
+        value = self._value(seen.device_state())
         self.__dict__["_pending"] = batch
         try:
-            self.update(*args, **kwargs)  # torchmetrics' bookkeeping; adds the pending batch
+            self.update(*args, **kwargs)
         finally:
             self.__dict__["_pending"] = None
         self._forward_cache = value
         return value
+
+    def _gram_value(self, feats: Any, args: dict, W: Any) -> Any:
+        """DLR of one CPU batch of n < p rows from its n x n Gram G = Xc Xc^T
+        (the core's ``centered_grams``: float64 means, centering before
+        narrowing, one product in the batch's product precision):
+        ||M||_F = ||G||_F, and with the centered outputs Fc (the head's on the
+        features, or the streamed ones), A = Fc^T Fc and Q = B^T B = Fc^T G Fc
+        (C x C; with C > n, Fc Fc^T and G in sample space), as the Monitor's
+        one-batch windows finish them.
+
+        Besides the core's product, everything here is O(n^2 C) and runs in
+        numpy's own loops (``einsum``), single-threaded: a threaded BLAS or
+        torch product this small only wakes a thread pool beside the core's
+        and the training's, which costs more than the product on a busy CPU
+        (benchmarks/bench_torchmetrics.py)."""
+        from .._backend import Batch, centered_grams
+        from .._moments import batch_precision
+
+        n = feats.rows
+        streams = {k: _adapt.as_matrix(args[k], k, allow_1d=True) for k in ("outputs", "targets") if k in args}
+        precision = batch_precision(self.precision, Batch(feats, streams.get("outputs"), None, streams.get("targets")))
+        dtype = np.float64 if precision == "fp64" else np.float32
+        G = self.__dict__.get("_gram")
+        if G is None or G.shape[0] != n or G.dtype != dtype:
+            G = np.empty((n, n), dtype=dtype)  # kept: a fresh buffer page-faults on every batch
+            self.__dict__["_gram"] = G
+        norm_m = np.empty(1)
+        centered_grams(feats, n, precision, G, norm_m)
+        if W is not None:  # the head's outputs, less the bias (centered away)
+            F = np.einsum("ij,kj->ik", _host(feats.owner), W, dtype=np.float64)
+        else:
+            F = _host(streams["outputs"].owner).astype(np.float64)
+        Fc = F - F.mean(axis=0)
+        if Fc.shape[1] <= n:
+            A = np.einsum("ki,kj->ij", Fc, Fc)
+            Q = np.einsum("ki,kj->ij", Fc, np.einsum("ij,jk->ik", G, Fc.astype(dtype)).astype(np.float64))
+            divide = True
+        else:
+            A, Q, divide = np.einsum("ik,jk->ij", Fc, Fc), G.astype(np.float64), False
+        rows = _finish.GramRows(norm_m, A[None], Q[None])
+        (dlr,), _, _ = _finish.finish_gram_rows(rows, n, _finish.rtol_for(precision, self.rtol), not divide)
+        if dlr is None:
+            return self._undefined("for the samples added (constant features or outputs)")
+        return torch.tensor(dlr, dtype=torch.float64, device=self.device)
 
     def _undefined(self, why: str) -> Any:
         warnings.warn(f"DLR is undefined {why}; returning nan", UserWarning, stacklevel=4)
@@ -309,10 +373,27 @@ class DLR(Metric):
         results) with torchmetrics' plotting; bounds 0 (rich) and 1 (lazy)."""
         return self._plot(val, ax)
 
+    def reset(self) -> None:
+        for name in _STATES:  # dropped tensors need no export just to be replaced: a placeholder on the device
+            self.__dict__.setdefault(name, torch.empty(0, device=self.device))
+        super().reset()
+        if self._acc is not None and self._acc.device == self._device_name():
+            self._acc.reset()
+            self.__dict__["_acc_ok"] = True
+
     def sync(self, dist_sync_fn: Optional[Callable] = None, process_group: Optional[Any] = None,
              should_sync: bool = True, distributed_available: Optional[Callable] = None) -> None:
+        ok = self._acc_ok
         super().sync(_padded(dist_sync_fn or gather_all_tensors), process_group, should_sync,
                      distributed_available)
+        if self._is_synced:
+            self.__dict__["_ok_before_sync"] = ok
+
+    def unsync(self, should_unsync: bool = True) -> None:
+        restoring = should_unsync and self._is_synced
+        super().unsync(should_unsync)
+        if restoring:  # the local state is back, the accumulator never left it
+            self.__dict__["_acc_ok"] = self._ok_before_sync
 
     def merge_state(self, incoming_state: Any) -> None:
         """Add another DLR metric's state (or its ``metric_state`` dict): the
@@ -336,39 +417,38 @@ class DLR(Metric):
         self.widths = self._widths_tensor(merged, dev)
         self._computed = None
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self._present()
+        return super().state_dict(*args, **kwargs)
+
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
         # A state dict saved before a field existed is refused naming the field, in the words of
         # every other loader (_state.checked; docs/ARCHITECTURE.md, "Adding things").
-        # A whole state is validated before anything changes (_state.checked, the validator of every load).
-        widths = state_dict.get(prefix + "widths")
-        if widths is not None and torch.as_tensor(widths).ndim == 1:
+        lacking = [f.name for f in _state.FIELDS if prefix + f.name not in state_dict]
+        if lacking and prefix + "widths" in state_dict:
             _state.checked(_from_tensors(state_dict, prefix))
         super()._load_from_state_dict(state_dict, prefix, *args)
-        # torchmetrics keeps the given tensors: the metric's own copies instead, in the states' dtypes on its
-        # device (its updates write them in place)
-        dev = self.device
-        for name in _STATES:
-            t = getattr(self, name)
-            setattr(self, name, t.detach().to(device=dev, dtype=_STATE_DTYPES[name], copy=True))
 
     def _apply(self, fn: Callable, exclude_state: Any = ()) -> Any:
+        self._present()
         # The states keep their dtypes (float64 sums, int64 widths) whatever
         # dtype conversion is asked (torchmetrics converts states under
-        # set_dtype and .to(dtype)): they are excluded from ``fn``, the hook
-        # torchmetrics documents for states a metric handles itself, and
-        # follow device moves only. Their defaults stay where they are:
-        # reset() moves a default to the state's device.
+        # set_dtype and .to(dtype)): they are excluded from ``fn``, the
+        # exclude_state hook torchmetrics documents for states a metric
+        # handles itself, and follow device moves only. Their defaults stay
+        # where they are: reset() copies a default to the state's device.
         this = cast("DLR", super()._apply(fn, exclude_state=tuple(exclude_state) + _STATES))
         dev = this.device
         for name in _STATES:
-            t = getattr(this, name)
+            t = this.__dict__[name]
             if t.device != dev:
                 setattr(this, name, t.to(dev))
         return this
 
     def __getstate__(self) -> dict:
+        self._present()
         st = super().__getstate__()
-        st.update(_scratch=None, _pending=None, _captured=None, _hook=None)
+        st.update(_acc=None, _acc_ok=False, _pending=None, _captured=None, _hook=None, _gram=None)
         return st
 
     def __setstate__(self, state: dict) -> None:

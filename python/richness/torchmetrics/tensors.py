@@ -1,7 +1,6 @@
 """The metric's tensor plumbing: its state tensors to and from the state
-schema's dict, a batch's state added into them in place, the zero-padded
-all-gather of ranks' differently shaped states, the head's capture hook and
-deep-copy helpers."""
+schema's dict, the zero-padded all-gather of ranks' differently shaped
+states, the head's capture hook and deep-copy helpers."""
 
 from __future__ import annotations
 
@@ -12,12 +11,10 @@ import numpy as np
 import torch
 
 from .. import _state
-from ..finish._xp import ns
 
 _FIELDS = tuple(f.name for f in _state.FIELDS)
 _STATES = _FIELDS + ("widths",)
 _TORCH_DTYPE: Dict[type, Any] = {np.float64: torch.float64, np.int64: torch.int64}
-_STATE_DTYPES: Dict[str, Any] = dict({f.name: _TORCH_DTYPE[f.dtype] for f in _state.FIELDS}, widths=torch.int64)
 
 
 def _widths_of(widths: Any) -> Dict[str, Any]:
@@ -35,69 +32,6 @@ def _from_tensors(tensors: Dict[str, Any], prefix: str = "") -> dict:
         if prefix + f.name in tensors:
             st[f.name] = torch.as_tensor(tensors[prefix + f.name]).detach().cpu().numpy()
     return st
-
-
-def _added(tensors: Dict[str, Any], n_a: int, batch: dict) -> Dict[str, Any]:
-    """Add the state dict ``batch`` (float64; numpy arrays for CPU tensors,
-    tensors on their device otherwise; n > 0) into the state ``tensors`` (the
-    metric's, holding ``n_a`` > 0 samples, checked compatible with the
-    batch): the pairwise merge of docs/MATH.md, "Merging states",
-    ``mean += (n_b / n) d`` and ``X += X_b + (n_a n_b / n) d_u d_v^T`` with
-    ``d = mean_b - mean_a`` per mean. The means and co-moments are written in
-    place (the batch's co-moments take the shift in their own arrays: a fresh
-    export, owned here); the class arrays, which grow with the class count,
-    come back as new tensors for the caller to set (``widths`` is the
-    caller's too).
-
-    CPU tensors are written through numpy views: numpy's loops run on the
-    calling thread, where torch's would wake its thread pool beside the
-    core's on every batch and slow the next product several-fold
-    (benchmarks/RESULTS.md, torchmetrics metric).
-
-    Raises ValueError, before anything is written, when the merge would
-    overflow float64: the co-moments are Grams (positive semi-definite, each
-    cross-moment bounded by their diagonals), so finite merged means, class
-    sums and diagonals of the symmetric ones make every merged tensor finite."""
-    on_cpu = tensors["mean"].device.type == "cpu"
-    a = {f.name: tensors[f.name].numpy() if on_cpu else tensors[f.name] for f in _state.FIELDS}
-    b = {f.name: batch[f.name] for f in _state.FIELDS}
-    xp = ns(a["mean"])
-    n_b = int(batch["n"])
-    n = n_a + n_b
-    d = {f.name: b[f.name] - a[f.name] for f in _state.FIELDS if f.is_mean}
-    means = {name: a[name] + d[name] * (n_b / n) for name in d}
-    grown: Dict[str, Any] = {}
-    shift: Dict[str, Any] = {}
-    for f in _state.FIELDS:
-        if f.shift is not None:
-            u, v = (d[s].reshape(-1) for s in f.shift)
-            if u.shape[0] and v.shape[0]:
-                shift[f.name] = (u * (n_a * n_b / n), v)
-        elif not f.is_mean:  # class counts and sums: padded to the larger class count, summed
-            x, y = a[f.name], b[f.name]
-            shape = tuple(max(i, j) for i, j in zip(x.shape, y.shape))
-            out = np.zeros(shape, x.dtype) if on_cpu else x.new_zeros(shape)
-            out[tuple(slice(0, s) for s in x.shape)] += x
-            out[tuple(slice(0, s) for s in y.shape)] += y
-            grown[f.name] = out
-    checks = [*means.values(), grown["class_sums"]]
-    checks += [xp.diagonal(a[f.name]) + xp.diagonal(b[f.name]) + (shift[f.name][0] * shift[f.name][1]
-               if f.name in shift else 0.0) for f in _state.FIELDS if f.symmetric]
-    if not all(bool(xp.isfinite(c).all()) for c in checks):
-        raise ValueError("cannot merge: the merged co-moments overflow float64; rescale the features or outputs")
-    for f in _state.FIELDS:
-        if f.is_mean:
-            a[f.name][...] = means[f.name]
-        elif f.name in shift:  # a += b, then b = the shift, a += b: no temporary of the matrix's size
-            a[f.name] += b[f.name]
-            if on_cpu:
-                np.multiply.outer(*shift[f.name], out=b[f.name])
-            else:
-                torch.outer(*shift[f.name], out=b[f.name])
-            a[f.name] += b[f.name]
-        elif f.shift is not None:
-            a[f.name] += b[f.name]
-    return {name: torch.from_numpy(t) if on_cpu else t for name, t in grown.items()}
 
 
 def _padded(sync_fn: Callable) -> Callable:
@@ -151,6 +85,13 @@ class Capture:
             return None
         object.__setattr__(twin, "head", head_copy)
         return Capture(twin)
+
+
+def _host(x: Any) -> np.ndarray:
+    """A CPU tensor (or array) as numpy, viewed where numpy has its dtype."""
+    if isinstance(x, torch.Tensor):
+        return x.numpy() if x.dtype in (torch.float32, torch.float64, torch.float16) else x.double().numpy()
+    return np.asarray(x)
 
 
 def _kept(obj: Any, memo: dict) -> Any:
