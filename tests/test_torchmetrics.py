@@ -407,3 +407,20 @@ def test_dtype_requests_leave_states_and_values_float64():
     assert val.dtype == torch.float64 and model.metric.M.dtype == torch.float64
     want = dlr_naive(X[140:210].astype(np.float16).astype(np.float64), F[140:210])[0]
     assert abs(float(val) - want) < 1e-5
+
+
+def test_dtype_requests_between_batches_keep_float64_states_and_reset_follows_the_state():
+    X, F, y = data()
+    a = DLR()
+    feed(a, X[:140], F[:140], y[:140])
+    a.to(torch.float32)  # torchmetrics' _apply would convert states here: ours are excluded
+    a.set_dtype(torch.float16)
+    a.half()
+    assert all(v.dtype == (torch.int64 if k in ("widths", "class_counts") else torch.float64)
+               for k, v in a.metric_state.items())
+    feed(a, X[140:], F[140:], y[140:])
+    assert abs(float(a.compute()) - dlr_naive(X, F)[0]) < 1e-12
+    a.reset()  # right after a batch (the tensors not read since): an empty float64 state on the metric's device
+    assert int(a.widths[0]) == 0 and a.M.dtype == torch.float64 and a.M.device == a.device
+    feed(a, X, F, y)
+    assert abs(float(a.compute()) - dlr_naive(X, F)[0]) < 1e-12

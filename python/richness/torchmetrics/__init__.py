@@ -16,6 +16,18 @@ exported from it when anything reads them (``compute``, ``sync``,
 ``state_dict``, ``metric_state``, pickling), and a state written from outside
 (``load_state_dict``, ``merge_state``, ``unsync``, ``.to(device)``) is loaded
 back into it before the next batch.
+
+Why the accumulator stays: a design with the state tensors as the only state
+(each ``update`` accumulating the batch into a reset ``Moments``, exporting
+it and merging it into the tensors in place) was built and measured
+(benchmarks/RESULTS.md, torchmetrics metric): on the CPU the export of the
+batch's p x p state (the core copies its state out; it has no export into
+given buffers) costs about as much as the batch's product, and ``update``
+took 2x as long at p = 512, batch 256 (3-5x with a linear head, whose update
+is otherwise only the product). ``update`` is the hot path, so the
+accumulator is kept; the mirroring lives in ``__getattr__``/``__setattr__``
+and nothing else writes torchmetrics' internals (device moves go through the
+documented ``exclude_state`` of ``Metric._apply``).
 """
 
 from .._optional import pip_extra

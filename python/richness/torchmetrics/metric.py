@@ -374,8 +374,8 @@ class DLR(Metric):
         return self._plot(val, ax)
 
     def reset(self) -> None:
-        for name in _STATES:  # dropped tensors need no export just to be replaced
-            self.__dict__.setdefault(name, self._defaults[name])
+        for name in _STATES:  # dropped tensors need no export just to be replaced: a placeholder on the device
+            self.__dict__.setdefault(name, torch.empty(0, device=self.device))
         super().reset()
         if self._acc is not None and self._acc.device == self._device_name():
             self._acc.reset()
@@ -432,11 +432,14 @@ class DLR(Metric):
     def _apply(self, fn: Callable, exclude_state: Any = ()) -> Any:
         self._present()
         # The states keep their dtypes (float64 sums, int64 widths) whatever
-        # dtype conversion is asked; they follow device moves only.
+        # dtype conversion is asked (torchmetrics converts states under
+        # set_dtype and .to(dtype)): they are excluded from ``fn``, the
+        # exclude_state hook torchmetrics documents for states a metric
+        # handles itself, and follow device moves only. Their defaults stay
+        # where they are: reset() copies a default to the state's device.
         this = cast("DLR", super()._apply(fn, exclude_state=tuple(exclude_state) + _STATES))
-        dev = this._device
+        dev = this.device
         for name in _STATES:
-            this._defaults[name] = cast(torch.Tensor, this._defaults[name]).to(dev)  # our states are tensors
             t = this.__dict__[name]
             if t.device != dev:
                 setattr(this, name, t.to(dev))
