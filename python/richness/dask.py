@@ -191,9 +191,10 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
         split_every: states merged per task of the tree (default 8); each
             merge task holds that many states.
         chunks_per_task: consecutive row chunks added to one state (default
-            1). Each state costs a fixed time to start, export, send,
-            validate and merge (about 0.2 s at p = 1024 with 1000 classes;
-            benchmarks/RESULTS.md, "Sharded features"), so many small chunks
+            1). Each state costs a fixed time to export, send, check and
+            merge (about 0.05 s at p = 1024 with 1000 classes in
+            one process, more on a busy worker; benchmarks/RESULTS.md,
+            "Sharded features"), so many small chunks
             are better grouped; a task holds its chunks at once.
 
     A chunk refused by the core (NaN, labels out of range, ...) raises its
