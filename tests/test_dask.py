@@ -19,7 +19,7 @@ cloudpickle = pytest.importorskip("cloudpickle")
 
 import richness  # noqa: E402
 import richness.dask as rd  # noqa: E402
-from reference import cka_debiased_naive, cka_naive, dlr_naive, nc1_naive  # noqa: E402
+from reference import cka_debiased_naive, cka_naive, dlr_naive, nc1_naive, states_equal  # noqa: E402
 
 ROWS, P, C, T = 2400, 16, 5, 2
 STEP = 200  # rows per chunk: 12 chunks
@@ -171,6 +171,62 @@ def test_a_state_lost_in_the_tree_is_refused(monkeypatch):
     monkeypatch.setattr(rd, "_combine", lambda kind, states: real(kind, states[:-1]))  # drops a state
     with dask.config.set(scheduler="sync"), pytest.raises(RuntimeError, match="600 samples for 800 rows"):
         rd.moments(da.from_array(X, chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)), split_every=4)
+
+
+def test_the_reductions_own_states_skip_only_the_factorisations(monkeypatch):
+    from richness import _state
+
+    calls = {"gram": 0, "invariants": 0}
+    real_gram, real_invariants = _state.check_gram, _state.check_invariants
+
+    def gram(st):
+        calls["gram"] += 1
+        real_gram(st)
+
+    def invariants(st, **kw):
+        calls["invariants"] += 1
+        real_invariants(st, **kw)
+
+    monkeypatch.setattr(_state, "check_gram", gram)
+    monkeypatch.setattr(_state, "check_invariants", invariants)
+    X, F, y, Y = full(6)
+    with dask.config.set(scheduler="sync"):
+        m = rd.moments(da.from_array(X, chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)),
+                       da.from_array(y, chunks=STEP), da.from_array(Y, chunks=(STEP, -1)), split_every=2)
+    # every chunk's state and the result were loaded through the O(p^2) checks, none factorised
+    assert calls["gram"] == 0 and calls["invariants"] >= 7
+    check(m, 6)
+    # the same state handed in from outside gets the full check
+    richness.Moments().load_state_dict(m.state_dict())
+    assert calls["gram"] == 1
+
+
+def test_a_thread_reuses_its_accumulator_and_each_state_is_its_own_rows():
+    X, F, y, Y = full(3)
+    parts = [slice(0, 200), slice(200, 600), slice(600, 650)]
+
+    def alone(sl, **kw):
+        one = richness.Moments(**kw)
+        one.update(X[sl], F[sl], labels=y[sl], targets=Y[sl])
+        return one.state_dict()
+
+    held = []
+    for sl in parts:  # a bigger chunk, then a smaller one, into the same accumulator
+        st = rd._chunk(sl.start, [(X[sl], F[sl], y[sl], Y[sl])], None, None)
+        assert states_equal(st, alone(sl))
+        held.append(rd._WARM.held[1])
+    assert held[0] is held[1] is held[2]
+    bad = X[parts[0]].copy()
+    bad[7, 1] = np.nan
+    with pytest.raises(ValueError, match="rows 0..199: .*NaN"):
+        rd._chunk(0, [(bad, F[parts[0]], y[parts[0]], Y[parts[0]])], None, None)
+    sl = parts[1]  # a refused chunk leaves nothing behind for the next task
+    assert states_equal(rd._chunk(200, [(X[sl], F[sl], y[sl], Y[sl])], None, None), alone(sl))
+    # other options: another accumulator, made with them
+    st = rd._chunk(200, [(X[sl], F[sl], y[sl], Y[sl])], 9, "fp64")
+    assert st["num_classes"] == 9 and st["precision"] == "fp64"
+    assert states_equal(st, alone(sl, num_classes=9, precision="fp64"))
+    assert rd._WARM.held[1] is not held[0]
 
 
 # -- faults on the LocalCluster (last: they restart workers) ----------------------------

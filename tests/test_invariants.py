@@ -190,6 +190,10 @@ def test_impossible_state_is_refused_and_nothing_changes(name, tmp_path):
     with pytest.raises(kind, match=pattern):
         target.load_state_dict(st)
     assert states_equal(target.state_dict(), before) and target.num_classes is None
+    # the load of the library's own states (richness.dask) leaves out only the factorisations: refused too
+    with pytest.raises(kind, match=pattern):
+        target._load_own_state_dict(st)
+    assert states_equal(target.state_dict(), before) and target.num_classes is None
     # the many-state merge refuses it too, before any arithmetic
     with pytest.raises(kind, match=pattern):
         _state.merge([before, st])

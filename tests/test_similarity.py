@@ -231,6 +231,21 @@ def test_load_state_dict_refusals():
     close(t.compute(), data)
 
 
+def test_load_state_dict_refuses_a_crafted_joint_gram():
+    # a state dict from outside still gets the semi-definiteness check: one
+    # covariance of the joint state raised past Cauchy-Schwarz (every variance
+    # and the symmetry as before) is refused, and the state is unchanged
+    data = reps(14)
+    st = stream(data, ()).state_dict()
+    M = st["moments"]["M"].copy()
+    M[0, 1] = M[1, 0] = 1.5 * np.sqrt(M[0, 0] * M[1, 1])
+    bad = {**st, "moments": {**st["moments"], "M": M}}
+    t = stream(data, (3,))
+    with pytest.raises(ValueError, match="'M' is not positive semi-definite"):
+        t.load_state_dict(bad)
+    close(t.compute(), data)
+
+
 def test_small_n_debiased_nan_with_warning():
     s = Similarity()
     s.update({"a": np.arange(6.0).reshape(3, 2), "b": np.array([[1.0], [0.0], [2.0]])})

@@ -1,13 +1,15 @@
-"""The kinds of mergeable state, one table for every route that handles
-states it did not build: ``richness merge`` (saved files) and
-``richness.dask`` (state dicts between workers).
+"""The kinds of mergeable state, one table for every route that merges
+many states of any kind: ``richness merge`` (saved files, fully validated)
+and ``richness.dask`` (state dicts its own tasks exported, between workers).
 
 A kind is a class with ``state_dict()``, ``load_state_dict(d)``,
+``_load_own_state_dict(d)`` (the same, for a state the library exported
+itself, without the O(p^3) checks such a state passes by construction),
 ``merge(other)``, ``save(path)``, ``load(path)`` and ``n``, whose save files
 carry their format name in the archive's ``meta`` entry. Registering a new
 kind here is all those routes need: files are dispatched on their format,
-state dicts merged through the class's own ``load_state_dict`` and
-``merge`` (so each kind keeps one implementation of its merge).
+state dicts merged through the class's own loading and ``merge`` (so each
+kind keeps one implementation of its merge).
 """
 
 from __future__ import annotations
@@ -108,16 +110,17 @@ def kind_of(obj: Any) -> Kind:
     raise TypeError(f"not a richness state: {type(obj).__name__}")
 
 
-def merge_dicts(kind_name: str, states: List[dict]) -> dict:
-    """The merge of several state dicts of one kind, as a state dict: each
-    loaded into the kind's class (validated there) and merged by its own
-    ``merge``."""
+def merge_own_dicts(kind_name: str, states: List[dict]) -> dict:
+    """The merge of several state dicts of one kind that this library's own
+    steps exported (``richness.dask``'s tasks), as a state dict: each loaded
+    into the kind's class by ``_load_own_state_dict`` (every check but the
+    O(p^3) ones) and merged by its own ``merge``."""
     cls = get(kind_name).cls()
     acc = cls()
-    acc.load_state_dict(states[0])
+    acc._load_own_state_dict(states[0])
     for st in states[1:]:
         other = cls()
-        other.load_state_dict(st)
+        other._load_own_state_dict(st)
         acc.merge(other)
     return acc.state_dict()
 

@@ -321,7 +321,19 @@ class Moments(Lockable):
         types, and the invariants every real state satisfies: class counts
         adding up to ``n``, class sums to ``n`` times the mean, no negative
         variance); on error nothing changes."""
-        state = _state.checked(state)
+        self._load(state, gram=True)
+
+    def _load_own_state_dict(self, state: dict) -> None:
+        """``load_state_dict`` for a state dict that this library exported
+        from one of its own accumulators and hands between its own steps (the
+        states of ``richness.dask``'s tasks, a ``Similarity`` state shifted
+        for a merge): every check but the semi-definiteness factorisations,
+        which updates and merges satisfy by construction (``_state.checked``,
+        ``gram=False``). Never for a file or a state dict from outside."""
+        self._load(state, gram=False)
+
+    def _load(self, state: dict, gram: bool) -> None:
+        state = _state.checked(state, gram=gram)
         w = _state.widths_of(state)
         self._check_num_classes([state])
         device = self._device or "cpu"

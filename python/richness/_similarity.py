@@ -216,7 +216,7 @@ class Similarity:
         if other.n == 0:
             return
         if self.n == 0 and self._names is None:
-            self.load_state_dict(other.state_dict())
+            self._load_own_state_dict(other.state_dict())
             return
         if other._names != self._names or other._widths != self._widths:
             raise ValueError(f"cannot merge: this Similarity holds names {self._names} of widths {self._widths}, "
@@ -224,7 +224,7 @@ class Similarity:
         _, widths, shift = other._layout()
         st = _reshift(other._moments.state_dict(), widths, shift, self._layout()[2])
         m = Moments()
-        m.load_state_dict(st)
+        m._load_own_state_dict(st)  # an exact affine map of a live state's co-moments
         self._moments.merge(m)
 
     def all_reduce(self, group: Any = None) -> None:
@@ -286,6 +286,14 @@ class Similarity:
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the state with ``state``, validated first; on error nothing changes."""
+        self._load(state, own=False)
+
+    def _load_own_state_dict(self, state: dict) -> None:
+        """``load_state_dict`` for a state this library exported and hands
+        between its own steps (``Moments._load_own_state_dict``)."""
+        self._load(state, own=True)
+
+    def _load(self, state: dict, own: bool) -> None:
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
         extra = sorted(set(state) - {"names", "widths", "shift", "moments"})
@@ -301,11 +309,14 @@ class Similarity:
         widths = [int(w) for w in widths]
         shift = np.asarray(state["shift"], dtype=np.float64).reshape(-1)
         m = Moments(precision=self.precision)
-        m.load_state_dict(state["moments"])
+        if own:
+            m._load_own_state_dict(state["moments"])
+        else:
+            m.load_state_dict(state["moments"])
         if m.n == 0:
             self._moments, self._names, self._widths, self._shift = m, None, None, None
             return
-        p = _state.widths_of(m.state_dict())["p"]
+        p = _state.widths_of(state["moments"])["p"]  # validated by the load above
         if not names or p != sum(widths) + len(widths) or shift.size != sum(widths):
             raise ValueError(f"similarity state: names {names} of widths {widths} need a joint width of "
                              f"{sum(widths) + len(widths)} and a shift of {sum(widths)}, the state has "

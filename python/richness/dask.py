@@ -7,7 +7,13 @@ worker that holds it (a ``Moments`` updated by the compiled core, returned as
 its ``state_dict()``: plain numpy arrays and ints), groups of ``split_every``
 states are merged by ``Moments.merge`` on the workers, and the last state is
 loaded into a ``Moments`` where the call was made. Nothing native is pickled;
-what travels is the O(p^2 + pC) state dicts, never the rows. It runs on the
+what travels is the O(p^2 + pC) state dicts, never the rows. Those states are
+the reduction's own (exported by its tasks, carried by Dask, which unpickles
+what it carries anyway): each is loaded with every check of
+``load_state_dict`` but the O(p^3) semi-definiteness factorisations, which a
+state built by updates and merges passes by construction
+(``Moments._load_own_state_dict``); a saved file or a user's state dict
+still gets them all. It runs on the
 active scheduler: threads (dask's default), processes, or a
 ``distributed.Client``. The result equals one ``Moments`` over the same rows
 up to rounding (docs/MATH.md, "Merging states"), and its sample count is
@@ -37,7 +43,8 @@ the same state dicts and merge: README.md, "Data bigger than one machine".
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Sequence
+import threading
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -89,10 +96,32 @@ def _checked(features: Any, others: dict, first: str = "features") -> List[Optio
     return out
 
 
+# Per worker thread, the accumulator of its last chunk task and the options it
+# was made with: the core keeps a batch's scratch (rows x (p + C + T) float32
+# or float64 values, and the products) in its accumulator, and a fresh one
+# allocates and first touches it on its first update (0.04-0.05 s of 0.19 s
+# for 15,000 x 1,024 float16 rows and 1,000 classes, measured). The next
+# task's state starts from it, emptied by reset().
+_WARM = threading.local()
+
+
+def _emptied(kind: str, options: tuple, make: Callable[[], Any]) -> Any:
+    """An empty state object for a chunk task: this thread's from its last
+    task where the kind and options match, reset, else ``make()``."""
+    held = getattr(_WARM, "held", None)
+    if held is not None and held[0] == (kind, options):
+        held[1].reset()
+        return held[1]
+    _WARM.held = None  # the old one (its scratch) goes before the new one allocates
+    obj = make()
+    _WARM.held = ((kind, options), obj)
+    return obj
+
+
 def _chunk(start: int, blocks: list, num_classes, precision) -> dict:
     """The state of consecutive row chunks (each a tuple of the features'
     block and its partners'), on the worker that holds them."""
-    m = Moments(num_classes, precision=precision)
+    m = _emptied("moments", (num_classes, precision), lambda: Moments(num_classes, precision=precision))
     for block in blocks:
         rows = block[0].shape[0]
         if rows:
@@ -109,7 +138,7 @@ def _similarity_chunk(start: int, names: List[str], blocks: list, precision) -> 
     representations' blocks, in ``names`` order), on the worker that holds them."""
     from ._similarity import Similarity
 
-    s = Similarity(precision=precision)
+    s = _emptied("similarity", (precision,), lambda: Similarity(precision=precision))
     for block in blocks:
         rows = block[0].shape[0]
         if rows:
@@ -122,8 +151,9 @@ def _similarity_chunk(start: int, names: List[str], blocks: list, precision) -> 
 
 
 def _combine(kind: str, states: List[dict]) -> dict:
-    """Several states merged into one, by the kind's own merge."""
-    return _kinds.merge_dicts(kind, states)
+    """Several states of this reduction's own tasks merged into one, by the
+    kind's own merge."""
+    return _kinds.merge_own_dicts(kind, states)
 
 
 def _per_task(chunks_per_task: Any) -> int:
@@ -161,9 +191,10 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
         split_every: states merged per task of the tree (default 8); each
             merge task holds that many states.
         chunks_per_task: consecutive row chunks added to one state (default
-            1). Each state costs a fixed time to start, export, send,
-            validate and merge (about 0.2 s at p = 1024 with 1000 classes;
-            benchmarks/RESULTS.md, "Sharded features"), so many small chunks
+            1). Each state costs a fixed time to export, send, check and
+            merge (about 0.05 s at p = 1024 with 1000 classes in
+            one process, more on a busy worker; benchmarks/RESULTS.md,
+            "Sharded features"), so many small chunks
             are better grouped; a task holds its chunks at once.
 
     A chunk refused by the core (NaN, labels out of range, ...) raises its
@@ -185,7 +216,7 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
               for i in range(0, len(starts), per)]
     (state,) = dask.compute(_tree("moments", states, split_every))
     m = Moments(num_classes, precision=precision)
-    m.load_state_dict(state)
+    m._load_own_state_dict(state)
     rows = int(features.shape[0])
     if m.n != rows:
         raise RuntimeError(f"the reduction returned a state of {m.n} samples for {rows} rows: a partial result, "
@@ -229,7 +260,7 @@ def similarity(representations: Mapping[str, Any], *, precision: Optional[str] =
               for i in range(0, len(starts), per)]
     (state,) = dask.compute(_tree("similarity", states, split_every))
     s = Similarity(precision=precision)
-    s.load_state_dict(state)
+    s._load_own_state_dict(state)
     rows = int(arrays[0].shape[0])
     if s.n != rows:
         raise RuntimeError(f"the reduction returned a state of {s.n} samples for {rows} rows: a partial result, "
