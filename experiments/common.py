@@ -293,7 +293,8 @@ def write_json(args: argparse.Namespace, name: str, payload: Dict[str, Any], sta
     payload["mode"] = "quick" if args.quick else "full"
     if DATA_SOURCE["name"] is not None and "data" not in payload:  # a script's own data set is kept
         payload["data"] = DATA_SOURCE["name"]
-    payload["args"] = {k: v for k, v in vars(args).items() if k != "out"}
+    # folders this run wrote to are this machine's paths, not settings of the result
+    payload["args"] = {k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}
     payload["machine"] = machine()
     payload["seconds"] = round(time.time() - started, 1)
     path = os.path.join(args.out, f"{stem(args, name)}.json")
