@@ -12,6 +12,7 @@ nn = torch.nn
 
 import richness
 from reference import nc2_naive, nc3_naive, participation_ratio_naive, rankme_naive
+from tiny_models import lightning_module  # noqa: E402
 
 SPECTRAL = ("rankme", "alpha_req", "participation_ratio")
 
@@ -80,20 +81,8 @@ def test_lightning_callback_with_head_and_measures():
         def forward(self, x):
             return self.fc(self.body(x))
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = Net()
-
-        def training_step(self, batch, i):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
     torch.manual_seed(2)
-    module = Module()
+    module = lightning_module(pl, Net())
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(30, 10, generator=g, dtype=torch.float64), torch.randint(0, 4, (30,), generator=g))
             for _ in range(4)]

@@ -21,6 +21,7 @@ from reference import (
     rankme_naive,
     spectrum_naive,
 )
+from tiny_models import lightning_module, sgd_train  # noqa: E402
 
 SPECTRAL = ("rankme", "alpha_req", "participation_ratio")
 
@@ -70,13 +71,7 @@ def train(model, mon, data, seen=None, module=None, pooled=False):
             if torch.is_grad_enabled():
                 seen.append((out.mean(dim=(2, 3)) if pooled else args[0]).detach().double().numpy().copy())
         hook = module.register_forward_hook(keep)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for x, y in data:
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mon.step(labels=y)
+    sgd_train(model, mon, data, lr=0.05)
     if hook is not None:
         hook.remove()
 
@@ -210,19 +205,7 @@ def test_lightning_callback_takes_layer():
     pl = pytest.importorskip("lightning.pytorch")
     from richness.lightning import RichnessCallback
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = MLP()
-
-        def training_step(self, batch, i):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    module = Module()
+    module = lightning_module(pl, MLP())
     seen = []
     module.net.body.register_forward_hook(
         lambda m, a, o: seen.append(o.detach().numpy().copy()) if torch.is_grad_enabled() else None)

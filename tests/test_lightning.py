@@ -13,6 +13,7 @@ nn = torch.nn
 
 import richness  # noqa: E402
 from reference import dlr_naive  # noqa: E402
+from tiny_models import sgd_train  # noqa: E402
 
 
 class Net(nn.Module):
@@ -51,16 +52,6 @@ def record_head(module, store):
 
 # -- Monitor: step base and the idle-head warning --------------------------------
 
-def train(net, mon, data):
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for x, y in data:
-        loss = nn.functional.cross_entropy(net(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mon.step(labels=y)
-
-
 def test_monitor_first_step_labels_records_only():
     torch.manual_seed(0)
     net = Net().double()
@@ -68,7 +59,7 @@ def test_monitor_first_step_labels_records_only():
     record_head(net.fc, seen)
     data = batches()
     with richness.Monitor(net, every=2, window=2, first_step=0) as mon:
-        train(net, mon, data)
+        sgd_train(net, mon, data)
     assert [r["step"] for r in mon.history] == [1, 3]  # emitted after the 2nd and 4th steps
     for rec, k in zip(mon.history, (0, 2)):
         H = np.vstack([seen[k][0], seen[k + 1][0]])
@@ -83,15 +74,15 @@ def test_monitor_warns_once_when_its_head_never_runs():
     net = Net().double()
     with richness.Monitor(net, head="unused", every=2, window=1) as mon:
         with pytest.warns(UserWarning, match=r"'unused' \(Linear\) has not run.*head="):
-            train(net, mon, batches(steps=2))
+            sgd_train(net, mon, batches(steps=2))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once: no second warning
-            train(net, mon, batches(steps=2))
+            sgd_train(net, mon, batches(steps=2))
     assert mon.history == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a head that runs: no warning
         with richness.Monitor(net, head="fc", every=2, window=1) as mon:
-            train(net, mon, batches(steps=4))
+            sgd_train(net, mon, batches(steps=4))
     assert len(mon.history) == 2
 
 

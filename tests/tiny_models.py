@@ -71,3 +71,32 @@ def lm_feats(model, ids):
         h = torch.tanh(model.mix(model.emb(ids)))
         h = h + h.cumsum(dim=1) * 0.1
         return h, model.lm_head(h)
+
+
+def sgd_train(model, mon, data, lr=0.1):
+    """Plain SGD steps over ``data`` ((x, y) batches), ``mon.step(labels=y)`` after each."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in data:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mon.step(labels=y)
+
+
+def lightning_module(pl, net, lr=0.05):
+    """A LightningModule training ``net`` (as ``.net``) by cross-entropy with SGD."""
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    return Module()
