@@ -25,6 +25,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 
+# -- output --------------------------------------------------------------------
+
+def print_and_save(result: dict, path: Optional[str] = None) -> None:
+    """A benchmark's result as indented JSON on stdout, and into ``path`` when one is given."""
+    print(json.dumps(result, indent=1))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 # -- memory --------------------------------------------------------------------
 
 def proc_status_mb(key: str = "VmHWM") -> float:

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import proc_status_mb  # noqa: E402
+from _common import print_and_save, proc_status_mb  # noqa: E402
 
 
 def data(n: int, widths, seed: int = 0, dtype=np.float32):
@@ -184,10 +184,7 @@ def main() -> None:
     res = {"load_before": os.getloadavg(), "batch": batch_dependence(a.quick), "sweep": sweep(ns, exact_ns),
            "targets": targets(a.quick)}
     res["load_after"] = os.getloadavg()
-    print(json.dumps(res, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    print_and_save(res, a.json)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from _common import print_and_save
+
 CHILD = r"""
 import sys, time
 from richness.cli import main
@@ -151,10 +153,7 @@ def main() -> None:
         larger = max(limits["arithmetic_limit_s"], limits["cat_cold_s"])
         out["larger_limit_s"] = larger
         out["eval_over_larger_limit"] = out["eval_wall_s"] / larger
-    print(json.dumps(out, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    print_and_save(out, args.json)
     if not args.keep:
         for pth in (feats, labels, head):
             os.unlink(pth)

@@ -43,6 +43,7 @@ import time
 
 import numpy as np
 
+from _common import print_and_save
 from bench_eval_large import CHILD  # richness.cli.main in a fresh interpreter, its wall time and VmHWM
 
 # The same, with the time of Moments.compute (the finishing) noted apart.
@@ -192,10 +193,7 @@ def main() -> None:
     out = {"shards": args.shards, "rows": args.shards * args.rows, "features": args.features,
            "classes": args.classes, "generate_s": round(gen_s, 1), "runs": runs, "load_avg": load,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    print(json.dumps(out, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    print_and_save(out, args.json)
 
 
 if __name__ == "__main__":
