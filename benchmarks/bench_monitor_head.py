@@ -30,7 +30,7 @@ import time
 import torch
 
 import richness
-from richness.monitor import monitor as _monitor
+from richness.monitor import monitor as _monitor, onebatch as _onebatch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from reference import dlr_naive, nc1_naive  # noqa: E402
@@ -41,9 +41,9 @@ class Timed:
 
     def __init__(self) -> None:
         self.reduce = self.finish = 0.0
-        self._reduce = self._wrap(_monitor._BatchGroup.reduce, "reduce")
+        self._reduce = self._wrap(_onebatch.BatchGroup.reduce, "reduce")
         self._finish = self._wrap(_monitor.Monitor._finish_records, "finish")
-        _monitor._BatchGroup.reduce, _monitor.Monitor._finish_records = self._reduce, self._finish
+        _onebatch.BatchGroup.reduce, _monitor.Monitor._finish_records = self._reduce, self._finish
 
     def _wrap(self, fn, field: str):
         def timed(*a):
@@ -62,7 +62,7 @@ def sync(x) -> None:
 
 def run_group(head, xs, ys, per_class: bool, lag: int, timed: Timed) -> dict:
     timed.reduce = timed.finish = 0.0
-    init = _monitor._BatchGroup.__init__
+    init = _onebatch.BatchGroup.__init__
 
     def per_class_init(group, parts, lag_, classes):
         init(group, parts, lag_, classes)
@@ -75,7 +75,7 @@ def run_group(head, xs, ys, per_class: bool, lag: int, timed: Timed) -> dict:
     sync(xs[0])
     off = time.perf_counter() - t0
     if per_class:
-        _monitor._BatchGroup.__init__ = per_class_init
+        _onebatch.BatchGroup.__init__ = per_class_init
     try:
         t0 = time.perf_counter()
         with richness.Monitor(head, every=1, lag=lag) as mon:
@@ -85,7 +85,7 @@ def run_group(head, xs, ys, per_class: bool, lag: int, timed: Timed) -> dict:
             mon.flush()  # waits for the device's last group
         total = time.perf_counter() - t0
     finally:
-        _monitor._BatchGroup.__init__ = init
+        _onebatch.BatchGroup.__init__ = init
     steps = len(xs)
     return {"total_ms": (total - off) / steps * 1e3, "reduce_ms": timed.reduce / steps * 1e3,
             "finish_ms": timed.finish / steps * 1e3, "last": mon.history[-1]}

@@ -292,7 +292,7 @@ def test_cli_text_and_json_carry_the_fields(tmp_path, capsys):
 
 
 def test_tracker_sinks_send_the_measures():
-    from richness.monitor.sinks import _make_sinks, scalars
+    from richness.monitor.sinks import make_sinks, scalars
 
     rec = {"step": 3, "mode": "window", "n": 10, "dlr": None, "rank": None, "nc1": None, "effective_dim": 2.0,
            "rankme": 3.5, "alpha_req": 1.25, "participation_ratio": 2.5, "nc2_equinorm": None,
@@ -308,6 +308,6 @@ def test_tracker_sinks_send_the_measures():
             self.rows.append((tag, value, step))
 
     w = Writer()
-    (sink,) = _make_sinks(w, "r")
+    (sink,) = make_sinks(w, "r")
     sink(rec)
     assert ("r/rankme", 3.5, 3) in w.rows and ("r/alpha_req", 1.25, 3) in w.rows

@@ -165,7 +165,7 @@ def test_monitor_default_window_is_idle_most_steps():
     assert (mon.every, mon.window) == (100, 10)
     active = []
     for s in range(100):
-        active.append(mon._active)
+        active.append(mon.capturing)
         model(X[:8])
         mon.step()
     mon.close()
@@ -289,7 +289,7 @@ def test_monitor_one_batch_products_stay_ieee_under_a_loop_allowing_tf32(gram_ro
     assert seen and set(seen) == {"highest"}
     assert after == "medium"
     # the GPU buffers' branch, through the same legacy API: TF32 off inside, back on after
-    from richness.monitor.monitor import _ieee_matmul
+    from richness.monitor.onebatch import _ieee_matmul
 
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
@@ -312,7 +312,7 @@ def test_monitor_one_batch_products_stay_ieee_with_the_per_backend_api():
         pytest.skip("torch < 2.9 has no per-backend float32 precision (covered by the legacy test)")
     script = textwrap.dedent("""
         import json, torch, richness
-        from richness.monitor import monitor as _monitor
+        from richness.monitor import monitor as _monitor, onebatch as _onebatch
         _monitor.CORE_GRAMS = False
         mm = torch.backends.mkldnn.matmul
         mm.fp32_precision = "bf16"
@@ -328,7 +328,7 @@ def test_monitor_one_batch_products_stay_ieee_with_the_per_backend_api():
                 mon.step(labels=torch.randint(0, 5, (32,)))
         cm = torch.backends.cuda.matmul  # the GPU buffers' branch (the setting exists without a GPU)
         cm.fp32_precision = "tf32"
-        with _monitor._ieee_matmul("cuda"):
+        with _onebatch._ieee_matmul("cuda"):
             cuda_inside = (cm.fp32_precision, mm.fp32_precision)
         print(json.dumps({"seen": sorted(set(seen)), "after": mm.fp32_precision, "records": len(mon.history),
                           "dlr": [r["dlr"] for r in mon.history], "cuda_inside": cuda_inside,
@@ -367,6 +367,14 @@ def test_monitor_lag_one_equals_grouped():
         assert abs(ra["dlr"] - rb["dlr"]) < 1e-12 and abs(ra["dlr"] - d) < 1e-10
 
 
+class Given(nn.Module):
+    """A head whose output is set before each forward: the Monitor sees any
+    input (bfloat16 too) and any output as the head's."""
+
+    def forward(self, x):
+        return self.out
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 5e-3)])
 def test_monitor_one_batch_centering_survives_a_large_mean(dtype, tol, gram_route):
     # docs/MATH.md, streaming estimator: float32 features with a mean of 1e4 and a
@@ -374,16 +382,18 @@ def test_monitor_one_batch_centering_survives_a_large_mean(dtype, tol, gram_rout
     # bfloat16 features (spacing 64 near 1e4 cannot hold that case) with a mean
     # of 10 and a spread of 1.
     torch.manual_seed(0)
-    head = nn.Linear(64, 5)
+    head = Given()
+    model = nn.Sequential(head)
     mean, spread = (1e4, 1e-2) if dtype == torch.float32 else (10.0, 1.0)
     want = []
-    with richness.Monitor(head, every=1, lag=4) as mon:
+    with richness.Monitor(model, head="0", every=1, lag=4) as mon:
         for _ in range(6):
             X = (mean + spread * torch.randn(40, 64) @ torch.randn(64, 64) / 8).to(dtype)
             F = torch.randn(40, 5) + X[:, :5].float() / spread
             H = X.double().numpy()
             want.append(dlr_naive(H, F.double().numpy()))
-            mon._pending.append((X, F))  # what the head hook captures: input and output
+            head.out = F  # the head's input and output: X and F
+            model(X)
             mon.step()
     assert len(mon.history) == 6
     for rec, (d, r) in zip(mon.history, want):
@@ -419,17 +429,17 @@ def test_monitor_one_batch_more_classes_than_samples(gram_route, monkeypatch):
     # 1,000 classes (the head's outputs), batches of 16: NC1 uses each step's own classes, renumbered
     # 0..15, so the per-step matrices are 16 x 16, not 1,000 x 1,000; values equal the oracle's, and
     # a step with a label outside the head's classes gets no NC1.
-    from richness.monitor import monitor as _monitor
+    from richness.monitor.onebatch import BatchGroup
 
     widths = []
-    real = _monitor._BatchGroup.reduce
+    real = BatchGroup.reduce
 
     def spy(self, *a):
         out = real(self, *a)
         widths.append(int(out.shape[1]))
         return out
 
-    monkeypatch.setattr(_monitor._BatchGroup, "reduce", spy)
+    monkeypatch.setattr(BatchGroup, "reduce", spy)
     torch.manual_seed(3)
     n, p, k = 16, 1024, 1000  # C <= p: the head's outputs are streamed (C > p would use its weights)
     head = nn.Linear(p, k).double()

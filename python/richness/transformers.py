@@ -163,7 +163,7 @@ class RichnessCallback(TrainerCallback):
         if self.monitor is None:
             return
         forwards, self._forwards = self._forwards, []
-        if not self.monitor._active:  # this step's forwards were not captured: no labels needed (no sync)
+        if not self.monitor.capturing:  # this step's forwards were not captured: no labels needed (no sync)
             self.monitor.step()
             return
         rows = [token_rows(labels, mask, self._shift) for labels, mask in forwards]

@@ -8,16 +8,17 @@ from ..model.batches import label_kwargs, select_rows
 from ..model.hooks import ModelHook, hook_forward, pooled_rows
 
 
-def _grad_enabled() -> bool:
+def grad_enabled() -> bool:
     import torch
 
     return torch.is_grad_enabled()
 
 
-class _PendingCapture:
+class PendingCapture:
     """Forward hook on the head: hands (features, outputs) of the training
-    forwards of window steps to ``Monitor._captured`` (which ties them to the
-    model forward that made them) until ``Monitor.step`` consumes them."""
+    forwards of window steps to ``Monitor.record_head_output`` (which ties
+    them to the model forward that made them) until ``Monitor.step``
+    consumes them."""
 
     def __init__(self, module: Any, mon: Any) -> None:
         self.mon = mon
@@ -25,17 +26,17 @@ class _PendingCapture:
 
     def _hook(self, mod, args, out) -> None:
         mon = self.mon
-        if _grad_enabled():
-            mon._head_ran = True
+        if grad_enabled():
+            mon.head_ran()
         # training forwards run with gradients; validation under no_grad is skipped
-        if mon._active and args and _grad_enabled():
-            mon._captured((args[0].detach(), out.detach() if hasattr(out, "detach") else out))
+        if mon.capturing and args and grad_enabled():
+            mon.record_head_output(args[0].detach(), out.detach() if hasattr(out, "detach") else out)
 
     def remove(self) -> None:
         self.handle.remove()
 
 
-class _ModelForwards:
+class ModelForwards:
     """Hooks on the model that tie the head's captures to the model forward
     that made them: captures made while the model's forward runs are kept
     (``commit``) only when that forward returns, so a forward that raises after
@@ -89,7 +90,7 @@ class _ModelForwards:
             h.remove()
 
 
-class _StepBuffer:
+class StepBuffer:
     """Copies of the head's input, output and labels of consecutive steps, in
     preallocated buffers with a leading step axis (one copy per tensor and
     step; no reference to the activations is kept). Steps of one buffer have
@@ -130,7 +131,7 @@ class _StepBuffer:
         self.metas.clear()
 
 
-def _probe_batches(probe: Any) -> Iterable:
+def probe_batches(probe: Any) -> Iterable:
     import torch
 
     if isinstance(probe, torch.Tensor):

@@ -68,10 +68,10 @@ class LayerCapture:
         mon = self.mon
         if not torch.is_grad_enabled():
             return
-        mon._head_ran = True
-        if mon._active:
+        mon.head_ran()
+        if mon.capturing:
             rows = pool_rows(out, self.name, self.pool)
-            mon._captured((rows.detach(), None))
+            mon.record_head_output(rows.detach(), None)
 
     def remove(self) -> None:
         self.handle.remove()

@@ -34,11 +34,9 @@ import numpy as np
 from ..model.batches import check_tokens
 from ..model.evaluate import collect
 from ..model.hooks import HeadFinder, hook_forward, resolve_head
-from .capture import (_grad_enabled, _ModelForwards, _PendingCapture, _probe_batches,  # noqa: F401
-                      _StepBuffer, step_rows)
-from .onebatch import (_batch_class_ids, _BatchGroup, _ieee_matmul, finish_group,  # noqa: F401
-                               OneBatchRoute)
-from .sinks import FIELDS, _make_sinks  # noqa: F401
+from .capture import ModelForwards, PendingCapture, grad_enabled, probe_batches, step_rows
+from .onebatch import BatchGroup, GroupMeta, OneBatchRoute, StepMeta, finish_group
+from .sinks import make_sinks
 from .window import WindowRoute
 from .layer import RECORD_MEASURES, LayerCapture, layer_rows, monitor_measures, resolve_layer
 from .._optional import require_torch
@@ -180,13 +178,13 @@ class Monitor:
         self.every, self.window = every, window
         self.precision, self.tokens, self.batch_fn, self.rtol = precision, tokens, batch_fn, rtol
         self.distributed = bool(distributed)
-        self.probe = None if probe is None else _probe_batches(probe)
+        self.probe = None if probe is None else probe_batches(probe)
         self.history: List[Dict[str, Any]] = []
         self.steps = 0
         resolved = resolve_head(model, head)
         self._head_name, self._head = (resolved if resolved is not None else (None, None))
         self._layer_name, self._layer = resolve_layer(model, layer) if layer is not None else (None, None)
-        self._sinks = _make_sinks(log, prefix)
+        self._sinks = make_sinks(log, prefix)
         self._window_route = WindowRoute(precision, window)
         self._pending: list = []
         self.lag = lag
@@ -195,22 +193,23 @@ class Monitor:
                                                                              "participation_ratio")))
         self._deferred = False  # this step's window went to the one-batch route
         self._window_labels: Optional[bool] = None
-        self._active = self._is_window_step(1)
-        self._capture: Optional[Any] = None  # _PendingCapture on the head, or LayerCapture
+        self._capturing = self._is_window_step(1)
+        self._capture: Optional[Any] = None  # PendingCapture on the head, or LayerCapture
         self._finder: Optional[HeadFinder] = None
         self._model_hook = None
-        self._forwards: Optional[_ModelForwards] = None
+        self._forwards: Optional[ModelForwards] = None
         self._refused = False  # the last step() refused its labels; its captures wait for a retry
         self._closed = False
-        self._head_ran = False  # set by the head's hook; a head that never runs is warned about once
+        self._head_has_run = False  # told by the head's hook (head_ran)
+        self._idle_warned = False  # a head that never runs is warned about once
         self._undefined_warned = False  # a record with an asked-for diagnostic undefined is warned about once
         self._t0 = time.time()
         if self.probe is None:
-            self._forwards = _ModelForwards(model, self._commit)
+            self._forwards = ModelForwards(model, self._commit)
             if self._layer is not None:
                 self._capture = LayerCapture(self._layer, self._layer_name, self, pool)
             elif self._head is not None:
-                self._capture = _PendingCapture(self._head, self)
+                self._capture = PendingCapture(self._head, self)
             else:
                 self._finder = HeadFinder(model)
                 self._model_hook = hook_forward(model, self._on_model_output)
@@ -223,11 +222,6 @@ class Monitor:
         self._threads = BlasThreads(small=2 ** 30)
 
     # -- hooks ----------------------------------------------------------------
-
-    def _hook_active(self) -> bool:
-        import torch
-
-        return self._active and torch.is_grad_enabled()
 
     def _is_window_step(self, j: int) -> bool:
         return (j - 1) % self.every >= self.every - self.window
@@ -244,21 +238,41 @@ class Monitor:
             self._model_hook.remove()
             self._model_hook = None
         self._head_name, self._head = name, head
-        self._head_ran = self._head_ran or (x is not None and _grad_enabled())
-        self._capture = _PendingCapture(head, self)
-        if x is not None and self._hook_active():  # (pooled already when the model pooled the head's output)
-            self._captured((x.detach(), y.detach() if hasattr(y, "detach") else y))
-
-    def _captured(self, capture: tuple) -> None:
-        """A training forward's (head input, head output), kept once the model
-        forward that made it returns (``_ModelForwards``)."""
-        if self._refused:  # training moved on past a refused step(): its captures are not this step's
-            self._pending = []
-            self._refused = False
-        self._forwards.add(capture)
+        self._capture = PendingCapture(head, self)
+        if x is not None and grad_enabled():  # (pooled already when the model pooled the head's output)
+            self.head_ran()
+            if self.capturing:
+                self.record_head_output(x.detach(), y.detach() if hasattr(y, "detach") else y)
 
     def _commit(self, captures: list) -> None:
         self._pending.extend(captures)
+
+    # -- what the hooks call (monitor/capture.py, monitor/layer.py) and integrations read ----------
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the training forwards that run now are kept for the next
+        ``step()``: True on the steps of a window, False between windows and
+        in probe mode. The head's hook reads it, and so does a caller that
+        pays for something per kept forward (the Hugging Face callback reads
+        a step's labels only then)."""
+        return self._capturing
+
+    def head_ran(self) -> None:
+        """The head's (or layer's) hook: it ran in a training forward (with
+        gradients enabled), kept or not. A head that never does is warned
+        about once, after ``every`` steps."""
+        self._head_has_run = True
+
+    def record_head_output(self, features: Any, outputs: Any) -> None:
+        """The head's hook: keep one training forward's head input (a
+        layer's pooled rows) and head output (None for a layer), detached,
+        for the next ``step()``. They are kept once the model forward that
+        made them returns (``ModelForwards``), and dropped if it raises."""
+        if self._refused:  # training moved on past a refused step(): its captures are not this step's
+            self._pending = []
+            self._refused = False
+        self._forwards.add((features, outputs))
 
     @property
     def head(self) -> Any:
@@ -297,19 +311,19 @@ class Monitor:
         self._pending = []
         if rows is not None:
             self._add_rows(*rows)
-        if self.steps >= self.every and not self._head_ran and self.probe is None:
+        if self.steps >= self.every and not self._head_has_run and not self._idle_warned and self.probe is None:
             self._warn_head_idle()
         if self.steps % self.every == 0:
             rec = self._emit()
         if self._one_batch.due(self._step_label()):
             self._one_batch.reduce(self._threads, _core_route)
-        self._active = self.probe is None and self._is_window_step(self.steps + 1)
+        self._capturing = self.probe is None and self._is_window_step(self.steps + 1)
         return rec
 
     def _warn_head_idle(self) -> None:
         # A head given by the user (or found on the model's first forward) that
         # never runs in a training forward leaves every record empty.
-        self._head_ran = True  # once
+        self._idle_warned = True
         if self._layer is not None:
             warnings.warn(f"richness.Monitor: after {self.steps} steps the layer {self._layer_name!r} "
                           f"({type(self._layer).__name__}) has not run in a training forward (with gradients "
@@ -376,31 +390,30 @@ class Monitor:
                 and not self._uses_weights() and self.precision in (None, "fp32", "fp64"))
 
     def _defer(self, feats: Any, outs: Any, labels: Any) -> None:
-        """Queue this step's one-batch window in the group (see ``_BatchGroup``)."""
-        meta = (self._step_label(), round(time.time() - self._t0, 6))
+        """Queue this step's one-batch window in the group (see ``BatchGroup``)."""
+        meta = StepMeta(self._step_label(), round(time.time() - self._t0, 6))
         self._one_batch.add(feats, outs, labels, self._head, meta, self._threads, _core_route)
         self._deferred = True
 
-    def _finish_records(self, meta: tuple, v: np.ndarray) -> None:
+    def _finish_records(self, meta: GroupMeta, v: np.ndarray) -> None:
         """Finish a reduced group's rows (``finish_group``) and emit their records."""
-        metas, n, c, k, rtol, sample_space, e = meta
-        bad = [step for (step, _), norm_m in zip(metas, v[:, 0]) if math.isnan(norm_m)]  # _to_unit_spread
+        bad = [m.step for m, norm_m in zip(meta.steps, v[:, 0]) if math.isnan(norm_m)]  # _to_unit_spread
         if bad:
             what = "the layer's output" if self._layer is not None else "the head's input or output"
             warnings.warn(f"richness.Monitor: {what} had NaN or Inf values at step(s) "
                           f"{', '.join(map(str, bad))}: their records have dlr, rank and nc1 None", UserWarning,
                           stacklevel=4)
-        dlrs, ranks, nc1s, extra = finish_group(v, n, c, k, rtol, sample_space, e, self.measures)
-        for i, ((step, t), dlr, rank, nc1) in enumerate(zip(metas, dlrs, ranks, nc1s)):
-            rec = {"step": step, "mode": "window", "n": n, "dlr": _num(dlr), "rank": rank, "nc1": _num(nc1),
-                   "effective_dim": _num(extra["effective_dim"][i])}
+        dlrs, ranks, nc1s, extra = finish_group(v, meta, self.measures)
+        for i, (m, dlr, rank, nc1) in enumerate(zip(meta.steps, dlrs, ranks, nc1s)):
+            rec = {"step": m.step, "mode": "window", "n": meta.n, "dlr": _num(dlr), "rank": rank,
+                   "nc1": _num(nc1), "effective_dim": _num(extra["effective_dim"][i])}
             rec.update({name: _num(extra[name][i]) if name in self.measures else None for name in RECORD_MEASURES})
-            rec.update(time=t, dlr_rtol_range=None, dlr_from="outputs")
+            rec.update(time=m.time, dlr_rtol_range=None, dlr_from="outputs")
             self._warn_undefined(rec, (), skip=("nc3",))  # per-batch states carry no weights: NC3 None
             self._dispatch(rec)
 
     @property
-    def _group(self) -> Optional[_BatchGroup]:
+    def _group(self) -> Optional[BatchGroup]:
         return self._one_batch.group
 
     def flush(self) -> None:
@@ -483,9 +496,9 @@ class Monitor:
             self._window_labels = None
         if values is None:
             return None
-        n, dlr, rank, nc1, dlr_range, extra = values
-        rec = self._record(n, dlr, rank, nc1, extra, None, "window", dlr_range, head is not None)
-        self._warn_undefined(rec, extra.get("warnings"))
+        q = values.dlr
+        rec = self._record(q.n, q.dlr, q.rank, q.nc1, values.extra, None, "window", q.dlr_range, head is not None)
+        self._warn_undefined(rec, values.extra.get("warnings"))
         return rec
 
     def _emit_probe(self) -> Optional[dict]:

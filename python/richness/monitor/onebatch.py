@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 import numpy as np
 
 from .. import _adapt
 from .._backend import centered_grams
 from .._state import default_precision
-from .capture import _StepBuffer
+from .capture import StepBuffer
 from ..model.threads import BlasThreads
 from ..finish import GramRows, check_rtol, finish_gram_rows, rtol_for
 from ..finish.diagnostics import measures_of_gram_rows
@@ -52,7 +52,26 @@ def _ieee_matmul(device_type: str) -> Iterator[None]:
             backend.fp32_precision = current
 
 
-class _BatchGroup(_StepBuffer):
+class StepMeta(NamedTuple):
+    """What a buffered one-batch window's record says besides its values."""
+
+    step: int     # the step label of the record
+    time: float   # seconds since the Monitor started
+
+
+class GroupMeta(NamedTuple):
+    """What finishing a reduced group's rows needs besides them (``finish_group``)."""
+
+    steps: List[StepMeta]  # one per reduced step, in order
+    n: int                 # the rows of each step's batch
+    c: int                 # the side of A and Q: the outputs C, or n in sample space; 0 without outputs
+    k: int                 # the class columns (the classes, or n when renumbered in each step); 0 without labels
+    rtol: float
+    sample_space: bool     # more outputs than samples: n x n forms
+    e: int                 # the eigenvalues of each step's Gram (n, or 0 when not asked for)
+
+
+class BatchGroup(StepBuffer):
     """One-batch windows (``window=1`` with fewer rows than features, as with
     every=1) waiting to be reduced together: ``reduce`` turns all of them at
     once into a handful of small float64 matrices per step, with batched
@@ -81,7 +100,7 @@ class _BatchGroup(_StepBuffer):
     def reduce(self, prec: str, threads: BlasThreads, core: bool = False) -> Any:
         """See ``_reduce``; its products in true float32 whatever the training
         loop allows for its own (``_ieee_matmul``). ``core``: the Grams of CPU
-        buffers through the core instead of torch (``_monitor.CORE_GRAMS``)."""
+        buffers through the core instead of torch (``monitor.CORE_GRAMS``)."""
         with _ieee_matmul(self.x.device.type):
             return self._reduce(prec, threads, core)
 
@@ -228,18 +247,18 @@ def _batch_class_ids(lab: Any, valid: Any, k: int) -> Any:
 class OneBatchRoute:
     """The group of one-batch windows waiting for their reduction, and (on a
     GPU) the reduced groups on their way to the host. ``finish_records(meta,
-    rows)`` finishes and emits a reduced group's records."""
+    rows)`` finishes and emits a reduced group's records (``GroupMeta``)."""
 
     def __init__(self, lag: Optional[int], precision: Optional[str], rtol: Optional[float],
-                 finish_records: Callable[[tuple, np.ndarray], None], eig: bool = False) -> None:
+                 finish_records: Callable[[GroupMeta, np.ndarray], None], eig: bool = False) -> None:
         self.lag, self.precision, self.rtol = lag, precision, check_rtol(rtol)
         self.eig = eig  # reduce the Grams' eigenvalues too (spectral representation diagnostics)
         self.finish_records = finish_records
-        self.group: Optional[_BatchGroup] = None
+        self.group: Optional[BatchGroup] = None
         self.inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
         self.classes: Optional[int] = None
 
-    def add(self, feats: Any, outs: Any, labels: Any, head: Any, meta: tuple, threads: BlasThreads,
+    def add(self, feats: Any, outs: Any, labels: Any, head: Any, meta: StepMeta, threads: BlasThreads,
             core_route: Callable[[Any], bool]) -> None:
         """Queue one step; a step that does not fit the group reduces the group first."""
         import torch
@@ -258,14 +277,14 @@ class OneBatchRoute:
                 self.classes = (head.out_features if isinstance(head, torch.nn.Linear)
                                 else int(labels.max()) + 1)  # one sync, on the first group only
             lag = self.lag if self.lag is not None else (16 if feats.device.type == "cpu" else 64)
-            g = self.group = _BatchGroup(parts, lag, self.classes or 0, self.eig)
+            g = self.group = BatchGroup(parts, lag, self.classes or 0, self.eig)
         g.add(parts, meta)
 
     def due(self, step: int) -> bool:
         """Whether the group is full or its first step is ``lag`` steps old at ``step``."""
         g = self.group
         return g is not None and bool(g.metas) and (len(g.metas) >= g.capacity
-                                                    or step - g.metas[0][0] + 1 >= g.lag)
+                                                    or step - g.metas[0].step + 1 >= g.lag)
 
     def reduce(self, threads: BlasThreads, core_route: Callable[[Any], bool]) -> None:
         """Reduce the queued one-batch windows. On the CPU their records are
@@ -284,8 +303,8 @@ class OneBatchRoute:
         try:
             packed = g.reduce(prec, threads, core_route(x))
             n = int(x.shape[1])
-            meta = (list(g.metas), n, n if g.sample_space else (0 if f is None else int(f.shape[2])),
-                    g.label_cols if g.y is not None else 0, rtol, g.sample_space, n if g.eig else 0)
+            meta = GroupMeta(list(g.metas), n, n if g.sample_space else (0 if f is None else int(f.shape[2])),
+                             g.label_cols if g.y is not None else 0, rtol, g.sample_space, n if g.eig else 0)
         finally:
             g.clear()  # the buffers are reused by the next group (same stream: ordered)
         if packed.device.type == "cuda":
@@ -308,18 +327,15 @@ class OneBatchRoute:
             self.finish_records(meta, host.numpy())
 
 
-def finish_group(v: np.ndarray, n: int, c: int, k: int, rtol: float, sample_space: bool, e: int = 0,
-                 measures: tuple = ()) -> tuple:
-    """DLR, rank and NC1 of each row of ``_BatchGroup.reduce`` (float64, host):
+def finish_group(v: np.ndarray, meta: GroupMeta, measures: tuple = ()) -> tuple:
+    """DLR, rank and NC1 of each row of ``BatchGroup.reduce`` (float64, host):
     three lists, None where a value is undefined (``finish_gram_rows``; all
-    None without outputs, c = 0), and a dict of the representation
-    diagnostics in ``measures`` (and the effective dimension, with the ``e``
-    eigenvalues of each Gram), lists by name. ``c`` is the side of A and Q
-    (C, or n in sample space); ``k`` the class columns (the classes, or n
-    when renumbered within each step; 0 without labels)."""
-    rows = GramRows.unpack(v, c, k, e)
-    extra = measures_of_gram_rows(rows, rtol, measures)
-    if c == 0:
+    None without outputs, ``meta.c`` = 0), and a dict of the representation
+    diagnostics in ``measures`` (and the effective dimension, with the
+    ``meta.e`` eigenvalues of each Gram), lists by name."""
+    rows = GramRows.unpack(v, meta.c, meta.k, meta.e)
+    extra = measures_of_gram_rows(rows, meta.rtol, measures)
+    if meta.c == 0:
         none = [None] * int(v.shape[0])
         return none, none, none, extra
-    return finish_gram_rows(rows, n, rtol, sample_space) + (extra,)
+    return finish_gram_rows(rows, meta.n, meta.rtol, meta.sample_space) + (extra,)

@@ -121,11 +121,11 @@ class _CallbackSink:
         pass
 
 
-def _make_sinks(log: Any, prefix: str) -> list:
+def make_sinks(log: Any, prefix: str) -> list:
     if log is None:
         return []
     if isinstance(log, (list, tuple)):
-        return [s for item in log for s in _make_sinks(item, prefix)]
+        return [s for item in log for s in make_sinks(item, prefix)]
     if isinstance(log, str) and log == "wandb":
         return [_WandbSink(None, prefix)]
     if isinstance(log, str) and log == "mlflow":

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, NamedTuple, Optional
 
 import numpy as np
 
 from .._moments import Moments
-from .capture import _StepBuffer
+from .capture import StepBuffer
 from ..model.threads import BlasThreads
 from ..finish import dlr_only, rtol_for, too_few_samples
+from ..finish.policy import DlrOnlyResult
 from ..finish.diagnostics import measure_values
 
 
+class WindowValues(NamedTuple):
+    """What a window's emission finishes (``WindowRoute.finish``)."""
+
+    dlr: DlrOnlyResult  # n, DLR, rank, NC1, DLR at rtol / 10 and rtol * 10
+    extra: dict         # the representation diagnostics by name (and "warnings": why one is None)
+
+
 class WindowRoute:
-    """The window's steps in a ``_StepBuffer`` (one copy per step), added to
+    """The window's steps in a ``StepBuffer`` (one copy per step), added to
     the Moments as one batch when the buffer is full, changes shape, or the
     window is emitted: one update of window x n rows instead of one per step
     (one merge, one call, larger products; on a GPU a few launches per window
@@ -23,7 +31,7 @@ class WindowRoute:
     def __init__(self, precision: Optional[str], window: int) -> None:
         self.moments = Moments(precision=precision)
         self.window = window
-        self.buf: Optional[_StepBuffer] = None
+        self.buf: Optional[StepBuffer] = None
 
     def add(self, parts: Dict[str, Any], threads: BlasThreads) -> None:
         w = self.buf
@@ -32,7 +40,7 @@ class WindowRoute:
             if not w.fits(parts):
                 w = None
         if w is None:
-            w = self.buf = _StepBuffer(parts, self.window)
+            w = self.buf = StepBuffer(parts, self.window)
         w.add(parts)
 
     def update(self, threads: BlasThreads) -> None:
@@ -48,9 +56,9 @@ class WindowRoute:
             w.clear()
 
     def finish(self, threads: BlasThreads, distributed: bool, rtol: Optional[float],
-               head: Any = None, measures: tuple = (), nc3_head: Any = None) -> Optional[tuple]:
-        """(n, DLR, rank, NC1, DLR at rtol / 10 and rtol * 10, diagnostics) of
-        the window, None below 2 samples; the Moments are empty after.
+               head: Any = None, measures: tuple = (), nc3_head: Any = None) -> Optional[WindowValues]:
+        """The window's values (``WindowValues``), None below 2 samples; the
+        Moments are empty after.
         ``head``: a linear head whose weights DLR uses instead of the streamed
         outputs (C > p; docs/MATH.md, many outputs). ``measures``: the
         representation diagnostics to add (a dict by name, with the effective
@@ -79,6 +87,6 @@ class WindowRoute:
                 extra, why = measure_values(st, W3, rtol_for(st["precision"], rtol), measures,
                                             single=st["precision"] != "fp64")
                 extra["warnings"] = why  # why a value is None, for the Monitor's warning
-            return q.n, q.dlr, q.rank, q.nc1, q.dlr_range, extra
+            return WindowValues(q, extra)
         finally:
             m.reset()
