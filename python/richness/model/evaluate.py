@@ -16,10 +16,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
 
 from .._moments import Moments
 from .._report import Report
-# richness.Monitor imports several of these names from this module: keep them here
 from .batches import (UNSHIFTED, TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs,
                        labels_are_inputs, layer_rows, select_rows, shift_for_next_token, split_batch, to_device)
-from .hooks import Capture, HeadFinder, pooled_rows, resolve_head, resolve_layers
+from .hooks import HeadHook, Latest, pooled_rows, resolve_head, resolve_layers
 from .._optional import require_torch, require_tqdm
 from .threads import BlasThreads
 
@@ -71,39 +70,6 @@ def _progress_bar(loader: Iterable, desc: str) -> Any:
                                               dynamic_ncols=True, leave=False)
 
 
-class _HeadTap:
-    """The head's input and output for each batch: hooks on the head given, or,
-    without one, the head found on the first batch (``HeadFinder``) and hooked
-    from then on."""
-
-    def __init__(self, model: Any, resolved: Optional[Tuple[str, Any]]) -> None:
-        self.module = self.capture = self.finder = None
-        if resolved is not None:
-            self.module = resolved[1]
-            self.capture = Capture(self.module)
-        else:
-            self.finder = HeadFinder(model)
-
-    def take(self, model: Any, inputs: Any, out: Any) -> Tuple[Any, Any]:
-        if self.finder is None:
-            assert self.capture is not None  # a resolved head has its capture
-            return self.capture.take()
-        _, self.module, x, y = self.finder.result(out)
-        self.finder.remove()
-        self.finder = None
-        self.capture = Capture(self.module)
-        if x is None:  # the head ran before another Linear: run the batch again
-            call_model(model, inputs)
-            x, y = self.capture.take()
-        return x, y
-
-    def remove(self) -> None:
-        if self.finder is not None:
-            self.finder.remove()
-        if self.capture is not None:
-            self.capture.remove()
-
-
 def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = None, precision: Optional[str] = None,
             progress: bool = True, batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all",
             desc: str = "richness", allow_empty: bool = False,
@@ -121,19 +87,27 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
     moments = Moments(precision=precision)
     named_layers = resolve_layers(model, layers)
     layer_moments = {name: Moments(precision=precision) for name, _ in named_layers}
-    layer_caps = [(name, Capture(mod)) for name, mod in named_layers]
+    layer_io = [(name, Latest()) for name, _ in named_layers]
+    layer_hooks = [HeadHook(io, mod) for (_, io), (_, mod) in zip(layer_io, named_layers)]
+    head_io = Latest()
     tap = None
     with_labels: Optional[bool] = None
     try:
         with torch.no_grad(), eval_mode(model), BlasThreads() as threads:
-            tap = _HeadTap(model, resolved)
+            # the head given, or found on the first batch and hooked from then on
+            tap = HeadHook(head_io, None if resolved is None else resolved[1], model=model)
             for batch in loader:
                 inputs, labels, amask = split_batch(batch, batch_fn)
                 if with_labels is None and not shift_labels and labels_are_inputs(inputs, labels):
                     warnings.warn(UNSHIFTED.format(fix="pass shift_labels=True"), UserWarning, stacklevel=3)
                 inputs = to_device(inputs, dev)
+                searching = tap.module is None
                 out = call_model(model, inputs)
-                x, y = pooled_rows(*tap.take(model, inputs, out), out)  # a head pooled after it ran
+                x, y = head_io.take()
+                if x is None and searching:  # the head, found now, ran before another Linear: run the batch again
+                    call_model(model, inputs)
+                    x, y = head_io.take()
+                x, y = pooled_rows(x, y, out)  # a head pooled after it ran
                 head_mod = tap.module
                 if isinstance(x, torch.Tensor) and x.ndim < 2:
                     raise ValueError(f"the head's input has shape {tuple(x.shape)}: the loader yields unbatched "
@@ -157,15 +131,15 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
                     if outs is None:
                         raise ValueError(f"the head {type(head_mod).__name__} did not return a tensor")
                     moments.update(feats, outs, **lk)
-                for name, cap in layer_caps:
-                    act = layer_rows(cap.take()[1], feats.shape[0], name)
+                for name, io in layer_io:
+                    act = layer_rows(io.take()[1], feats.shape[0], name)
                     layer_moments[name].update(act, outs, **lk)
                 del feats, outs, lk
                 if bar is not None:
                     bar.update(batch_size_of(inputs))
     finally:
-        for _, cap in layer_caps:
-            cap.remove()
+        for hook in layer_hooks:
+            hook.remove()
         if tap is not None:
             tap.remove()
         if bar is not None:

@@ -2,9 +2,12 @@
 
 The head is the module whose input are the features ``phi(x)`` and whose
 output are the logits ``f(x)``: named by the caller (``resolve_head``) or
-found in one forward pass (``HeadFinder``); ``Capture`` keeps the latest
-input and output of one module; ``resolve_layers`` names the layers
-profiled by depth. Shared by ``richness.evaluate`` and ``richness.Monitor``.
+found in one forward pass (``HeadFinder``). ``HeadHook`` is the one hook on a
+head (or on any module named as one): it hands each forward's input and
+output to a function, on the module given or on the head found in the
+model's first forward. ``Latest`` keeps the latest pair; ``resolve_layers``
+names the layers profiled by depth. Shared by ``richness.evaluate``,
+``richness.Monitor`` and the torchmetrics ``DLR``.
 """
 
 from __future__ import annotations
@@ -202,26 +205,100 @@ class HeadFinder:
         return name, mod, None, None
 
 
-class Capture:
-    """A forward hook that keeps the latest input and output of one module."""
+class _OnForward:
+    """What a ``HeadHook`` registers (inside a ``ModelHook``): each forward's
+    first positional input (None when there is none) and output, to ``fn``.
+    A deep copy of the module follows ``fn.copied(memo)`` where ``fn`` has it
+    (``ModelHook.__deepcopy__``), else calls nothing."""
 
-    def __init__(self, module: Any, active: Callable[[], bool] = lambda: True) -> None:
-        self.inp = self.out = None
-        self.active = active
-        self.handle = hook_forward(module, self._hook)
+    __slots__ = ("fn",)
 
-    def _hook(self, mod, args, out):
-        if self.active():
-            self.inp = args[0] if args else None
-            self.out = out
+    def __init__(self, fn: Callable[[Any, Any], None]) -> None:
+        self.fn = fn
 
-    def take(self) -> Tuple[Any, Any]:
-        x, y = self.inp, self.out
-        self.inp = self.out = None
-        return x, y
+    def __call__(self, mod: Any, args: tuple, out: Any) -> None:
+        self.fn(args[0] if args else None, out)
+
+    def copied(self, memo: dict) -> "Optional[_OnForward]":
+        follow = getattr(self.fn, "copied", None)
+        fn = follow(memo) if follow is not None else None
+        return None if fn is None else _OnForward(fn)
+
+
+class HeadHook:
+    """The forwards of a model's head, each handed to ``fn(inputs, output)``:
+    the head's first positional input (the features; None when it has none)
+    and its output.
+
+    On ``head``, the module given (the head, or any module named as one: the
+    Monitor's layer, evaluate's profiled layers). Without one, the head is
+    found in ``model``'s first forward (``HeadFinder``: hooks on every
+    ``nn.Linear`` for that forward only), ``found(name, module)`` is told,
+    the head is hooked from then on, and that forward's pair goes to ``fn``
+    when the head was the last Linear called (at the pooled positions of a
+    head pooled after it ran); else the caller runs the batch again if it
+    needs it. A model whose head cannot be found raises the finder's
+    ValueError from that forward.
+
+    ``module`` is the head (None until found), ``name`` the name it was
+    found under (None when given). Every hook is
+    a ``ModelHook``: a copied or saved model carries inert ones (a deep copy
+    asks ``fn.copied(memo)``, where ``fn`` has it, what its copy calls)."""
+
+    def __init__(self, fn: Callable[[Any, Any], None], head: Any = None, *, model: Any = None,
+                 found: Optional[Callable[[str, Any], None]] = None) -> None:
+        self.fn, self.found = fn, found
+        self.name: Optional[str] = None
+        self.module = head
+        self.handles: List[Any] = []
+        self.finder: Optional[HeadFinder] = None
+        if head is not None:
+            self._hook_head()
+        else:
+            self.finder = HeadFinder(model)
+            self.handles.append(hook_forward(model, self._on_model_output))
+
+    def _hook_head(self) -> None:
+        self.handles.append(hook_forward(self.module, _OnForward(self.fn)))
+
+    def _on_model_output(self, mod: Any, args: Any, out: Any) -> None:
+        finder = self.finder
+        if finder is None:
+            return
+        try:
+            name, module, x, y = finder.result(out)
+        finally:
+            self.remove()
+        self.name, self.module = name, module
+        if self.found is not None:
+            self.found(name, module)
+        self._hook_head()
+        if x is not None:
+            self.fn(x, y)
 
     def remove(self) -> None:
-        self.handle.remove()
+        """Remove every hook (the finder's too)."""
+        if self.finder is not None:
+            self.finder.remove()
+            self.finder = None
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class Latest:
+    """The latest ``(inputs, output)`` pair handed to it (a ``HeadHook``'s
+    function), until taken."""
+
+    def __init__(self) -> None:
+        self.pair: Tuple[Any, Any] = (None, None)
+
+    def __call__(self, x: Any, y: Any) -> None:
+        self.pair = (x, y)
+
+    def take(self) -> Tuple[Any, Any]:
+        pair, self.pair = self.pair, (None, None)
+        return pair
 
 
 def resolve_layers(model: Any, layers: Optional[Sequence]) -> List[Tuple[str, Any]]:

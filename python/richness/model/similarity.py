@@ -1,7 +1,7 @@
 """``richness.similarity``: one pass of one or more models over a loader, exact
 CKA between their layers.
 
-Forward hooks (``ModelHook``) on the named layers capture each output under
+Forward hooks (``HeadHook``) on the named layers capture each output under
 ``torch.no_grad()``; ``pool_rows`` turns it into one row per sample; every
 batch's rows go into one ``Similarity`` as ``"model.layer"``. No activation
 outlives its batch, and the hooks are removed when the pass ends (also after
@@ -17,7 +17,7 @@ from .._optional import require_torch
 from .._similarity import Similarity, SimilarityReport
 from .batches import batch_size_of, call_model, pool_rows, split_batch, to_device
 from .evaluate import _merge_ranks, _model_device, _progress_bar, eval_mode
-from .hooks import hook_forward, resolve_layers
+from .hooks import HeadHook, resolve_layers
 
 
 def _as_models(models: Any) -> Dict[str, Any]:
@@ -123,19 +123,19 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
     state = {"n": 0}
 
     def tap(key: str):
-        def fn(_mod, _args, out):
+        def fn(_inputs, out):
             if key in captured:
                 raise ValueError(f"similarity: layer {key!r} ran twice in one forward pass (a shared module); "
                                  "hook a module that runs once per sample")
             captured[key] = pool_rows(out, key, pool, state["n"]).detach()
         return fn
 
-    handles = []
+    hooks = []
     bar = _progress_bar(loader, "richness similarity") if progress else None
     try:
         for n in names:
             for ln, mod in resolved[n]:
-                handles.append(hook_forward(mod, tap(f"{n}.{ln}")))
+                hooks.append(HeadHook(tap(f"{n}.{ln}"), mod))
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for m in mods.values():
                 stack.enter_context(eval_mode(m))
@@ -156,7 +156,7 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
                 if bar is not None:
                     bar.update(state["n"])
     finally:
-        for h in handles:
+        for h in hooks:
             h.remove()
         captured.clear()
         if bar is not None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from ..model.batches import label_kwargs, select_rows
-from ..model.hooks import ModelHook, hook_forward, pooled_rows
+from ..model.hooks import ModelHook, pooled_rows
 
 
 def grad_enabled() -> bool:
@@ -14,26 +14,30 @@ def grad_enabled() -> bool:
     return torch.is_grad_enabled()
 
 
-class PendingCapture:
-    """Forward hook on the head: hands (features, outputs) of the training
-    forwards of window steps to ``Monitor.record_head_output`` (which ties
-    them to the model forward that made them) until ``Monitor.step``
-    consumes them."""
+class TrainingCapture:
+    """What the Monitor's ``HeadHook`` (``model/hooks.py``) calls with each
+    forward of its head: a forward run with gradients enabled (training;
+    validation under ``no_grad`` is skipped) tells the Monitor that the head
+    ran (``Monitor.head_ran``), and during window steps
+    (``Monitor.capturing``) its head input and output, detached, go to
+    ``Monitor.record_head_output``, which ties them to the model forward that
+    made them until ``Monitor.step`` consumes them. ``rows``: what is
+    recorded of a layer's output instead (its pooled rows; no outputs)."""
 
-    def __init__(self, module: Any, mon: Any) -> None:
-        self.mon = mon
-        self.handle = hook_forward(module, self._hook)
+    def __init__(self, mon: Any, rows: Optional[Callable[[Any], Any]] = None) -> None:
+        self.mon, self.rows = mon, rows
 
-    def _hook(self, mod, args, out) -> None:
+    def __call__(self, x: Any, y: Any) -> None:
+        if not grad_enabled():
+            return
         mon = self.mon
-        if grad_enabled():
-            mon.head_ran()
-        # training forwards run with gradients; validation under no_grad is skipped
-        if mon.capturing and args and grad_enabled():
-            mon.record_head_output(args[0].detach(), out.detach() if hasattr(out, "detach") else out)
-
-    def remove(self) -> None:
-        self.handle.remove()
+        mon.head_ran()
+        if not mon.capturing:
+            return
+        if self.rows is not None:
+            mon.record_head_output(self.rows(y), None)
+        elif x is not None:
+            mon.record_head_output(x.detach(), y.detach() if hasattr(y, "detach") else y)
 
 
 class ModelForwards:

@@ -2,9 +2,9 @@
 layer's output, pooled into rows, with no head and no labels, for
 self-supervised training; and the measures a Monitor's records carry.
 
-A forward hook on the layer pools its output (``model.batches.pool_rows``:
-mean over spatial positions or tokens) and hands the rows to the Monitor as a
-head's input would be; the window and every=1 routes then add them without
+The Monitor's hook on the layer pools its output (``pooled_output``,
+``model.batches.pool_rows``: mean over spatial positions or tokens) and
+records the rows as a head's input would be; the window and every=1 routes then add them without
 outputs or labels, and the records carry RankMe, alpha-ReQ, the effective
 dimension and the participation ratio of the layer's representation
 (docs/MATH.md, representation diagnostics).
@@ -12,11 +12,11 @@ dimension and the participation ratio of the layer's representation
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..finish.diagnostics import CLASS_MEANS, MEASURES, SPECTRAL, check_measures
 from ..model.batches import POOLS, pool_rows
-from ..model.hooks import hook_forward, resolve_head
+from ..model.hooks import resolve_head
 
 # What a record carries besides step, mode, n, dlr, rank, nc1, effective_dim and time.
 RECORD_MEASURES = MEASURES
@@ -50,31 +50,15 @@ def resolve_layer(model: Any, layer: Any) -> tuple:
     return resolved
 
 
-class LayerCapture:
-    """Forward hook on the layer: the pooled rows of its training forwards
-    during window steps go to the Monitor as ``(rows, None)`` captures (no
-    outputs). A layer whose output is not a tensor (nor a tuple starting with
-    one) raises a ValueError naming it, from the forward that made it."""
-
-    def __init__(self, module: Any, name: str, mon: Any, pool: str) -> None:
-        if pool not in POOLS:
-            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-        self.mon, self.name, self.pool = mon, name, pool
-        self.handle = hook_forward(module, self._hook)
-
-    def _hook(self, mod: Any, args: Any, out: Any) -> None:
-        import torch
-
-        mon = self.mon
-        if not torch.is_grad_enabled():
-            return
-        mon.head_ran()
-        if mon.capturing:
-            rows = pool_rows(out, self.name, self.pool)
-            mon.record_head_output(rows.detach(), None)
-
-    def remove(self) -> None:
-        self.handle.remove()
+def pooled_output(name: str, pool: str) -> Callable[[Any], Any]:
+    """What the features-only Monitor records of its layer's output: its
+    pooled rows (``pool_rows``), detached, with no outputs. A layer whose
+    output is not a tensor (nor a tuple starting with one) raises a
+    ValueError naming it, from the forward that made it; an unknown ``pool``
+    raises one here."""
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    return lambda out: pool_rows(out, name, pool).detach()
 
 
 def layer_rows(pending: list) -> Optional[tuple]:

@@ -17,7 +17,8 @@ never calls ``.item()`` or copies to the host (on a GPU the CUDA backend runs
 on the caller's stream). Boolean token masks are the exception: indexing with
 them syncs.
 
-This module wires the parts: the hooks and step buffers (``monitor/capture.py``),
+This module wires the parts: the head's hook (``model/hooks.py``, calling
+``monitor/capture.py``), the step buffers (``monitor/capture.py``),
 the two routes, the sinks (``monitor/sinks.py``), and the finishing math they
 share (``richness.finish``).
 """
@@ -33,12 +34,12 @@ import numpy as np
 
 from ..model.batches import check_tokens
 from ..model.evaluate import collect
-from ..model.hooks import HeadFinder, hook_forward, resolve_head
-from .capture import ModelForwards, PendingCapture, grad_enabled, probe_batches, step_rows
+from ..model.hooks import HeadHook, resolve_head
+from .capture import ModelForwards, TrainingCapture, probe_batches, step_rows
 from .onebatch import BatchGroup, GroupMeta, OneBatchRoute, StepMeta, finish_group
 from .sinks import make_sinks
 from .window import WindowRoute
-from .layer import RECORD_MEASURES, LayerCapture, layer_rows, monitor_measures, resolve_layer
+from .layer import RECORD_MEASURES, layer_rows, monitor_measures, pooled_output, resolve_layer
 from .._optional import require_torch
 from ..model.threads import BlasThreads
 
@@ -194,9 +195,7 @@ class Monitor:
         self._deferred = False  # this step's window went to the one-batch route
         self._window_labels: Optional[bool] = None
         self._capturing = self._is_window_step(1)
-        self._capture: Optional[Any] = None  # PendingCapture on the head, or LayerCapture
-        self._finder: Optional[HeadFinder] = None
-        self._model_hook = None
+        self._capture: Optional[HeadHook] = None  # on the head (given or found) or the layer
         self._forwards: Optional[ModelForwards] = None
         self._refused = False  # the last step() refused its labels; its captures wait for a retry
         self._closed = False
@@ -207,12 +206,9 @@ class Monitor:
         if self.probe is None:
             self._forwards = ModelForwards(model, self._commit)
             if self._layer is not None:
-                self._capture = LayerCapture(self._layer, self._layer_name, self, pool)
-            elif self._head is not None:
-                self._capture = PendingCapture(self._head, self)
+                self._capture = HeadHook(TrainingCapture(self, pooled_output(self._layer_name, pool)), self._layer)
             else:
-                self._finder = HeadFinder(model)
-                self._model_hook = hook_forward(model, self._on_model_output)
+                self._capture = HeadHook(TrainingCapture(self), self._head, model=model, found=self._head_found)
         # Restored by close(). One core worker below 2^30 multiply-adds (the
         # default window's update, 1,280 x 512^2, is 3.4e8): right after a
         # training step torch's OpenMP threads are still spinning, and a second
@@ -226,28 +222,13 @@ class Monitor:
     def _is_window_step(self, j: int) -> bool:
         return (j - 1) % self.every >= self.every - self.window
 
-    def _on_model_output(self, mod, args, out) -> None:
-        finder = self._finder
-        if finder is None:
-            return
-        try:
-            name, head, x, y = finder.result(out)
-        finally:
-            finder.remove()
-            self._finder = None
-            self._model_hook.remove()
-            self._model_hook = None
+    def _head_found(self, name: str, head: Any) -> None:
         self._head_name, self._head = name, head
-        self._capture = PendingCapture(head, self)
-        if x is not None and grad_enabled():  # (pooled already when the model pooled the head's output)
-            self.head_ran()
-            if self.capturing:
-                self.record_head_output(x.detach(), y.detach() if hasattr(y, "detach") else y)
 
     def _commit(self, captures: list) -> None:
         self._pending.extend(captures)
 
-    # -- what the hooks call (monitor/capture.py, monitor/layer.py) and integrations read ----------
+    # -- what the head's hook calls (monitor/capture.py) and integrations read --------------------
 
     @property
     def capturing(self) -> bool:
@@ -545,10 +526,6 @@ class Monitor:
                 self._capture.remove()
             if self._forwards is not None:
                 self._forwards.remove()
-            if self._finder is not None:
-                self._finder.remove()
-            if self._model_hook is not None:
-                self._model_hook.remove()
             for s in self._sinks:
                 s.close()
             self._threads.restore()

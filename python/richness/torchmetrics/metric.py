@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, cast
 
 import numpy as np
@@ -18,8 +19,8 @@ from .. import _adapt, _state
 from .. import finish as _finish
 from .._moments import Moments
 from .._report import Report
-from ..model.hooks import hook_forward
-from .tensors import _STATES, _TORCH_DTYPE, Capture as _Capture, _from_tensors, _host, _kept, _padded, _widths_of
+from ..model.hooks import HeadHook
+from .tensors import _STATES, _TORCH_DTYPE, _from_tensors, _host, _kept, _padded, _widths_of
 
 
 class DLR(Metric):
@@ -462,7 +463,7 @@ class DLR(Metric):
         # forwards. When the head itself is copied by the same deep copy (a
         # model deep-copied with the metric as a submodule) the copy follows
         # the copied head: here when the head was reached first, else when it
-        # is reached later (its hook's ``Capture.copied`` moves the copy).
+        # is reached later (its hook's ``_HeadInput.copied`` moves the copy).
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         state = self.__getstate__()
@@ -476,9 +477,44 @@ class DLR(Metric):
 
     def _watch_head(self) -> None:
         if isinstance(self.head, torch.nn.Module):
-            self.__dict__["_hook"] = hook_forward(self.head, _Capture(self))
+            self.__dict__["_hook"] = HeadHook(_HeadInput(self), self.head)
 
     def __del__(self) -> None:
         hook = self.__dict__.get("_hook")
         if hook is not None:
             hook.remove()
+
+
+class _HeadInput:
+    """What the metric's ``HeadHook`` calls with each forward of its head:
+    keeps the head's latest input (the features) for the next ``update``
+    without ``features=``. Holds the metric and the head weakly (the head
+    must not keep the metric alive); a deep-copied or saved model's copy of
+    the hook captures nothing, unless the same deep copy copied the metric
+    (``copied``)."""
+
+    def __init__(self, metric: DLR) -> None:
+        self.ref = weakref.ref(metric)
+        self.head = weakref.ref(metric.head)  # the module hooked
+
+    def __call__(self, x: Any, out: Any) -> None:
+        metric = self.ref()
+        # only the metric's own head: a deep copy may have moved it to the copied head
+        if metric is not None and metric.head is self.head() and isinstance(x, torch.Tensor):
+            metric.__dict__["_captured"] = x.detach()
+
+    def copied(self, memo: dict) -> "Optional[_HeadInput]":
+        """The function of the head's deep copy's hook: when the same deep copy
+        copied the metric before reaching its head (the model's modules list
+        the metric first), the metric's copy is moved to the copied head and
+        fed from there; else None (a copied model's forwards never reach a
+        metric that was not copied with it)."""
+        metric = self.ref()
+        if metric is None:
+            return None
+        twin = memo.get(id(metric))
+        head_copy = memo.get(id(metric.head))
+        if twin is None or head_copy is None or twin.head is not metric.head:
+            return None
+        object.__setattr__(twin, "head", head_copy)
+        return _HeadInput(twin)

@@ -1,11 +1,10 @@
 """The metric's tensor plumbing: its state tensors to and from the state
 schema's dict, the zero-padded all-gather of ranks' differently shaped
-states, the head's capture hook and deep-copy helpers."""
+states, and deep-copy helpers."""
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 import torch
@@ -53,38 +52,6 @@ def _padded(sync_fn: Callable) -> Callable:
         return out
 
     return gather
-
-
-class Capture:
-    """Forward hook on the head: keeps its latest input (the features) for the
-    next ``update`` without ``features=``. Holds the metric weakly (the head
-    must not keep it alive); registered as a ``ModelHook``, so a deep-copied or
-    saved model's copy of it captures nothing."""
-
-    def __init__(self, metric: "Any") -> None:
-        self.ref = weakref.ref(metric)
-
-    def __call__(self, module: Any, args: tuple, out: Any) -> None:
-        metric = self.ref()
-        # only the metric's own head: a deep copy may have moved it to the copied head
-        if metric is not None and metric.head is module and args and isinstance(args[0], torch.Tensor):
-            metric.__dict__["_captured"] = args[0].detach()
-
-    def copied(self, memo: dict) -> "Optional[Capture]":
-        """The hook of the head's deep copy: when the same deep copy copied the
-        metric before reaching its head (the model's modules list the metric
-        first), the metric's copy is moved to the copied head and hooked there;
-        else None (a copied model's forwards never reach a metric that was not
-        copied with it)."""
-        metric = self.ref()
-        if metric is None:
-            return None
-        twin = memo.get(id(metric))
-        head_copy = memo.get(id(metric.head))
-        if twin is None or head_copy is None or twin.head is not metric.head:
-            return None
-        object.__setattr__(twin, "head", head_copy)
-        return Capture(twin)
 
 
 def _host(x: Any) -> np.ndarray:
