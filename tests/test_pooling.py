@@ -1,10 +1,10 @@
-"""Pooling a layer's output into one row per sample (model/batches.pool_rows)."""
+"""Pooling a layer's output into one row per sample (torch/batches.pool_rows)."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from richness.model.batches import FLATTEN_LIMIT, layer_rows, pool_rows  # noqa: E402
+from richness.torch.batches import FLATTEN_LIMIT, layer_rows, pool_rows  # noqa: E402
 
 
 def test_mean_over_positions_and_tokens():

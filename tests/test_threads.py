@@ -1,4 +1,4 @@
-"""The thread policy of the core's updates (richness.model.threads.BlasThreads) as
+"""The thread policy of the core's updates (richness.torch.threads.BlasThreads) as
 evaluate and Monitor apply it: never more threads than torch's pool, one for
 small products, and the core's count restored afterwards.
 """

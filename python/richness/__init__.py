@@ -14,10 +14,10 @@ import scipy_openblas32 as _openblas  # noqa: F401
 from ._core import blas_info
 from ._moments import Moments, dlr
 from ._report import Report
-from .model.evaluate import RichnessWarning, evaluate
+from .torch.evaluate import RichnessWarning, evaluate
 from .monitor import Monitor
 from ._similarity import Similarity, SimilarityReport, cka
-from .model.similarity import similarity
+from .torch.similarity import similarity
 
 try:
     from importlib.metadata import PackageNotFoundError as _NotFound, version as _version

@@ -33,7 +33,7 @@ VERSION = 1
 
 
 def _warn(msg: str) -> None:
-    from .model.evaluate import RichnessWarning
+    from .torch.evaluate import RichnessWarning
 
     warnings.warn(msg, RichnessWarning, stacklevel=3)
 

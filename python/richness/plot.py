@@ -166,7 +166,7 @@ def escape_mathtext(text: str) -> str:
 def _dlr_outside(steps: np.ndarray, dlr: np.ndarray, given: np.ndarray, where: str) -> str:
     """A note on the recorded (``given``) DLR values that are NaN or outside [0, 1]
     (none of them a DLR), also warned about (RichnessWarning); "" when there are none."""
-    from .model.evaluate import RichnessWarning
+    from .torch.evaluate import RichnessWarning
 
     nan = given & np.isnan(dlr)
     out = given & ~nan & ((dlr < 0) | (dlr > 1))

@@ -37,8 +37,8 @@ try:
 except ImportError as _e:
     raise ImportError(f"richness.transformers needs transformers: {pip_extra('transformers')} ({_e})") from None
 
-from .model.batches import UNSHIFTED, labels_are_inputs, next_token_labels
-from .model.hooks import ModelHook
+from .torch.batches import UNSHIFTED, labels_are_inputs, next_token_labels
+from .torch.hooks import ModelHook
 from .monitor.monitor import Monitor
 from .monitor.sinks import scalars
 

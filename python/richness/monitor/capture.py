@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from ..model.batches import label_kwargs, select_rows
-from ..model.hooks import ModelHook, pooled_rows
+from ..torch.batches import label_kwargs, select_rows
+from ..torch.hooks import ModelHook, pooled_rows
 
 
 def grad_enabled() -> bool:
@@ -15,7 +15,7 @@ def grad_enabled() -> bool:
 
 
 class TrainingCapture:
-    """What the Monitor's ``HeadHook`` (``model/hooks.py``) calls with each
+    """What the Monitor's ``HeadHook`` (``torch/hooks.py``) calls with each
     forward of its head: a forward run with gradients enabled (training;
     validation under ``no_grad`` is skipped) tells the Monitor that the head
     ran (``Monitor.head_ran``), and during window steps

@@ -3,7 +3,7 @@ layer's output, pooled into rows, with no head and no labels, for
 self-supervised training; and the measures a Monitor's records carry.
 
 The Monitor's hook on the layer pools its output (``pooled_output``,
-``model.batches.pool_rows``: mean over spatial positions or tokens) and
+``torch.batches.pool_rows``: mean over spatial positions or tokens) and
 records the rows as a head's input would be; the window and every=1 routes then add them without
 outputs or labels, and the records carry RankMe, alpha-ReQ, the effective
 dimension and the participation ratio of the layer's representation
@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..finish.diagnostics import CLASS_MEANS, MEASURES, SPECTRAL, check_measures
-from ..model.batches import POOLS, pool_rows
-from ..model.hooks import resolve_head
+from ..torch.batches import POOLS, pool_rows
+from ..torch.hooks import resolve_head
 
 # What a record carries besides step, mode, n, dlr, rank, nc1, effective_dim and time.
 RECORD_MEASURES = MEASURES

@@ -17,7 +17,7 @@ never calls ``.item()`` or copies to the host (on a GPU the CUDA backend runs
 on the caller's stream). Boolean token masks are the exception: indexing with
 them syncs.
 
-This module wires the parts: the head's hook (``model/hooks.py``, calling
+This module wires the parts: the head's hook (``torch/hooks.py``, calling
 ``monitor/capture.py``), the step buffers (``monitor/capture.py``),
 the two routes, the sinks (``monitor/sinks.py``), and the finishing math they
 share (``richness.finish``).
@@ -32,16 +32,16 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..model.batches import check_tokens
-from ..model.evaluate import collect
-from ..model.hooks import HeadHook, resolve_head
+from ..torch.batches import check_tokens
+from ..torch.evaluate import collect
+from ..torch.hooks import HeadHook, resolve_head
 from .capture import ModelForwards, TrainingCapture, probe_batches, step_rows
 from .onebatch import BatchGroup, GroupMeta, OneBatchRoute, StepMeta, finish_group
 from .sinks import make_sinks
 from .window import WindowRoute
 from .layer import RECORD_MEASURES, layer_rows, monitor_measures, pooled_output, resolve_layer
 from .._optional import require_torch
-from ..model.threads import BlasThreads
+from ..torch.threads import BlasThreads
 
 
 def _num(v: Any) -> Optional[float]:
@@ -107,7 +107,7 @@ class Monitor:
             Not with ``head`` or ``probe``.
         pool: how a layer's output becomes rows (``"mean"`` over spatial
             positions or tokens, ``"first"``/``"last"`` token, ``"flatten"``;
-            ``richness.model.batches.pool_rows``).
+            ``richness.torch.batches.pool_rows``).
         measures: representation diagnostics to add to each record (names
             from ``richness.finish.MEASURES`` or ``"all"``): RankMe, alpha-ReQ
             and the participation ratio from the window's eigenvalues (or, at

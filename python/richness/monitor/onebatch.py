@@ -12,7 +12,7 @@ from .. import _adapt
 from .._backend import centered_grams
 from .._state import default_precision
 from .capture import StepBuffer
-from ..model.threads import BlasThreads
+from ..torch.threads import BlasThreads
 from ..finish import GramRows, check_rtol, finish_gram_rows, rtol_for
 from ..finish.diagnostics import measures_of_gram_rows
 

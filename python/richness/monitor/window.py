@@ -8,7 +8,7 @@ import numpy as np
 
 from .._moments import Moments
 from .capture import StepBuffer
-from ..model.threads import BlasThreads
+from ..torch.threads import BlasThreads
 from ..finish import dlr_only, rtol_for, too_few_samples
 from ..finish.policy import DlrOnlyResult
 from ..finish.diagnostics import measure_values

@@ -19,7 +19,7 @@ from .. import _adapt, _state
 from .. import finish as _finish
 from .._moments import Moments
 from .._report import Report
-from ..model.hooks import HeadHook
+from ..torch.hooks import HeadHook
 from .tensors import _STATES, _TORCH_DTYPE, _from_tensors, _host, _kept, _padded, _widths_of
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from .._optional import require_torch
 from .._similarity import Similarity, SimilarityReport
 from .batches import batch_size_of, call_model, pool_rows, split_batch, to_device
-from .evaluate import _merge_ranks, _model_device, _progress_bar, eval_mode
+from .evaluate import merge_ranks, model_device, progress_bar, eval_mode
 from .hooks import HeadHook, resolve_layers
 
 
@@ -109,7 +109,7 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
     ``torch.no_grad()``; every hook is removed on return or on error.
     """
     torch = require_torch("richness.similarity")
-    merge = _merge_ranks(distributed)
+    merge = merge_ranks(distributed)
     mods = _as_models(models)
     names = list(mods)
     per_model = _as_layers(layers, names)
@@ -131,7 +131,7 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
         return fn
 
     hooks = []
-    bar = _progress_bar(loader, "richness similarity") if progress else None
+    bar = progress_bar(loader, "richness similarity") if progress else None
     try:
         for n in names:
             for ln, mod in resolved[n]:
@@ -145,7 +145,7 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
                     feed = feeds[n]
                     x = feed(batch) if feed is not None else split_batch(batch)[0]
                     state["n"] = batch_size_of(x)
-                    call_model(mods[n], to_device(x, _model_device(mods[n])))
+                    call_model(mods[n], to_device(x, model_device(mods[n])))
                 missing = [k for k in order if k not in captured]
                 if missing:
                     raise ValueError(f"similarity: layers {missing} did not run in the forward pass")

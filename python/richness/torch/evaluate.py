@@ -1,8 +1,8 @@
 """``richness.evaluate``: one pass of a model over a loader, DLR from its head.
 
-Forward hooks on the head (``model/hooks.py``) capture its input, the features
+Forward hooks on the head (``torch/hooks.py``) capture its input, the features
 ``phi(x)``, and its output, the logits ``f(x)``, under ``torch.no_grad()``;
-each batch becomes rows (``model/batches.py``) that go straight into a ``Moments``,
+each batch becomes rows (``torch/batches.py``) that go straight into a ``Moments``,
 and no reference to an activation outlives its batch. ``collect`` is that
 pass; ``evaluate`` finishes it into a ``Report``.
 """
@@ -29,7 +29,7 @@ class RichnessWarning(UserWarning):
     """A caveat of a report (finite n, rank cut, NC1 precision), also in ``report.warnings``."""
 
 
-def _model_device(model: Any) -> Any:
+def model_device(model: Any) -> Any:
     import torch
 
     for p in model.parameters():
@@ -57,7 +57,7 @@ def _is_linear(mod: Any) -> bool:
     return isinstance(mod, nn.Linear)
 
 
-def _progress_bar(loader: Iterable, desc: str) -> Any:
+def progress_bar(loader: Iterable, desc: str) -> Any:
     """A tqdm bar in samples, its total the loader's dataset length when it has one."""
     total = None
     ds = getattr(loader, "dataset", None)
@@ -82,8 +82,8 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
     torch = require_torch("richness.evaluate")
     check_tokens(tokens)
     resolved = resolve_head(model, head)
-    dev = torch.device(device) if device is not None else _model_device(model)
-    bar = _progress_bar(loader, desc) if progress else None
+    dev = torch.device(device) if device is not None else model_device(model)
+    bar = progress_bar(loader, desc) if progress else None
     moments = Moments(precision=precision)
     named_layers = resolve_layers(model, layers)
     layer_moments = {name: Moments(precision=precision) for name, _ in named_layers}
@@ -152,7 +152,7 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
     return moments, head_mod
 
 
-def _merge_ranks(distributed: Optional[bool]) -> bool:
+def merge_ranks(distributed: Optional[bool]) -> bool:
     """``evaluate(distributed=...)``: None = whether a process group is initialised."""
     if distributed is not None and not isinstance(distributed, bool):
         raise TypeError(f"distributed must be True, False or None, got {type(distributed).__name__}")
@@ -215,7 +215,7 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
     exception; the core's BLAS uses at most ``torch.get_num_threads()``
     threads (one for small batches; see ``BlasThreads``).
     """
-    distributed = _merge_ranks(distributed)
+    distributed = merge_ranks(distributed)
     moments, head_mod = collect(model, loader, head=head, device=device, precision=precision, progress=progress,
                                 batch_fn=batch_fn, tokens=tokens, allow_empty=distributed, layers=layers,
                                 shift_labels=shift_labels)
