@@ -41,6 +41,7 @@ from .sinks import make_sinks
 from .window import WindowRoute
 from .layer import RECORD_MEASURES, layer_rows, monitor_measures, pooled_output, resolve_layer
 from .._optional import require_torch
+from ..finish.diagnostics import SPECTRAL
 from ..torch.threads import BlasThreads
 
 
@@ -190,8 +191,7 @@ class Monitor:
         self._pending: list = []
         self.lag = lag
         self._one_batch = OneBatchRoute(lag, precision, rtol, self._finish_records,
-                                        eig=any(m in self.measures for m in ("rankme", "alpha_req",
-                                                                             "participation_ratio")))
+                                        eig=any(m in SPECTRAL for m in self.measures))
         self._deferred = False  # this step's window went to the one-batch route
         self._window_labels: Optional[bool] = None
         self._capturing = self._is_window_step(1)

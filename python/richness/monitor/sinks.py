@@ -9,12 +9,11 @@ import os
 from typing import Any, Callable
 
 from .._optional import require_mlflow, require_wandb
+from ..finish.diagnostics import MEASURES  # the representation diagnostics: None in a record unless measured
 
-# the representation diagnostics (richness.finish.MEASURES), None in a record unless measured
-_MEASURES = ("rankme", "alpha_req", "participation_ratio", "nc2_equinorm", "nc2_equiangle", "nc3")
-FIELDS = ("step", "mode", "n", "dlr", "rank", "nc1", "effective_dim") + _MEASURES + ("time",)
+FIELDS = ("step", "mode", "n", "dlr", "rank", "nc1", "effective_dim") + MEASURES + ("time",)
 # the numbers a record sends to a tracker (Lightning's loggers, Hugging Face's Trainer, W&B, MLflow)
-SCALARS = ("dlr", "nc1", "effective_dim", "rank", "n") + _MEASURES
+SCALARS = ("dlr", "nc1", "effective_dim", "rank", "n") + MEASURES
 
 
 def scalars(rec: dict, prefix: str) -> dict:
@@ -56,7 +55,7 @@ class _TensorBoardSink:
         self.writer, self.prefix = writer, prefix
 
     def __call__(self, rec: dict) -> None:
-        for key in ("dlr", "nc1", "effective_dim") + _MEASURES:
+        for key in ("dlr", "nc1", "effective_dim") + MEASURES:
             v = rec.get(key)
             if v is not None:
                 self.writer.add_scalar(f"{self.prefix}/{key}", v, rec["step"])
