@@ -230,6 +230,34 @@ def test_large_batch_threaded_passes():
         _core.blas_set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_class_sums_same_bits_on_any_thread_count(dtype):
+    """The class sums split over the workers by columns, each summing its rows
+    in their order: the bits of a sequential float64 sum in row order, on one
+    worker or several (p not a multiple of the split)."""
+    from richness import _core
+
+    rng = np.random.default_rng(5)
+    n, p, k = 3000, 70, 13
+    X = (3.0 + rng.normal(size=(n, p))).astype(dtype)
+    y = rng.integers(0, k, n)
+    y[:5] = 12  # a class whose rows come first
+    ref = np.zeros((k, p))
+    for i in range(n):  # sequential float64 sums in row order
+        ref[y[i]] += X[i].astype(np.float64)
+    threads = _core.blas_get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            _core.blas_set_num_threads(t)
+            m = richness.Moments(k)
+            m.update(X, labels=y)
+            st = m.state_dict()
+            assert np.array_equal(st["class_sums"], ref), t
+            assert np.array_equal(st["class_counts"], np.bincount(y, minlength=k))
+    finally:
+        _core.blas_set_num_threads(threads)
+
+
 def test_same_batches_give_bit_identical_states():
     X, F, y = data(12, n=5000, p=16)
     a = state_of((X, F, y), (X[:100], F[:100], y[:100]))

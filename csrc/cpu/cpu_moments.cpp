@@ -87,14 +87,15 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// Calls fn(i, get) for rows r0 <= i < r1, where get(j) reads element (i, j)
-// as double.
-template <typename Fn>
-void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Fn&& fn) {
+// Calls fn(i, get) for the rows i = row(k), r0 <= k < r1, where get(j) reads
+// element (i, j) as double.
+template <typename Row, typename Fn>
+void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Row&& row, Fn&& fn) {
   switch (m.dtype) {
     case DType::f32: {
       const float* base = static_cast<const float*>(m.ptr);
-      for (int64_t i = r0; i < r1; ++i) {
+      for (int64_t k = r0; k < r1; ++k) {
+        const int64_t i = row(k);
         const float* r = base + i * m.ld;
         fn(i, [r](int64_t j) { return (double)r[j]; });
       }
@@ -102,7 +103,8 @@ void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Fn&& fn) {
     }
     case DType::f64: {
       const double* base = static_cast<const double*>(m.ptr);
-      for (int64_t i = r0; i < r1; ++i) {
+      for (int64_t k = r0; k < r1; ++k) {
+        const int64_t i = row(k);
         const double* r = base + i * m.ld;
         fn(i, [r](int64_t j) { return r[j]; });
       }
@@ -110,9 +112,10 @@ void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Fn&& fn) {
     }
     case DType::f16: {  // each row widened once, into a row that stays in L1, as it is read
       const uint16_t* base = static_cast<const uint16_t*>(m.ptr);
-      std::vector<float> row((size_t)m.cols);
-      float* w = row.data();
-      for (int64_t i = r0; i < r1; ++i) {
+      std::vector<float> buffer((size_t)m.cols);
+      float* w = buffer.data();
+      for (int64_t k = r0; k < r1; ++k) {
+        const int64_t i = row(k);
         widen_halves(base + i * m.ld, m.cols, w);
         fn(i, [w](int64_t j) { return (double)w[j]; });
       }
@@ -120,7 +123,8 @@ void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Fn&& fn) {
     }
     case DType::bf16: {
       const uint16_t* base = static_cast<const uint16_t*>(m.ptr);
-      for (int64_t i = r0; i < r1; ++i) {
+      for (int64_t k = r0; k < r1; ++k) {
+        const int64_t i = row(k);
         const uint16_t* r = base + i * m.ld;
         fn(i, [r](int64_t j) { return (double)bf16_to_float(r[j]); });
       }
@@ -129,6 +133,12 @@ void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Fn&& fn) {
     default:
       throw type_error("internal: not a float matrix");
   }
+}
+
+// Rows r0 <= i < r1 in their order.
+template <typename Fn>
+void for_each_row(const Matrix& m, int64_t r0, int64_t r1, Fn&& fn) {
+  for_each_row(m, r0, r1, [](int64_t k) { return k; }, fn);
 }
 
 template <typename Fn>
@@ -336,12 +346,20 @@ void check_labels(const std::vector<int64_t>& y, int64_t num_classes, int64_t p)
 // features are read again for them, after the checks of the first read, so
 // a value another thread turned into NaN (or a class sum past float64) is
 // refused here rather than merged. Rows are added in their order.
+//
+// The sums live in scratch kept across batches (at 1,000 classes and p =
+// 2,048 they are 16 MB, which a fresh allocation would fault in page by page
+// each batch). Rows are read class by class (in the stable sort's order, so
+// each class's rows still in theirs), so a class's sums stay in cache while
+// its rows are added, and the workers take column ranges: each reads every
+// row's part in its range, so each sum adds its rows in their order whatever
+// the number of workers.
 struct BatchClasses {
   std::vector<int64_t> classes;
-  std::vector<double> sums;
+  std::vector<double>& sums;
   int64_t p = 0;  // the batch's width (the state's is -1 before its first batch)
 
-  BatchClasses(const Matrix& x, const std::vector<int64_t>& y) {
+  BatchClasses(const Matrix& x, const std::vector<int64_t>& y, std::vector<double>& scratch) : sums(scratch) {
     std::vector<int64_t> order(y.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = (int64_t)i;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return y[a] < y[b]; });
@@ -352,9 +370,17 @@ struct BatchClasses {
     }
     p = x.cols;
     sums.assign(classes.size() * (size_t)p, 0.0);
-    for_each_row(x, [&](int64_t i, auto get) {
-      double* sk = sums.data() + slot[i] * p;
-      for (int64_t j = 0; j < p; ++j) sk[j] += get(j);
+    const int64_t parts = std::min<int64_t>(blas_get_num_threads(), x.rows * p / (1 << 16) + 1);
+    const int64_t step = ((p + parts - 1) / parts + 15) / 16 * 16;  // whole cache lines of float rows
+    run_split(parts, [&](int64_t w) { return std::min(p, w * step); }, [&](int64_t, int64_t j0, int64_t j1) {
+      if (j1 <= j0) return;
+      Matrix part = x;
+      part.ptr = static_cast<const char*>(x.ptr) + (size_t)j0 * dtype_size(x.dtype);
+      part.cols = j1 - j0;
+      for_each_row(part, 0, x.rows, [&](int64_t k) { return order[k]; }, [&](int64_t i, auto get) {
+        double* sk = sums.data() + slot[i] * p + j0;
+        for (int64_t j = 0; j < j1 - j0; ++j) sk[j] += get(j);
+      });
     });
   }
 
@@ -633,7 +659,7 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std
   }
   std::optional<BatchClasses> classes;
   if (b.labels) {
-    classes.emplace(x, labels);
+    classes.emplace(x, labels, sc.class_sums);
     classes->check(state_);
   }
   Target target(state_, p, b.outputs ? c : -1, b.targets ? t : -1, b.labels ? std::max<int64_t>(k_needed, 0) : -1);

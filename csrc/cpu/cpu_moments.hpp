@@ -28,6 +28,7 @@ template <typename T>
 struct Scratch {
   std::vector<T> centered[kStreams];  // by stream, rows split among workers
   std::vector<T> parts[kNumComoments];  // by co-moment, the batch's product (the workers share it)
+  std::vector<double> class_sums;  // the batch's float64 sums of each class it holds
 };
 
 // Raised when a state or a batch's scratch cannot fit in this machine's
