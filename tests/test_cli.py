@@ -52,6 +52,24 @@ def test_eval_npy_files_in_chunks(tmp_path, capsys):
     assert rep["precision"] == "fp64"
 
 
+def test_chunks_reuse_one_buffer_only_when_asked(tmp_path):
+    from richness.cli.readers import ArrayFile
+
+    X = np.arange(60, dtype=np.float32).reshape(20, 3)
+    np.save(tmp_path / "x.npy", X)
+    f = ArrayFile(str(tmp_path / "x.npy"))
+    a = f.chunk(0, 8, reuse=True)
+    np.testing.assert_array_equal(a, X[:8])
+    b = f.chunk(8, 13, reuse=True)  # a shorter chunk, in the same buffer
+    np.testing.assert_array_equal(b, X[8:13])
+    assert np.shares_memory(a, b)
+    c, d = f.chunk(13, 20), f.chunk(0, 2)  # without reuse: a buffer each
+    np.testing.assert_array_equal(c, X[13:])
+    np.testing.assert_array_equal(d, X[:2])
+    assert not np.shares_memory(c, d) and not np.shares_memory(c, b)
+    f.close()
+
+
 def test_eval_bundles_head_and_held_out(tmp_path, capsys):
     X, F, y, W = data(n=700, head=True)
     np.savez(tmp_path / "train.npz", features=X[:500], outputs=F[:500], labels=y[:500])

@@ -75,12 +75,12 @@ import sys
 from richness.cli import main, readers
 real = readers.ArrayFile.chunk
 calls = []
-def chunk(self, a, b):
+def chunk(self, a, b, **kw):
     calls.append(a)
     if len(calls) == 2:  # the first chunk was read and used
         print("ready", flush=True)
         assert sys.stdin.readline().strip() == "go"
-    return real(self, a, b)
+    return real(self, a, b, **kw)
 readers.ArrayFile.chunk = chunk
 sys.exit(main(sys.argv[1:]))
 """

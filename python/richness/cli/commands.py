@@ -97,7 +97,8 @@ def _stream_shard(m, shard: Shard, chunk: int, bar) -> None:
     feats, outs, labels, targets = shard
     for a in range(0, feats.rows, chunk):
         b = min(a + chunk, feats.rows)
-        args = [f.chunk(a, b) if f is not None else None for f in shard]
+        # each chunk is added before the next is read, so the reads reuse one buffer a file
+        args = [f.chunk(a, b, reuse=True) if f is not None else None for f in shard]
         try:
             m.update(*args)
         except (ValueError, TypeError, MemoryError) as e:

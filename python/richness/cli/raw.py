@@ -27,7 +27,10 @@ class RawRows:
     """Rows ``a..b-1`` of a 1-D or 2-D array whose element ``[i, j]`` lies at byte
     ``offset + i * strides[0] + j * strides[1]`` of the open file ``f`` (its
     descriptor is duplicated, so ``f`` may be closed). Row-major data is read one
-    span per chunk; column-major data one span per column."""
+    span per chunk; column-major data one span per column. A chunk read with
+    ``reuse=True`` lies in a buffer the next such read overwrites: a pass that
+    consumes each chunk before asking for the next one then allocates (and the
+    system faults in) one chunk's memory, not one per chunk."""
 
     def __init__(self, f: BinaryIO, label: str, offset: int, shape: Tuple[int, ...],
                  strides: Tuple[int, ...], dtype: np.dtype) -> None:
@@ -39,6 +42,7 @@ class RawRows:
         self.raw = os.fdopen(os.dup(f.fileno()), "rb", buffering=0)
         self.row_major = len(self.shape) == 1 or self.strides[1] <= self.strides[0] or self.shape[1] == 1
         self._released = 0
+        self._scratch: Optional[np.ndarray] = None
         self._check_size(0, self.shape[0])
 
     def _check_size(self, a: int, b: int) -> None:
@@ -66,7 +70,16 @@ class RawRows:
             got += k
         return buf
 
-    def __call__(self, a: int, b: int) -> np.ndarray:
+    def _buffer(self, length: int, reuse: bool) -> Optional[np.ndarray]:
+        """The reused buffer's first ``length`` bytes (grown when short), or None: a new one."""
+        if not reuse:
+            return None
+        if self._scratch is None or self._scratch.size < length:
+            self._scratch = None  # the old buffer goes before the new one is allocated
+            self._scratch = np.empty(length, np.uint8)
+        return self._scratch[:length]
+
+    def __call__(self, a: int, b: int, reuse: bool = False) -> np.ndarray:
         self._check_size(a, b)
         n, item = b - a, self.dtype.itemsize
         if n <= 0 or not all(self.shape):
@@ -78,7 +91,8 @@ class RawRows:
             return x if s0 == item else np.ascontiguousarray(x)
         p, s1 = self.shape[1], self.strides[1]
         if self.row_major:
-            buf = self._read(self.offset + a * s0, (n - 1) * s0 + (p - 1) * s1 + item, a, b)
+            length = (n - 1) * s0 + (p - 1) * s1 + item
+            buf = self._read(self.offset + a * s0, length, a, b, into=self._buffer(length, reuse))
             self._prefetch(self.offset + b * s0, n * s0)  # the next chunk, read ahead while this one is used
             x = np.ndarray((n, p), self.dtype, buffer=buf, strides=(s0, s1))
             return x if (s0, s1) == (p * item, item) else np.ascontiguousarray(x)

@@ -333,9 +333,14 @@ class ArrayFile:
         width = self.shape[1] if len(self.shape) == 2 else 1
         return width * (4 if self.bf16 else self.dtype.itemsize)
 
-    def chunk(self, a: int, b: int) -> np.ndarray:
+    def chunk(self, a: int, b: int, reuse: bool = False) -> np.ndarray:
+        """Rows ``a..b-1``. ``reuse``: raw row-major data may come in a buffer
+        that the next ``chunk(..., reuse=True)`` overwrites (:class:`RawRows`)."""
         try:
-            x = self._reader(a, b) if self._reader is not None else cast(np.ndarray, self.array)[a:b]
+            if isinstance(self._reader, RawRows):
+                x = self._reader(a, b, reuse=reuse)
+            else:
+                x = self._reader(a, b) if self._reader is not None else cast(np.ndarray, self.array)[a:b]
         except UserError:
             raise
         except _UNREADABLE as e:
