@@ -95,7 +95,7 @@ def test_local_schedulers_equal_the_reference(scheduler):
 def test_local_cluster_equals_the_reference_and_uses_both_workers(client):
     features, outputs, labels, targets = as_dask(12, delay=0.05)
     with distributed.get_task_stream(client) as ts:
-        m = rd.moments(features, outputs, labels, targets, split_every=3)
+        m = rd.moments(features, outputs, labels, targets, split_every=3, chunks_per_task=1)
     check(m, 12)
     chunk_workers = {t["worker"] for t in ts.data if str(t["key"]).startswith("('_chunk") or
                      str(t["key"]).startswith("_chunk")}
@@ -170,7 +170,8 @@ def test_a_state_lost_in_the_tree_is_refused(monkeypatch):
     real = rd._combine
     monkeypatch.setattr(rd, "_combine", lambda kind, states: real(kind, states[:-1]))  # drops a state
     with dask.config.set(scheduler="sync"), pytest.raises(RuntimeError, match="600 samples for 800 rows"):
-        rd.moments(da.from_array(X, chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)), split_every=4)
+        rd.moments(da.from_array(X, chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)), split_every=4,
+                   chunks_per_task=1)
 
 
 def test_the_reductions_own_states_skip_only_the_factorisations(monkeypatch):
@@ -192,7 +193,8 @@ def test_the_reductions_own_states_skip_only_the_factorisations(monkeypatch):
     X, F, y, Y = full(6)
     with dask.config.set(scheduler="sync"):
         m = rd.moments(da.from_array(X, chunks=(STEP, -1)), da.from_array(F, chunks=(STEP, -1)),
-                       da.from_array(y, chunks=STEP), da.from_array(Y, chunks=(STEP, -1)), split_every=2)
+                       da.from_array(y, chunks=STEP), da.from_array(Y, chunks=(STEP, -1)), split_every=2,
+                       chunks_per_task=1)
     # every chunk's state and the result were loaded through the O(p^2) checks, none factorised
     assert calls["gram"] == 0 and calls["invariants"] >= 7
     check(m, 6)
@@ -227,6 +229,117 @@ def test_a_thread_reuses_its_accumulator_and_each_state_is_its_own_rows():
     assert st["num_classes"] == 9 and st["precision"] == "fp64"
     assert states_equal(st, alone(sl, num_classes=9, precision="fp64"))
     assert rd._WARM.held[1] is not held[0]
+
+
+def test_chunks_are_read_in_their_tasks_one_at_a_time(monkeypatch):
+    X, F, y, Y = full(6)
+    log = []
+
+    def logged_rows(i):
+        log.append(("read", i))
+        return rows(i)
+
+    blocks = [da.from_delayed(dask.delayed(logged_rows)(i), (STEP, P + C + 1 + T), np.float64) for i in range(6)]
+    a = da.concatenate(blocks)
+    real_update, real_chunk = richness.Moments.update, rd._chunk
+    tasks = []
+
+    def update(self, *args, **kw):
+        log.append(("update", args[0].shape[0]))
+        return real_update(self, *args, **kw)
+
+    def chunk(start, rows_, *args):
+        tasks.append((start, type(rows_).__name__, len(rows_)))
+        return real_chunk(start, rows_, *args)
+
+    monkeypatch.setattr(richness.Moments, "update", update)
+    monkeypatch.setattr(rd, "_chunk", chunk)
+    with dask.config.set(scheduler="sync"):  # one worker thread: two tasks of three chunks
+        m = rd.moments(a[:, :P], a[:, P:P + C], a[:, P + C].astype(np.int64), a[:, P + C + 1:])
+    assert sorted(tasks) == [(0, "_Rows", 3), (600, "_Rows", 3)]
+    # each chunk read once (all four arrays from one read), then added, before the next is read
+    assert log[1::2] == [("update", STEP)] * 6 and sorted(log[0::2]) == [("read", i) for i in range(6)]
+    reads = [i for _, i in log[0::2]]
+    assert reads in ([0, 1, 2, 3, 4, 5], [3, 4, 5, 0, 1, 2])  # a task's chunks in order, one task after the other
+    monkeypatch.undo()
+    check(m, 6)
+
+
+def test_blocks_shared_between_row_chunks_stay_dask_tasks(monkeypatch):
+    X, F, _, _ = full(4)
+    x = da.from_array(X, chunks=(STEP, -1))
+    centered = x - x.mean(axis=0)  # every chunk needs the mean of all rows
+    real_chunk = rd._chunk
+    tasks = []
+
+    def chunk(start, rows_, *args):
+        tasks.append((start, type(rows_).__name__, len(rows_)))
+        return real_chunk(start, rows_, *args)
+
+    monkeypatch.setattr(rd, "_chunk", chunk)
+    with dask.config.set(scheduler="sync"):
+        m = rd.moments(centered, da.from_array(F, chunks=(STEP, -1)))
+        assert [t[1:] for t in tasks] == [("list", 1)] * 4  # one chunk per task: a task would hold them all
+        want, _ = dlr_naive(X - X.mean(0), F)
+        assert m.n == 800 and abs(m.compute().dlr - want) <= 1e-12 * abs(want)
+        tasks.clear()
+        made = as_dask(4)[0]  # chunks made by tasks, then a rechunk across rows: the same
+        rd.moments(made.rechunk((300, -1)))
+        assert [t[1] for t in tasks] == ["list"] * 3
+        tasks.clear()
+        rd.moments(x.rechunk((300, -1)))  # across the slices of one small array: those are copied
+        assert [t[1] for t in tasks] == ["_Rows"] * 2
+
+
+class Store:
+    """An array-like store (dask reads it by slices, through one node of the
+    graph that every chunk's slice uses)."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype, self.ndim = a, a.shape, a.dtype, a.ndim
+
+    def __getitem__(self, key):
+        return self.a[key]
+
+
+def test_a_small_store_every_chunk_slices_is_copied_into_the_tasks_a_large_one_is_not():
+    X, F, _, _ = full(4)
+    small = da.from_array(Store(X), chunks=(STEP, -1), inline_array=False)
+    big = da.from_array(Store(np.vstack([X] * 90)[:, :P]), chunks=(STEP * 90, -1), inline_array=False)
+    assert X.nbytes * 90 > rd.SHARED_BYTES > X.nbytes
+    with dask.config.set(scheduler="sync"):
+        groups = rd._groups([small], 1)
+        assert [type(r).__name__ for _, r in groups] == ["_Rows"] * 4
+        assert [type(r).__name__ for _, r in rd._groups([big], 1)] == ["list"] * 4
+        m = rd.moments(small, da.from_array(F, chunks=(STEP, -1)))
+    want, _ = dlr_naive(X, F)
+    assert m.n == 800 and abs(m.compute().dlr - want) <= 1e-12 * abs(want)
+
+
+def test_a_chunk_that_cannot_be_read_raises_the_readers_error():
+    def unreadable(i):
+        if i == 1:
+            raise OSError(f"part {i}: no such file")
+        return rows(i)[:, :P]
+
+    x = da.concatenate([da.from_delayed(dask.delayed(unreadable)(i), (STEP, P), np.float64) for i in range(3)])
+    with dask.config.set(scheduler="sync"), pytest.raises(OSError, match="part 1: no such file"):
+        rd.moments(x)
+
+
+def test_chunks_per_task_by_default_two_tasks_per_worker_thread(client):
+    features, outputs, labels, targets = as_dask(12, delay=0.05)
+    with distributed.get_task_stream(client) as ts:
+        m = rd.moments(features, outputs, labels, targets)
+    check(m, 12)
+    keys = [str(t["key"]) for t in ts.data]
+    chunks = [t for t in ts.data if str(t["key"]).startswith("_chunk")]
+    assert len(chunks) == 4 == 2 * sum(client.nthreads().values())  # 12 chunks, 3 per task
+    assert len({t["worker"] for t in chunks}) == 2
+    # the chunks were made in the tasks that added them: no other task ran, nothing but states moved
+    assert all(k.startswith(("_chunk", "_combine")) for k in keys), keys
+    transfers = [s for t in ts.data for s in t["startstops"] if s["action"] == "transfer"]
+    assert len(transfers) <= 3
 
 
 # -- faults on the LocalCluster (last: they restart workers) ----------------------------

@@ -2,37 +2,57 @@
 (``pip install "richness[dask]"``).
 
 ``moments(features, outputs, labels, targets)`` is a tree reduction in the
-shape of ``dask.array.reduction``: each row chunk becomes a state on the
-worker that holds it (a ``Moments`` updated by the compiled core, returned as
-its ``state_dict()``: plain numpy arrays and ints), groups of ``split_every``
-states are merged by ``Moments.merge`` on the workers, and the last state is
-loaded into a ``Moments`` where the call was made. Nothing native is pickled;
-what travels is the O(p^2 + pC) state dicts, never the rows. Those states are
-the reduction's own (exported by its tasks, carried by Dask, which unpickles
-what it carries anyway): each is loaded with every check of
+shape of ``dask.array.reduction``: each group of consecutive row chunks
+becomes a state on the worker that runs its task (a ``Moments`` updated by
+the compiled core, returned as its ``state_dict()``: plain numpy arrays and
+ints), groups of ``split_every`` states are merged by ``Moments.merge`` on
+the workers, and the last state is loaded into a ``Moments`` where the call
+was made. Nothing native is pickled; what travels is the O(p^2 + pC) state
+dicts, never the rows.
+
+Where each row chunk's blocks come from tasks of their own (a file read, a
+slice of a store: no task serves two row chunks), the chunk task makes them
+itself, one row chunk at a time, from that part of the arrays' graph: reading
+and updating are one task, a block is never a result held by one worker and
+sent to another, and a task holds one chunk however many it adds. By default
+(``chunks_per_task=None``) the chunks are then grouped into about two tasks
+per worker thread of the active scheduler, so that few states are exported,
+sent and merged. Where a task serves several row chunks (a rechunk across
+rows, a statistic every chunk uses) the blocks stay Dask's tasks, shared as
+Dask shares them, and each task takes one chunk unless told otherwise.
+
+The states are the reduction's own (exported by its tasks, carried by Dask,
+which unpickles what it carries anyway): each is loaded with every check of
 ``load_state_dict`` but the O(p^3) semi-definiteness factorisations, which a
 state built by updates and merges passes by construction
 (``Moments._load_own_state_dict``); a saved file or a user's state dict
-still gets them all. It runs on the
-active scheduler: threads (dask's default), processes, or a
-``distributed.Client``. The result equals one ``Moments`` over the same rows
-up to rounding (docs/MATH.md, "Merging states"), and its sample count is
-checked against the rows given: a partial result is an error, never returned.
+still gets them all. It runs on the active scheduler: threads (dask's
+default), processes, or a ``distributed.Client``. The result equals one
+``Moments`` over the same rows up to rounding (docs/MATH.md, "Merging
+states"), and its sample count is checked against the rows given: a partial
+result is an error, never returned. A task lost with its worker is Dask's to
+run again; it made its own chunks, so it makes them again wherever it runs.
 
 Inputs are chunked along rows only (one chunk spans all columns), with the
 same row chunks in every array; anything else is refused before any work.
 
-Recipes (``import dask, dask.array as da, numpy as np``)::
+Recipes (``import dask, dask.array as da, numpy as np``), each read in the
+chunk tasks::
 
     # a folder written by da.to_npy_stack (its "info" file gives the chunks)
     features = da.from_npy_stack("feats/")
     # a zarr array; rechunk when the store also splits the columns
     features = da.from_zarr("feats.zarr").rechunk({1: -1})
     # a list of .npy files (one per rank and part): each memory-mapped by the
-    # worker that reads it, never sent through the scheduler
+    # worker that reads it (the core reads the mapped rows, no copy), never
+    # sent through the scheduler
     heads = [np.load(p, mmap_mode="r") for p in paths]
     features = da.concatenate([da.from_delayed(dask.delayed(np.load)(p, mmap_mode="r"), h.shape, h.dtype)
                                for p, h in zip(paths, heads)])
+
+A memory-mapped file truncated while a worker reads it ends that worker
+(SIGBUS); Dask runs the task again elsewhere and, when the file stays short,
+reports ``KilledWorker``: an error, never a partial state.
 
 ``similarity({"a": xa, "b": xb, ...})`` is the same reduction for the
 ``Similarity`` state (exact CKA between representations of the same rows).
@@ -43,8 +63,10 @@ the same state dicts and merge: README.md, "Data bigger than one machine".
 
 from __future__ import annotations
 
+import os
+import pickle
 import threading
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -118,35 +140,65 @@ def _emptied(kind: str, options: tuple, make: Callable[[], Any]) -> Any:
     return obj
 
 
-def _chunk(start: int, blocks: list, num_classes, precision) -> dict:
-    """The state of consecutive row chunks (each a tuple of the features'
-    block and its partners'), on the worker that holds them."""
-    m = _emptied("moments", (num_classes, precision), lambda: Moments(num_classes, precision=precision))
+class _Rows:
+    """Consecutive row chunks as the tasks that make them: per chunk, the
+    part of the arrays' graph its blocks come from (no task of it shared
+    with another chunk's) and the keys of its blocks. The chunk task
+    evaluates one chunk's part at a time, so reading and updating are one
+    task: the blocks are never results of their own (held by a worker,
+    sent to the one that updates with them), and the task holds one chunk
+    at a time however many it adds."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: List[Tuple[dict, tuple]]) -> None:
+        self.parts = parts  # per row chunk: (graph, keys of its blocks; None for an array not given)
+
+    def __dask_tokenize__(self):
+        return tuple(keys for _, keys in self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __iter__(self) -> Iterator[tuple]:
+        import dask
+
+        for graph, keys in self.parts:
+            given = [k for k in keys if k is not None]
+            values = iter(dask.get(graph, given))  # the synchronous scheduler, inside this task
+            yield tuple(None if k is None else next(values) for k in keys)
+
+
+def _update_all(state: Any, start: int, blocks: Iterable[tuple], add: Callable[[Any, tuple], None]) -> None:
+    """Add the row chunks ``blocks`` (made one at a time) to ``state``, a
+    refusal naming its rows."""
     for block in blocks:
         rows = block[0].shape[0]
         if rows:
             try:
-                m.update(*block)
+                add(state, block)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"rows {start}..{start + rows - 1}: {e}") from None
         start += rows
+
+
+def _chunk(start: int, blocks: Iterable[tuple], num_classes, precision) -> dict:
+    """The state of consecutive row chunks (each a tuple of the features'
+    block and its partners', or a ``_Rows`` that makes them), on the worker
+    that holds them."""
+    m = _emptied("moments", (num_classes, precision), lambda: Moments(num_classes, precision=precision))
+    _update_all(m, start, blocks, lambda s, block: s.update(*block))
     return m.state_dict()
 
 
-def _similarity_chunk(start: int, names: List[str], blocks: list, precision) -> dict:
+def _similarity_chunk(start: int, names: List[str], blocks: Iterable[tuple], precision) -> dict:
     """The similarity state of consecutive row chunks (each a tuple of the
-    representations' blocks, in ``names`` order), on the worker that holds them."""
+    representations' blocks, in ``names`` order, or a ``_Rows``), on the
+    worker that holds them."""
     from ._similarity import Similarity
 
     s = _emptied("similarity", (precision,), lambda: Similarity(precision=precision))
-    for block in blocks:
-        rows = block[0].shape[0]
-        if rows:
-            try:
-                s.update(dict(zip(names, block)))
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"rows {start}..{start + rows - 1}: {e}") from None
-        start += rows
+    _update_all(s, start, blocks, lambda st, block: st.update(dict(zip(names, block))))
     return s.state_dict()
 
 
@@ -156,11 +208,127 @@ def _combine(kind: str, states: List[dict]) -> dict:
     return _kinds.merge_own_dicts(kind, states)
 
 
-def _per_task(chunks_per_task: Any) -> int:
+def _per_task(chunks_per_task: Any) -> Optional[int]:
+    if chunks_per_task is None:
+        return None
     if (isinstance(chunks_per_task, (bool, np.bool_)) or not isinstance(chunks_per_task, (int, np.integer))
             or chunks_per_task < 1):
-        raise ValueError(f"chunks_per_task must be a positive integer, got {chunks_per_task!r}")
+        raise ValueError(f"chunks_per_task must be a positive integer or None, got {chunks_per_task!r}")
     return int(chunks_per_task)
+
+
+SHARED_BYTES = 1 << 20  # a literal every row chunk needs (an opened store) is copied into each task up to this
+
+
+def _copyable(node: Any, deps: set) -> bool:
+    """Whether a node of the graph that several row chunks need may be
+    copied into each of their tasks: literal data (no computation), small."""
+    import dask.core
+
+    spec: Any = None
+    try:
+        from dask import _task_spec as spec
+    except ImportError:  # dask before 2024.12: graphs of tuples, literals as themselves
+        pass
+    data_node, graph_node = getattr(spec, "DataNode", ()), getattr(spec, "GraphNode", ())
+    if deps:
+        return False
+    if isinstance(node, data_node):
+        value = node.value
+    elif isinstance(node, graph_node) or dask.core.istask(node):
+        return False
+    else:
+        value = node
+    if isinstance(value, np.ndarray):
+        return value.nbytes <= SHARED_BYTES
+    try:
+        return len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)) <= SHARED_BYTES
+    except Exception:  # anything that does not pickle here is not copied
+        return False
+
+
+def _row_parts(arrays: List[Optional[Any]]) -> Optional[List[Tuple[dict, tuple]]]:
+    """Per row chunk, the part of the arrays' graph that makes its blocks of
+    every array, and their keys; None where a task is needed by several row
+    chunks (a rechunk across rows, a statistic every chunk uses, a large
+    array all chunks are sliced from): those blocks are then made by tasks of
+    their own, whose results Dask shares. The graph is taken as built, not
+    optimised: the optimiser fuses a task that several arrays share (one
+    file read for the features and the labels) into each array's chain, and
+    it would run once per array; here it runs once per chunk."""
+    from dask.core import get_dependencies
+
+    graph: dict = {}
+    keys: List[Optional[list]] = []
+    for x in arrays:
+        if x is None:
+            keys.append(None)
+            continue
+        graph.update(x.__dask_graph__())
+        keys.append([k[0] if x.ndim == 2 else k for k in x.__dask_keys__()])  # one column chunk: one key per row
+    owner: dict = {}
+    deps: dict = {}
+    parts = []
+    for j in range(len(arrays[0].chunks[0])):
+        row = tuple(None if k is None else k[j] for k in keys)
+        todo = [k for k in row if k is not None]
+        mine = set(todo)
+        while todo:
+            key = todo.pop()
+            if key not in deps:
+                deps[key] = get_dependencies(graph, key)
+            for d in deps[key]:
+                if d not in mine:
+                    mine.add(d)
+                    todo.append(d)
+        for key in mine:
+            if owner.setdefault(key, j) != j and not _copyable(graph[key], deps[key]):
+                return None
+        parts.append(({k: graph[k] for k in mine}, row))
+    return parts
+
+
+def _threads() -> int:
+    """Worker threads of the active scheduler: a distributed client's, 1
+    for the synchronous one, else dask's ``num_workers`` or this machine's
+    cores (threads and processes)."""
+    import dask
+    import dask.local
+
+    get = dask.base.get_scheduler()
+    nthreads = getattr(getattr(get, "__self__", None), "nthreads", None)
+    if callable(nthreads):
+        try:
+            n = sum(nthreads().values())
+        except Exception:  # a client that cannot answer now: the guess below
+            n = 0
+        if n > 0:
+            return int(n)
+    if get is dask.local.get_sync:
+        return 1
+    return int(dask.config.get("num_workers", None) or os.cpu_count() or 1)
+
+
+def _groups(arrays: List[Optional[Any]], chunks_per_task: Optional[int]) -> List[Tuple[int, Any]]:
+    """The chunk tasks: per task its first row and its consecutive row
+    chunks, a ``_Rows`` (read in the task) where no task of the arrays'
+    graph serves two row chunks, else tuples of the blocks as delayed
+    values. ``chunks_per_task=None``: about two tasks per worker thread of
+    the active scheduler when read in the task (one chunk in memory at a
+    time either way), one chunk per task otherwise (a task then holds all
+    its chunks at once)."""
+    sizes = arrays[0].chunks[0]
+    n = len(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+    parts = _row_parts(arrays)
+    per = chunks_per_task
+    if per is None:
+        per = 1 if parts is None else max(1, -(-n // (2 * _threads())))
+    if parts is not None:
+        return [(int(starts[i]), _Rows(parts[i:i + per])) for i in range(0, n, per)]
+    blocks = [None if x is None else x.to_delayed().ravel() for x in arrays]
+    return [(int(starts[i]), [tuple(None if b is None else b[j] for b in blocks) for j in range(i, min(i + per, n))])
+            for i in range(0, n, per)]
 
 
 def _tree(kind: str, states: list, split_every: Optional[int]):
@@ -180,7 +348,7 @@ def _tree(kind: str, states: list, split_every: Optional[int]):
 
 def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any = None, *,
             num_classes: Optional[int] = None, precision: Optional[str] = None,
-            split_every: Optional[int] = None, chunks_per_task: int = 1) -> Moments:
+            split_every: Optional[int] = None, chunks_per_task: Optional[int] = None) -> Moments:
     """The ``Moments`` of dask arrays, computed on the active scheduler.
 
     Args:
@@ -190,12 +358,15 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
         num_classes, precision: as for ``Moments``.
         split_every: states merged per task of the tree (default 8); each
             merge task holds that many states.
-        chunks_per_task: consecutive row chunks added to one state (default
-            1). Each state costs a fixed time to export, send, check and
-            merge (about 0.05 s at p = 1024 with 1000 classes in
-            one process, more on a busy worker; benchmarks/RESULTS.md,
-            "Sharded features"), so many small chunks
-            are better grouped; a task holds its chunks at once.
+        chunks_per_task: consecutive row chunks added to one state. Each
+            state costs a fixed time to export, send, check and merge
+            (0.05-0.1 s at p = 1024 with 1000 classes on a worker;
+            benchmarks/RESULTS.md, "Sharded features"). Default (None):
+            where the chunk tasks read their own chunks (the module's
+            docstring), about two tasks per worker thread of the active
+            scheduler, each holding one chunk at a time; else one chunk per
+            task. Given where the blocks are Dask's own tasks, a task holds
+            its chunks at once.
 
     A chunk refused by the core (NaN, labels out of range, ...) raises its
     ValueError/TypeError here, naming its rows; a worker lost mid-run is
@@ -208,12 +379,8 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
     per = _per_task(chunks_per_task)
     arrays = _checked(features, {"outputs": (outputs, (1, 2), "f"), "labels": (labels, (1,), "iu"),
                                  "targets": (targets, (1, 2), "f")})
-    blocks = [None if x is None else x.to_delayed().ravel() for x in arrays]
     chunk = dask.delayed(_chunk, pure=True)
-    starts = np.concatenate([[0], np.cumsum(features.chunks[0])[:-1]]).astype(int)
-    states = [chunk(int(starts[i]), [tuple(None if b is None else b[j] for b in blocks)
-                                     for j in range(i, min(i + per, len(starts)))], num_classes, precision)
-              for i in range(0, len(starts), per)]
+    states = [chunk(start, rows, num_classes, precision) for start, rows in _groups(arrays, per)]
     (state,) = dask.compute(_tree("moments", states, split_every))
     m = Moments(num_classes, precision=precision)
     m._load_own_state_dict(state)
@@ -225,7 +392,7 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
 
 
 def similarity(representations: Mapping[str, Any], *, precision: Optional[str] = None,
-               split_every: Optional[int] = None, chunks_per_task: int = 1) -> Any:
+               split_every: Optional[int] = None, chunks_per_task: Optional[int] = None) -> Any:
     """The ``Similarity`` (exact linear CKA, both estimators) of named dask
     arrays of the same rows, computed on the active scheduler.
 
@@ -252,12 +419,8 @@ def similarity(representations: Mapping[str, Any], *, precision: Optional[str] =
     names = [str(k) for k in representations]
     values = list(representations.values())
     arrays = _checked(values[0], {n: (x, (2,), "f") for n, x in zip(names[1:], values[1:])}, first=names[0])
-    blocks = [x.to_delayed().ravel() for x in arrays]
     chunk = dask.delayed(_similarity_chunk, pure=True)
-    starts = np.concatenate([[0], np.cumsum(arrays[0].chunks[0])[:-1]]).astype(int)
-    states = [chunk(int(starts[i]), names, [tuple(b[j] for b in blocks) for j in range(i, min(i + per, len(starts)))],
-                    precision)
-              for i in range(0, len(starts), per)]
+    states = [chunk(start, names, rows, precision) for start, rows in _groups(arrays, per)]
     (state,) = dask.compute(_tree("similarity", states, split_every))
     s = Similarity(precision=precision)
     s._load_own_state_dict(state)
