@@ -14,18 +14,22 @@ a mean), their int64 labels (``--classes`` classes) and float32 head weights
 * ``richness.dask.moments`` on a ``LocalCluster(n_workers=k,
   threads_per_worker=1, processes=True)`` for k = 1, 2 (the nanny runs each
   worker's BLAS, so the core, on one thread), the shards read by the
-  "list of .npy files" recipe, one chunk per shard, one state per shard and
-  one per ``--chunks-per-task`` shards (default 5); then ``compute(head=W)``.
+  README's "list of .npy files" recipe (each memory-mapped by the worker that
+  reads it; ``--copy-reads``: read into memory by ``np.load``, as the recipe
+  did before), one chunk per shard; with the default ``chunks_per_task``
+  (about two tasks per worker thread), one state per shard, and one per
+  ``--chunks-per-task`` shards (default 5); then ``compute(head=W)``.
   Wall time from building the graph to the report, and to the reduced
   ``Moments`` (the cluster's start is given apart) and each worker's peak resident set (VmHWM, read on the
   worker after the run; it includes the worker's own interpreter, whose
   resident set before the run is given too). The driver runs in a fresh
   interpreter with the CLI run's BLAS threads (the finishing runs there).
 
-Each round runs the CLI and both dask runs at 1, then at 2; ``--repeat`` rounds (default 2).
+Each round runs the CLI and the three dask runs at 1, then at 2, each after reading every file once (the
+shards in the page cache for every run alike); ``--repeat`` rounds (default 2).
 
-    python benchmarks/bench_shards.py [--dir DIR (default: richness-shards in the temp folder)] [--shards 20] [--rows 15000]
-                                      [--features 1024] [--classes 1000] [--keep]
+    python benchmarks/bench_shards.py [--dir DIR (default: richness-shards in the temp folder)] [--shards 20]
+                                      [--rows 15000] [--features 1024] [--classes 1000] [--keep] [--copy-reads]
 
 The files are deleted afterwards unless --keep.
 """
@@ -83,6 +87,16 @@ def generate(folder: str, shards: int, rows: int, p: int, classes: int, seed: in
             (rng.standard_normal((classes, p)) / np.sqrt(p)).astype(np.float32))
 
 
+def warm(folder: str) -> None:
+    """Read every file once, so that each run starts with the shards in the
+    page cache: the CLI drops the pages it has read (posix_fadvise
+    DONTNEED), which would leave the run after it to read from the disk."""
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb", buffering=0) as f:
+            while f.read(1 << 23):
+                pass
+
+
 def run_cli(folder: str, threads: int) -> dict:
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-c", "import sys" + TIMED_CHILD, "eval", os.path.join(folder, "features-*.npy"), "--labels",
@@ -100,7 +114,8 @@ def run_cli(folder: str, threads: int) -> dict:
             "nc1": rep["nc1"], "n": rep["n"]}
 
 
-def run_dask(folder: str, workers: int, per_task: int) -> dict:
+def run_dask(folder: str, workers: int, per_task: int, mmap: bool = True) -> dict:
+    """``per_task`` 0: the default ``chunks_per_task``."""
     import dask
     import dask.array as da
     import distributed
@@ -120,14 +135,15 @@ def run_dask(folder: str, workers: int, per_task: int) -> dict:
         paths = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.startswith("features-"))
         lpaths = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.startswith("labels-"))
         # the README's recipe for a list of .npy files: shapes from the headers, data read on the workers
+        read = {"mmap_mode": "r"} if mmap else {}
         heads = [np.load(p, mmap_mode="r") for p in paths]
-        feats = da.concatenate([da.from_delayed(dask.delayed(np.load)(p), h.shape, h.dtype)
+        feats = da.concatenate([da.from_delayed(dask.delayed(np.load)(p, **read), h.shape, h.dtype)
                                 for p, h in zip(paths, heads)])
         lheads = [np.load(p, mmap_mode="r") for p in lpaths]
-        labels = da.concatenate([da.from_delayed(dask.delayed(np.load)(p), h.shape, h.dtype)
+        labels = da.concatenate([da.from_delayed(dask.delayed(np.load)(p, **read), h.shape, h.dtype)
                                  for p, h in zip(lpaths, lheads)])
         del heads, lheads
-        m = richness.dask.moments(feats, labels=labels, chunks_per_task=per_task)
+        m = richness.dask.moments(feats, labels=labels, **({"chunks_per_task": per_task} if per_task else {}))
         reduce_s = time.time() - t0
         rep = m.compute(head=np.load(os.path.join(folder, "head.npy")))
         wall = time.time() - t0
@@ -135,20 +151,22 @@ def run_dask(folder: str, workers: int, per_task: int) -> dict:
     finally:
         client.close()
         cluster.close()
+    grouping = ("default chunks_per_task" if not per_task else
+                f"{per_task} shard{'s' if per_task > 1 else ''} per state")
     return {"route": f"richness.dask, LocalCluster {workers} worker{'s' if workers > 1 else ''} x 1 thread, "
-                     f"{per_task} shard{'s' if per_task > 1 else ''} per state",
+                     f"{grouping}", "reads": "mmap" if mmap else "np.load copy",
             "wall_s": round(wall, 2), "reduce_s": round(reduce_s, 2), "peak_mb": sorted(peak.values()),
             "before_mb": sorted(before.values()),
             "cluster_start_s": round(start_s, 1), "dlr": rep.dlr, "nc1": rep.nc1, "n": rep.n,
             "blas": sorted(set(blas.values()))}
 
 
-def dask_in_child(folder: str, workers: int, threads: int, per_task: int) -> dict:
+def dask_in_child(folder: str, workers: int, threads: int, per_task: int, mmap: bool) -> dict:
     """run_dask in a fresh interpreter whose own BLAS (the finishing's) has
     ``threads`` threads, as the CLI run it is compared with."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads))
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--dir", folder, "--dask-child", str(workers),
-                        "--chunks-per-task", str(per_task)],
+                        "--chunks-per-task", str(per_task)] + ([] if mmap else ["--copy-reads"]),
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"dask run failed: {r.stderr[-2000:]}")
@@ -164,12 +182,14 @@ def main() -> None:
     ap.add_argument("--classes", type=int, default=1000)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--repeat", type=int, default=2, help="rounds of the four runs")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds of the eight runs")
     ap.add_argument("--chunks-per-task", type=int, default=5, help="shards per state in the grouped dask runs")
+    ap.add_argument("--copy-reads", action="store_true", help="the dask runs read each shard into memory (np.load) "
+                    "instead of memory-mapping it")
     ap.add_argument("--dask-child", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dask_child:
-        print(json.dumps(run_dask(args.dir, args.dask_child, args.chunks_per_task)))
+        print(json.dumps(run_dask(args.dir, args.dask_child, args.chunks_per_task, not args.copy_reads)))
         return
     os.makedirs(args.dir, exist_ok=True)
     need = args.shards * args.rows * (args.features * 2 + 8)
@@ -184,8 +204,10 @@ def main() -> None:
         runs = []
         for _ in range(args.repeat):
             for k in (1, 2):
-                runs += [run_cli(args.dir, k), dask_in_child(args.dir, k, k, 1),
-                         dask_in_child(args.dir, k, k, args.chunks_per_task)]
+                for per in (None, 0, 1, args.chunks_per_task):
+                    warm(args.dir)
+                    runs.append(run_cli(args.dir, k) if per is None else
+                                dask_in_child(args.dir, k, k, per, not args.copy_reads))
         load.append(os.getloadavg())
     finally:
         if not args.keep:
