@@ -185,7 +185,7 @@ def _update_all(state: Any, start: int, blocks: Iterable[tuple], add: Callable[[
 def _chunk(start: int, blocks: Iterable[tuple], num_classes, precision) -> dict:
     """The state of consecutive row chunks (each a tuple of the features'
     block and its partners', or a ``_Rows`` that makes them), on the worker
-    that holds them."""
+    that runs the task."""
     m = _emptied("moments", (num_classes, precision), lambda: Moments(num_classes, precision=precision))
     _update_all(m, start, blocks, lambda s, block: s.update(*block))
     return m.state_dict()
@@ -194,7 +194,7 @@ def _chunk(start: int, blocks: Iterable[tuple], num_classes, precision) -> dict:
 def _similarity_chunk(start: int, names: List[str], blocks: Iterable[tuple], precision) -> dict:
     """The similarity state of consecutive row chunks (each a tuple of the
     representations' blocks, in ``names`` order, or a ``_Rows``), on the
-    worker that holds them."""
+    worker that runs the task."""
     from ._similarity import Similarity
 
     s = _emptied("similarity", (precision,), lambda: Similarity(precision=precision))
