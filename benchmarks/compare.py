@@ -572,7 +572,7 @@ def section_finish(args) -> dict:
         for s in range(0, n, BATCH):
             m.update(X[s:s + BATCH], F[s:s + BATCH])
         W64 = W.astype(np.float64)
-        rtol = _finish.DEFAULT_RTOL["fp32"]
+        rtol = _finish.rtol_for("fp32")
         vals = {}
 
         def rec(name, fn):

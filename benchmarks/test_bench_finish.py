@@ -37,12 +37,12 @@ def state(request):
 def test_dlr_only_head(benchmark, state):
     m, w = state
     w64 = w.astype(np.float64)
-    benchmark(lambda: _finish.dlr_of_state(m.state_dict(), w64, _finish.DEFAULT_RTOL["fp32"]))
+    benchmark(lambda: _finish.dlr_of_state(m.state_dict(), w64, _finish.rtol_for("fp32")))
 
 
 def test_dlr_only_streamed(benchmark, state):
     m, _ = state
-    benchmark(lambda: _finish.dlr_of_state(m.state_dict(), None, _finish.DEFAULT_RTOL["fp32"]))
+    benchmark(lambda: _finish.dlr_of_state(m.state_dict(), None, _finish.rtol_for("fp32")))
 
 
 def test_report_head(benchmark, state):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import richness
-from richness._state import PRECISIONS
+from richness._state import precisions
 from reference import dlr_naive, nc1_naive, states_equal
 from conftest import linear_data
 
@@ -84,7 +84,7 @@ def test_moments_copies_are_equal_and_independent(how, kind):
 
 
 @pytest.mark.parametrize("how", COPIES)
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", precisions())
 def test_moments_copies_keep_every_precision(how, precision):
     """A state of each product precision (tf32 and bf16 come from a GPU; a
     CPU Moments holds them loaded): the copy keeps it, and so its rank cut."""

@@ -255,15 +255,15 @@ def test_precision_facts_come_from_the_compiled_table():
     from richness import _core, _state
 
     table = _core.precisions()
-    assert [m["name"] for m in table] == list(_core.PRECISIONS) == list(_state.PRECISIONS)
-    for row, mode in zip(table, _state.PRECISION_MODES):
+    assert [m["name"] for m in table] == list(_core.PRECISIONS) == list(_state.precisions())
+    for row, mode in zip(table, _state.precision_modes()):
         assert (mode.name, mode.coarseness, mode.rtol, mode.cuda_only, mode.resolves_nc1) == (
             row["name"], row["coarseness"], row["rtol"], row["cuda_only"], row["resolves_nc1"])
         assert row["input_bytes"] == np.dtype(row["input"] if row["input"] != "bfloat16" else "float16").itemsize
     assert {m["name"] for m in table if not m["cuda_only"]} == {"fp32", "fp64"}
 
 
-@pytest.mark.parametrize("name", [m.name for m in __import__("richness")._state.PRECISION_MODES if m.cuda_only])
+@pytest.mark.parametrize("name", [m.name for m in __import__("richness")._state.precision_modes() if m.cuda_only])
 def test_a_cuda_only_precision_gets_one_message_on_every_route(name):
     """The CPU refuses every CUDA-only mode of the table, with one message,
     whether the Moments constructor or the core's update sees it first."""

@@ -69,7 +69,7 @@ def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[d
     states = valid
 
     def widths(st):
-        prec = INVALID if problem is not None else _state.PRECISIONS.index(st["precision"])
+        prec = INVALID if problem is not None else _state.precisions().index(st["precision"])
         return [*_state.widths_of(st).values(), prec]
 
     mine = torch.tensor([len(states)] + [v for st in states for v in widths(st)], dtype=torch.int64)
@@ -116,6 +116,6 @@ def all_reduce_states(states: List[dict], group: Optional[Any] = None) -> List[d
         dist.all_reduce(flat, group=group)
         flat = flat.cpu().numpy()
         _state.check_finite(flat, means)  # the same sums on every rank: all raise alike
-        precision = _state.coarsest(_state.PRECISIONS[m["prec"]] for m in metas if m["n"] > 0)
+        precision = _state.coarsest(_state.precisions()[m["prec"]] for m in metas if m["n"] > 0)
         out.append(_state.assemble(flat, means, w, precision))
     return out

@@ -133,8 +133,8 @@ class Similarity:
     """
 
     def __init__(self, precision: Optional[str] = None) -> None:
-        if precision is not None and precision not in _state.PRECISIONS:
-            raise ValueError(f"precision must be one of {_state.PRECISIONS} or None, got {precision!r}")
+        if precision is not None and precision not in _state.precisions():
+            raise ValueError(f"precision must be one of {_state.precisions()} or None, got {precision!r}")
         self.precision = precision
         self._names: Optional[List[str]] = None
         self._widths: Optional[List[int]] = None

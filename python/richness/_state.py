@@ -4,7 +4,8 @@ Every place that handles a state dict (``Moments.state_dict`` and
 ``load_state_dict``, the saved ``.npz`` file, the torch.distributed and
 torchmetrics merges) reads the field list from here, so adding a field is
 one entry below plus its line and arithmetic in the core. The precision
-modes are read from the compiled core's table.
+modes are read from the compiled core's table on first use
+(``precision_modes``), so the schema imports without the core.
 
 A state is a dict with the integer widths ``n, p, c, t, k, num_classes``
 (-1 where a stream is absent or, for ``num_classes``, not fixed), the product
@@ -23,12 +24,11 @@ collectives.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
-
-from . import _core
 
 
 @dataclass(frozen=True)
@@ -42,26 +42,36 @@ class Precision:
     resolves_nc1: bool  # fine enough for Sigma_W by subtraction (docs/MATH.md, "NC1")
 
 
-# The modes and their facts come from the compiled core's one table
-# (csrc/common/precision.hpp), finest to coarsest.
-PRECISION_MODES: Tuple[Precision, ...] = tuple(
-    Precision(m["name"], m["coarseness"], m["rtol"], m["cuda_only"], m["resolves_nc1"])
-    for m in _core.precisions())
-PRECISIONS: Tuple[str, ...] = tuple(m.name for m in PRECISION_MODES)
-_MODE = {m.name: m for m in PRECISION_MODES}
+@functools.lru_cache(maxsize=None)
+def precision_modes() -> Tuple[Precision, ...]:
+    """The precision modes, finest to coarsest: the compiled core's one table
+    (csrc/common/precision.hpp), read on first use. ImportError, naming the
+    reason, where the core cannot be imported."""
+    from ._native import _core
+
+    return tuple(Precision(m["name"], m["coarseness"], m["rtol"], m["cuda_only"], m["resolves_nc1"])
+                 for m in _core.precisions())
+
+
+@functools.lru_cache(maxsize=None)
+def precisions() -> Tuple[str, ...]:
+    """The names of ``precision_modes()``, finest to coarsest."""
+    return tuple(m.name for m in precision_modes())
 
 
 def precision_mode(name: str) -> Precision:
     """The table entry of a precision named ``name`` (ValueError if unknown)."""
-    try:
-        return _MODE[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown precision {name!r}; expected one of {PRECISIONS}") from None
+    mode = next((m for m in precision_modes() if m.name == name), None)
+    if mode is None:
+        raise ValueError(f"unknown precision {name!r}; expected one of {precisions()}")
+    return mode
 
 
 def check_runs_on_cpu(name: str) -> None:
     """Raise ValueError unless the CPU backend runs precision ``name`` (the
     core's own message for a CUDA-only mode, as its update gives it)."""
+    from ._native import _core
+
     precision_mode(name)
     _core.check_cpu_precision(name)
 
@@ -198,8 +208,8 @@ def checked(state: dict, *, gram: bool = True) -> dict:
     w = widths_of(state)
     if not isinstance(state["precision"], str):
         raise TypeError(f"state entry 'precision' must be a string, got {type(state['precision']).__name__}")
-    if state["precision"] not in PRECISIONS:
-        raise ValueError(f"state entry 'precision' is {state['precision']!r}, expected one of {PRECISIONS}")
+    if state["precision"] not in precisions():
+        raise ValueError(f"state entry 'precision' is {state['precision']!r}, expected one of {precisions()}")
     if w["n"] < 0:
         raise ValueError(f"state's sample count n is negative ({w['n']})")
     out: dict = dict(w, precision=str(state["precision"]))

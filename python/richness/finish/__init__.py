@@ -20,7 +20,7 @@ import numpy as np
 from .._report import Report
 from ._xp import host, ns
 from .diagnostics import MEASURES, check_measures, measure_values
-from .dlr import DEFAULT_RTOL, NumericFailureGuard, check_features, dlr_of_state, dlr_values, dlr_with_range, \
+from .dlr import NumericFailureGuard, check_features, dlr_of_state, dlr_values, dlr_with_range, \
     function_moments, logits, span_of_grams
 from .isotropic import isotropic_dlr, reference
 from .nc1 import nc1_from_grams
@@ -28,7 +28,7 @@ from .policy import GramRows, check_rtol, dlr_only, finish_gram_rows, nc1_report
 from .spectrum import curve, held_out, spectrum as feature_spectrum, task_moments
 from .uncertainty import add_jackknife, add_measure_jackknife
 
-__all__ = ["DEFAULT_RTOL", "MEASURES", "GramRows", "check_measures", "measure_values", "add_jackknife",
+__all__ = ["MEASURES", "GramRows", "check_measures", "measure_values", "add_jackknife",
            "add_measure_jackknife", "check_rtol", "dlr_of_state", "dlr_only", "dlr_values", "finish",
            "finish_gram_rows", "isotropic_dlr", "nc1_from_grams", "rtol_for", "span_of_grams", "too_few_samples"]
 

@@ -7,12 +7,16 @@ from typing import Optional
 
 import numpy as np
 
-from .._state import PRECISION_MODES
+from .._state import precision_mode
 from ._xp import eigh_desc, f64, kept, norm, ns
 
-# Eigenvalue cut by product precision (docs/MATH.md, rank cut: eigenvalue noise
-# of a Gram matrix is about eps * a_max for the precision that formed it).
-DEFAULT_RTOL = {m.name: m.rtol for m in PRECISION_MODES}  # by product precision (docs/MATH.md, "Rank cut")
+
+def default_rtol(precision: str) -> float:
+    """The eigenvalue cut of products of ``precision``, from the core's
+    precision table (docs/MATH.md, "Rank cut": the eigenvalue noise of a Gram
+    matrix is about eps * a_max for the precision that formed it)."""
+    return precision_mode(precision).rtol
+
 
 # Rounding level of a feature's spread relative to its mean: centering on a
 # float64 mean computed from n values leaves about sqrt(n) eps |mean| behind

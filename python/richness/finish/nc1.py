@@ -6,12 +6,16 @@ from typing import Optional
 
 import numpy as np
 
-from .._state import PRECISION_MODES
+from .._state import precision_mode
 from ._xp import eigh_desc, f64, kept, ns
 
-# NC1 subtracts nearly equal p x p matrices near collapse; tf32 and bf16
-# products were measured useless there, errors of 100% and more (docs/MATH.md, NC1).
-NC1_RELIABLE = tuple(m.name for m in PRECISION_MODES if m.resolves_nc1)
+
+def nc1_reliable(precision: str) -> bool:
+    """Whether products of ``precision`` resolve NC1, from the core's precision
+    table: NC1 subtracts nearly equal p x p matrices near collapse; tf32 and
+    bf16 products were measured useless there, errors of 100% and more
+    (docs/MATH.md, NC1)."""
+    return precision_mode(precision).resolves_nc1
 
 
 def _nc1_of_grams(DDt, DMD, counts, n, rtol: float) -> tuple:

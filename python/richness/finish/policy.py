@@ -16,8 +16,8 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ._xp import ns
-from .dlr import DEFAULT_RTOL, dlr_of_state, dlr_values, span_of_grams
-from .nc1 import NC1_RELIABLE, nc1_floor, nc1_from_grams, nc1_with_scale
+from .dlr import default_rtol, dlr_of_state, dlr_values, span_of_grams
+from .nc1 import nc1_floor, nc1_from_grams, nc1_reliable, nc1_with_scale
 
 
 def check_rtol(rtol: Optional[float]) -> Optional[float]:
@@ -34,7 +34,7 @@ def rtol_for(precision: str, rtol: Optional[float] = None) -> float:
     """The eigenvalue cut: ``rtol`` (checked), or by default the product
     precision's (docs/MATH.md, rank cut)."""
     rtol = check_rtol(rtol)
-    return DEFAULT_RTOL[precision] if rtol is None else rtol
+    return default_rtol(precision) if rtol is None else rtol
 
 
 def too_few_samples(n: int) -> Optional[str]:
@@ -46,10 +46,10 @@ def too_few_samples(n: int) -> Optional[str]:
 
 def nc1_reported(st: dict, rtol: float) -> tuple:
     """(NC1 or None, warning or None): NC1 only with labels, and only from
-    products that resolve within-class spread (``NC1_RELIABLE``)."""
+    products that resolve within-class spread (``nc1_reliable``)."""
     if st["k"] <= 0:
         return None, None
-    if st["precision"] not in NC1_RELIABLE:
+    if not nc1_reliable(st["precision"]):
         return None, f"NC1 not reported: {st['precision']} products cannot resolve within-class spread"
     value, scale = nc1_with_scale(st, rtol)
     floor = nc1_floor(st["precision"], scale)

@@ -106,7 +106,7 @@ class DLR(Metric):
 
     @staticmethod
     def _widths_tensor(st: dict, device: Any) -> Any:
-        vals = [int(st[k]) for k in _state.WIDTHS] + [_state.PRECISIONS.index(st["precision"])]
+        vals = [int(st[k]) for k in _state.WIDTHS] + [_state.precisions().index(st["precision"])]
         return torch.tensor(vals, dtype=torch.int64, device=device)
 
     def __setattr__(self, name: str, value: Any) -> None:

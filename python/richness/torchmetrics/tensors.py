@@ -20,7 +20,7 @@ def _widths_of(widths: Any) -> Dict[str, Any]:
     """The integer widths and the precision name from a ``widths`` tensor
     (the metric's ``_widths_tensor`` writes it)."""
     vals = torch.as_tensor(widths).tolist()
-    return dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]), precision=_state.PRECISIONS[vals[-1]])
+    return dict(zip(_state.WIDTHS, vals[:len(_state.WIDTHS)]), precision=_state.precisions()[vals[-1]])
 
 
 def _from_tensors(tensors: Dict[str, Any], prefix: str = "") -> dict:
