@@ -19,8 +19,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol
 import numpy as np
 
 from . import _state
-from . import _core
-from ._core import CpuMoments, check_batch
+from ._native import _core
 
 
 class Batch(NamedTuple):
@@ -99,7 +98,7 @@ class CoreBackend:
                 raise ValueError(STACK_CPU)
             if product is not None:
                 raise ValueError(PRODUCT_CPU)
-            self.core = CpuMoments(nc)
+            self.core = _core.CpuMoments(nc)
             return
         self.core = _cuda_core(nc, device)
         if product is not None:
@@ -225,7 +224,7 @@ class GroupedBackend(Lockable):
         with self._lock:
             part = self.parts[self._pick()]
             if part.widths()["p"] < 0:  # an empty group knows no widths: check against the whole
-                check_batch(self.widths(), *batch.args())
+                _core.check_batch(self.widths(), *batch.args())
             part.update(batch, precision)
             if batch.features.rows > 0:  # an empty batch adds nothing and does not move the rotation
                 self._advance()

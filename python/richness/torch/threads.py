@@ -23,7 +23,7 @@ class BlasThreads:
     SMALL = 2 ** 27
 
     def __init__(self, small: int = SMALL) -> None:
-        from .. import _core
+        from .._native import _core
 
         self.small = small
         self._core = _core
