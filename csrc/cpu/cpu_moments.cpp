@@ -146,11 +146,16 @@ void for_each_row(const Matrix& m, Fn&& fn) {
   for_each_row(m, 0, m.rows, fn);
 }
 
-// The memory-bound passes (means, centering) split over the threads once a
-// batch is big enough to pay for a thread start.
+// The memory-bound passes (means, centering, class sums) split over the
+// threads once a batch is big enough to pay for a thread start: one worker
+// per 2^16 values, up to the thread count.
+inline int64_t pass_workers(int64_t rows, int64_t cols) {
+  return std::min<int64_t>(blas_get_num_threads(), rows * cols / (1 << 16) + 1);
+}
+
 template <typename Fn>
 void parallel_rows(int64_t rows, int64_t cols, Fn&& fn) {
-  run_workers(std::min<int64_t>(blas_get_num_threads(), rows * cols / (1 << 16) + 1), rows, fn);
+  run_workers(pass_workers(rows, cols), rows, fn);
 }
 
 inline int64_t label_at(const Matrix& y, int64_t i) {
@@ -370,7 +375,7 @@ struct BatchClasses {
     }
     p = x.cols;
     sums.assign(classes.size() * (size_t)p, 0.0);
-    const int64_t parts = std::min<int64_t>(blas_get_num_threads(), x.rows * p / (1 << 16) + 1);
+    const int64_t parts = pass_workers(x.rows, p);
     const int64_t step = ((p + parts - 1) / parts + 15) / 16 * 16;  // whole cache lines of float rows
     run_split(parts, [&](int64_t w) { return std::min(p, w * step); }, [&](int64_t, int64_t j0, int64_t j1) {
       if (j1 <= j0) return;

@@ -57,12 +57,12 @@ namespace richness {
 inline void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
                     float* c, int64_t ldc) {
   scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0f, a, (int)lda, b, (int)ldb,
-            0.0f, c, (int)ldc);
+                    0.0f, c, (int)ldc);
 }
 inline void gemm_tn(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb,
                     double* c, int64_t ldc) {
-  scipy_cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0, a, (int)lda, b, (int)ldb, 0.0,
-            c, (int)ldc);
+  scipy_cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0, a, (int)lda, b, (int)ldb,
+                    0.0, c, (int)ldc);
 }
 
 // C (n x n, lower, row-major) = A A^T for row-major A (n x k): the Gram of rows.
