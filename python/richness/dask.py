@@ -268,6 +268,7 @@ def _row_parts(arrays: List[Optional[Any]]) -> Optional[List[Tuple[dict, tuple]]
         keys.append([k[0] if x.ndim == 2 else k for k in x.__dask_keys__()])  # one column chunk: one key per row
     owner: dict = {}
     deps: dict = {}
+    copyable: dict = {}  # by key of a node several row chunks need: decided (and pickled to size it) once
     parts = []
     for j in range(len(arrays[0].chunks[0])):
         row = tuple(None if k is None else k[j] for k in keys)
@@ -282,7 +283,11 @@ def _row_parts(arrays: List[Optional[Any]]) -> Optional[List[Tuple[dict, tuple]]
                     mine.add(d)
                     todo.append(d)
         for key in mine:
-            if owner.setdefault(key, j) != j and not _copyable(graph[key], deps[key]):
+            if owner.setdefault(key, j) == j:
+                continue
+            if key not in copyable:
+                copyable[key] = _copyable(graph[key], deps[key])
+            if not copyable[key]:
                 return None
         parts.append(({k: graph[k] for k in mine}, row))
     return parts
