@@ -258,6 +258,51 @@ def test_class_sums_same_bits_on_any_thread_count(dtype):
         _core.blas_set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_vector_passes_give_the_plain_loops_bits(dtype):
+    """The batch passes run in AVX-512 or AVX2 where the processor has them
+    (csrc/cpu/passes.hpp). Every level gives the bits of the plain loops: the
+    state (means, co-moments, class sums) of each level is equal bit for bit,
+    the means are the sequential float64 sums in row order, and widths that
+    are not a multiple of the vector width, strided rows, partial row blocks
+    and a non-finite value are covered."""
+    from richness import _core
+
+    rng = np.random.default_rng(8)
+    available = _core.simd_available()
+    cases = []
+    for n, p in ((1, 5), (9, 8), (700, 13), (1031, 70)):
+        X = (100.0 + 7.0 * rng.normal(size=(n, p + 3))).astype(dtype)[:, 2:-1]  # strided rows
+        cases.append((X, rng.integers(0, 9, n)))
+    try:
+        for X, y in cases:
+            ref_sum = np.zeros(X.shape[1])
+            for i in range(X.shape[0]):  # sequential float64 sums in row order
+                ref_sum += X[i].astype(np.float64)
+            states = []
+            for level in range(available + 1):
+                assert _core.set_simd_level(level) == level
+                m = richness.Moments(9)
+                m.update(X, labels=y)
+                m.update(X[::-1].copy(), labels=y[::-1].copy())
+                st = m.state_dict()
+                one = richness.Moments()
+                one.update(X)
+                mean = np.clip(ref_sum * (1.0 / X.shape[0]), X.min(0), X.max(0))  # sum * (1 / n), within [min, max]
+                assert np.array_equal(one.state_dict()["mean"], mean)
+                states.append(st)
+                bad = X.copy()
+                bad[X.shape[0] // 2, X.shape[1] - 1] = np.inf
+                with pytest.raises(ValueError, match="contain 1 non-finite value"):
+                    m.update(bad, labels=y)
+                assert states_equal(m.state_dict(), st)
+            for st in states[1:]:
+                assert states_equal(st, states[0])
+    finally:
+        _core.set_simd_level(available)
+    assert _core.simd_level() == available
+
+
 def test_same_batches_give_bit_identical_states():
     X, F, y = data(12, n=5000, p=16)
     a = state_of((X, F, y), (X[:100], F[:100], y[:100]))

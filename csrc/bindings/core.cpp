@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "../cpu/cpu_moments.hpp"
+#include "../cpu/passes.hpp"
 #include "common.hpp"
 
 namespace py = pybind11;
@@ -133,4 +134,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("blas_info", &blas_info);
   m.def("blas_get_num_threads", &blas_get_num_threads);
   m.def("blas_set_num_threads", &blas_set_num_threads, py::arg("n"));
+  // The vector level of the batch passes (0 plain loops, 1 AVX2, 2 AVX-512):
+  // tests compare the levels; set_simd_level lowers it (up to what the processor has).
+  m.def("simd_level", &simd_level);
+  m.def("simd_available", &simd_available);
+  m.def("set_simd_level", &set_simd_level, py::arg("level"));
 }

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "passes.hpp"
 #include "products.hpp"
 
 namespace richness {
@@ -163,9 +164,13 @@ inline int64_t label_at(const Matrix& y, int64_t i) {
   return static_cast<const int64_t*>(y.ptr)[i * y.ld];
 }
 
+// Whether the vector passes (passes.hpp) read m: float32 and float16 rows.
+inline bool vector_rows(const Matrix& m) { return m.dtype == DType::f32 || m.dtype == DType::f16; }
+
 // Adds rows r0..r1 of m into float64 column sums s (docs/MATH.md, "Streaming
 // estimator": the batch mean is never formed in a narrower type).
 void add_column_sums(const Matrix& m, int64_t r0, int64_t r1, double* s) {
+  if (vector_rows(m) && fast_column_sums(m.ptr, m.dtype == DType::f16, m.ld, m.cols, r0, r1, s)) return;
   for_each_row(m, r0, r1, [&](int64_t, auto get) {
     for (int64_t j = 0; j < m.cols; ++j) s[j] += get(j);
   });
@@ -173,6 +178,7 @@ void add_column_sums(const Matrix& m, int64_t r0, int64_t r1, double* s) {
 
 // Column sums with each column's exact minimum and maximum (as float64).
 void add_column_stats(const Matrix& m, int64_t r0, int64_t r1, double* s, double* lo, double* hi) {
+  if (vector_rows(m) && fast_column_stats(m.ptr, m.dtype == DType::f16, m.ld, m.cols, r0, r1, s, lo, hi)) return;
   for_each_row(m, r0, r1, [&](int64_t, auto get) {
     for (int64_t j = 0; j < m.cols; ++j) {
       const double v = get(j);
@@ -248,6 +254,9 @@ template <typename T>
 void center_rows(const Matrix& m, const std::vector<double>& mu, T* out, int64_t r0, int64_t r1) {
   const double* u = mu.data();
   const int64_t w = m.cols;
+  if constexpr (std::is_same<T, float>::value) {
+    if (vector_rows(m) && fast_center_rows(m.ptr, m.dtype == DType::f16, m.ld, w, r0, r1, u, out)) return;
+  }
   for_each_row(m, r0, r1, [&](int64_t i, auto get) {
     T* r = out + i * w;
     for (int64_t j = 0; j < w; ++j) r[j] = (T)(get(j) - u[j]);
@@ -379,6 +388,7 @@ struct BatchClasses {
     const int64_t step = ((p + parts - 1) / parts + 15) / 16 * 16;  // whole cache lines of float rows
     run_split(parts, [&](int64_t w) { return std::min(p, w * step); }, [&](int64_t, int64_t j0, int64_t j1) {
       if (j1 <= j0) return;
+      if (vector_rows(x) && add_by_class(x, order, slot, j0, j1)) return;
       Matrix part = x;
       part.ptr = static_cast<const char*>(x.ptr) + (size_t)j0 * dtype_size(x.dtype);
       part.cols = j1 - j0;
@@ -387,6 +397,24 @@ struct BatchClasses {
         for (int64_t j = 0; j < j1 - j0; ++j) sk[j] += get(j);
       });
     });
+  }
+
+  // Columns j0..j1 of each class's rows (in `order`, class by class) into its
+  // sums with the vector passes; false where they do not run.
+  bool add_by_class(const Matrix& x, const std::vector<int64_t>& order, const std::vector<int64_t>& slot, int64_t j0,
+                    int64_t j1) {
+    const size_t es = dtype_size(x.dtype);
+    std::vector<const void*> rows(order.size());
+    for (size_t k = 0; k < order.size(); ++k)
+      rows[k] = static_cast<const char*>(x.ptr) + ((size_t)order[k] * (size_t)x.ld + (size_t)j0) * es;
+    const bool f16 = x.dtype == DType::f16;
+    for (size_t k0 = 0, g = 0; k0 < order.size(); ++g) {
+      size_t k1 = k0;
+      while (k1 < order.size() && slot[(size_t)order[k1]] == (int64_t)g) ++k1;
+      if (!fast_add_rows(rows.data() + k0, f16, (int64_t)(k1 - k0), j1 - j0, sums.data() + g * p + j0)) return false;
+      k0 = k1;
+    }
+    return true;
   }
 
   // Throws unless every class sum, alone and added to the state's, is finite.
@@ -738,7 +766,8 @@ std::string blas_info() {
   os << "scipy-openblas32 ";
   os << scipy_openblas_get_config() << " (core: " << scipy_openblas_get_corename() << "; "
      << blas_get_num_threads()
-     << " richness worker threads, each calling BLAS single-threaded)";
+     << " richness worker threads, each calling BLAS single-threaded; batch passes in "
+     << (simd_level() == 2 ? "AVX-512" : simd_level() == 1 ? "AVX2" : "plain loops") << ")";
   return os.str();
 }
 

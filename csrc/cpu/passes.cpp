@@ -1,0 +1,256 @@
+// The batch passes in vector instructions (passes.hpp). The bodies are
+// written once, on GCC/Clang vector types, and compiled twice: into an
+// AVX-512 and an AVX2 function (target attributes), so the module itself
+// still runs on any x86-64 and elsewhere falls back to the plain loops.
+#include "passes.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+namespace richness {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RICHNESS_VECTOR_PASSES 1
+#endif
+
+#ifdef RICHNESS_VECTOR_PASSES
+namespace {
+
+#define RICHNESS_INLINE __attribute__((always_inline)) inline
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef double v8d __attribute__((vector_size(64)));
+typedef _Float16 v8h __attribute__((vector_size(16)));
+
+constexpr int kBlock = 8;  // rows a column's accumulator takes in registers before it is stored
+
+// Unaligned loads and stores (memcpy of a vector compiles to one instruction).
+RICHNESS_INLINE v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+RICHNESS_INLINE v8f load8(const uint16_t* p) {  // float16 bits, widened exactly
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, v8f);
+}
+RICHNESS_INLINE v8d loadd(const double* p) {
+  v8d v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+RICHNESS_INLINE void store(double* p, v8d v) { std::memcpy(p, &v, sizeof v); }
+RICHNESS_INLINE void store(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+RICHNESS_INLINE v8d widen(v8f v) { return __builtin_convertvector(v, v8d); }
+RICHNESS_INLINE v8f narrow(v8d v) { return __builtin_convertvector(v, v8f); }
+
+RICHNESS_INLINE float scalar(const float* p) { return *p; }
+RICHNESS_INLINE float scalar(const uint16_t* p) {
+  _Float16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (float)h;
+}
+
+// Min and max as std::min(a, v) / std::max(a, v) with a the running value: a
+// NaN v leaves it (a NaN also makes the column's sum NaN, which the caller
+// refuses).
+RICHNESS_INLINE v8f vmin(v8f a, v8f v) { return v < a ? v : a; }
+RICHNESS_INLINE v8f vmax(v8f a, v8f v) { return v > a ? v : a; }
+RICHNESS_INLINE v8d vmin(v8d a, v8d v) { return v < a ? v : a; }
+RICHNESS_INLINE v8d vmax(v8d a, v8d v) { return v > a ? v : a; }
+
+// R rows from x (stride ld) into s, lo, hi (Stats) or s alone.
+template <bool Stats, int R, typename In>
+RICHNESS_INLINE void stats_block(const In* x, int64_t ld, int64_t cols, double* s, double* lo, double* hi) {
+  int64_t j = 0;
+  for (; j + 8 <= cols; j += 8) {
+    v8d acc = loadd(s + j);
+    v8f mn = load8(x + j), mx = mn;
+    acc += widen(mn);
+    for (int r = 1; r < R; ++r) {
+      const v8f v = load8(x + r * ld + j);
+      if (Stats) {
+        mn = vmin(mn, v);
+        mx = vmax(mx, v);
+      }
+      acc += widen(v);
+    }
+    store(s + j, acc);
+    if (Stats) {
+      store(lo + j, vmin(loadd(lo + j), widen(mn)));
+      store(hi + j, vmax(loadd(hi + j), widen(mx)));
+    }
+  }
+  for (; j < cols; ++j)
+    for (int r = 0; r < R; ++r) {
+      const double v = scalar(x + r * ld + j);
+      s[j] += v;
+      if (Stats) {
+        lo[j] = std::min(lo[j], v);
+        hi[j] = std::max(hi[j], v);
+      }
+    }
+}
+
+template <bool Stats, typename In>
+RICHNESS_INLINE void stats_body(const In* base, int64_t ld, int64_t cols, int64_t r0, int64_t r1, double* s,
+                                double* lo, double* hi) {
+  int64_t i = r0;
+  for (; i + kBlock <= r1; i += kBlock) stats_block<Stats, kBlock>(base + i * ld, ld, cols, s, lo, hi);
+  for (; i < r1; ++i) stats_block<Stats, 1>(base + i * ld, ld, cols, s, lo, hi);
+}
+
+template <typename In>
+RICHNESS_INLINE void center_body(const In* base, int64_t ld, int64_t cols, int64_t r0, int64_t r1, const double* mu,
+                                 float* out) {
+  for (int64_t i = r0; i < r1; ++i) {
+    const In* x = base + i * ld;
+    float* o = out + i * cols;
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) store(o + j, narrow(widen(load8(x + j)) - loadd(mu + j)));
+    for (; j < cols; ++j) o[j] = (float)((double)scalar(x + j) - mu[j]);
+  }
+}
+
+// Rows given by pointers, R at a time.
+template <int R, typename In>
+RICHNESS_INLINE void add_block(const In* const* rows, int64_t cols, double* s) {
+  int64_t j = 0;
+  for (; j + 8 <= cols; j += 8) {
+    v8d acc = loadd(s + j);
+    for (int r = 0; r < R; ++r) acc += widen(load8(rows[r] + j));
+    store(s + j, acc);
+  }
+  for (; j < cols; ++j)
+    for (int r = 0; r < R; ++r) s[j] += scalar(rows[r] + j);
+}
+
+template <typename In>
+RICHNESS_INLINE void add_body(const void* const* rows, int64_t count, int64_t cols, double* s) {
+  const In* const* r = reinterpret_cast<const In* const*>(rows);
+  int64_t k = 0;
+  for (; k + kBlock <= count; k += kBlock) add_block<kBlock>(r + k, cols, s);
+  for (; k < count; ++k) add_block<1>(r + k, cols, s);
+}
+
+// One set of entry points per instruction set.
+struct Kernels {
+  void (*stats_f32)(const float*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*);
+  void (*stats_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*);
+  void (*sums_f32)(const float*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*);
+  void (*sums_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*);
+  void (*center_f32)(const float*, int64_t, int64_t, int64_t, int64_t, const double*, float*);
+  void (*center_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, const double*, float*);
+  void (*add_f32)(const void* const*, int64_t, int64_t, double*);
+  void (*add_f16)(const void* const*, int64_t, int64_t, double*);
+};
+
+#define RICHNESS_KERNELS(NAME, TARGET)                                                                              \
+  TARGET void NAME##_stats_f32(const float* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, double* s, double* lo,  \
+                               double* hi) {                                                                        \
+    stats_body<true>(b, ld, c, r0, r1, s, lo, hi);                                                                  \
+  }                                                                                                                 \
+  TARGET void NAME##_stats_f16(const uint16_t* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, double* s,          \
+                               double* lo, double* hi) {                                                            \
+    stats_body<true>(b, ld, c, r0, r1, s, lo, hi);                                                                  \
+  }                                                                                                                 \
+  TARGET void NAME##_sums_f32(const float* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, double* s, double* lo,   \
+                              double* hi) {                                                                         \
+    stats_body<false>(b, ld, c, r0, r1, s, lo, hi);                                                                 \
+  }                                                                                                                 \
+  TARGET void NAME##_sums_f16(const uint16_t* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, double* s,           \
+                              double* lo, double* hi) {                                                             \
+    stats_body<false>(b, ld, c, r0, r1, s, lo, hi);                                                                 \
+  }                                                                                                                 \
+  TARGET void NAME##_center_f32(const float* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, const double* mu,      \
+                                float* out) {                                                                       \
+    center_body(b, ld, c, r0, r1, mu, out);                                                                         \
+  }                                                                                                                 \
+  TARGET void NAME##_center_f16(const uint16_t* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, const double* mu,   \
+                                float* out) {                                                                       \
+    center_body(b, ld, c, r0, r1, mu, out);                                                                         \
+  }                                                                                                                 \
+  TARGET void NAME##_add_f32(const void* const* rows, int64_t count, int64_t c, double* s) {                         \
+    add_body<float>(rows, count, c, s);                                                                             \
+  }                                                                                                                 \
+  TARGET void NAME##_add_f16(const void* const* rows, int64_t count, int64_t c, double* s) {                         \
+    add_body<uint16_t>(rows, count, c, s);                                                                          \
+  }                                                                                                                 \
+  const Kernels NAME##_kernels = {NAME##_stats_f32, NAME##_stats_f16, NAME##_sums_f32,   NAME##_sums_f16,            \
+                                  NAME##_center_f32, NAME##_center_f16, NAME##_add_f32, NAME##_add_f16};
+
+RICHNESS_KERNELS(avx512, __attribute__((target("avx512f,avx512vl,avx2,fma,f16c"))))
+RICHNESS_KERNELS(avx2, __attribute__((target("avx2,fma,f16c"))))
+
+const Kernels* const kLevels[3] = {nullptr, &avx2_kernels, &avx512_kernels};
+
+int detect() {
+  __builtin_cpu_init();  // this runs among the static initialisers
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")) return 2;
+  return avx2 ? 1 : 0;
+}
+const int kAvailable = detect();
+std::atomic<int> g_level{kAvailable};
+
+const Kernels* kernels() { return kLevels[g_level.load(std::memory_order_relaxed)]; }
+
+}  // namespace
+
+int simd_available() { return kAvailable; }
+int simd_level() { return g_level.load(); }
+int set_simd_level(int level) {
+  g_level.store(std::max(0, std::min(level, kAvailable)));
+  return g_level.load();
+}
+
+bool fast_column_stats(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1, double* s,
+                       double* lo, double* hi) {
+  const Kernels* k = kernels();
+  if (!k) return false;
+  if (f16) k->stats_f16(static_cast<const uint16_t*>(base), ld, cols, r0, r1, s, lo, hi);
+  else k->stats_f32(static_cast<const float*>(base), ld, cols, r0, r1, s, lo, hi);
+  return true;
+}
+
+bool fast_column_sums(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1, double* s) {
+  const Kernels* k = kernels();
+  if (!k) return false;
+  if (f16) k->sums_f16(static_cast<const uint16_t*>(base), ld, cols, r0, r1, s, nullptr, nullptr);
+  else k->sums_f32(static_cast<const float*>(base), ld, cols, r0, r1, s, nullptr, nullptr);
+  return true;
+}
+
+bool fast_center_rows(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1, const double* mu,
+                      float* out) {
+  const Kernels* k = kernels();
+  if (!k) return false;
+  if (f16) k->center_f16(static_cast<const uint16_t*>(base), ld, cols, r0, r1, mu, out);
+  else k->center_f32(static_cast<const float*>(base), ld, cols, r0, r1, mu, out);
+  return true;
+}
+
+bool fast_add_rows(const void* const* rows, bool f16, int64_t count, int64_t cols, double* s) {
+  const Kernels* k = kernels();
+  if (!k) return false;
+  (f16 ? k->add_f16 : k->add_f32)(rows, count, cols, s);
+  return true;
+}
+
+#else  // no vector passes on this compiler or processor family: the plain loops
+
+int simd_available() { return 0; }
+int simd_level() { return 0; }
+int set_simd_level(int) { return 0; }
+bool fast_column_stats(const void*, bool, int64_t, int64_t, int64_t, int64_t, double*, double*, double*) {
+  return false;
+}
+bool fast_column_sums(const void*, bool, int64_t, int64_t, int64_t, int64_t, double*) { return false; }
+bool fast_center_rows(const void*, bool, int64_t, int64_t, int64_t, int64_t, const double*, float*) { return false; }
+bool fast_add_rows(const void* const*, bool, int64_t, int64_t, double*) { return false; }
+
+#endif
+
+}  // namespace richness
