@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
   }
   auto run = [&](const Case& cs) {
     if (!cs.tiles.empty()) return run_tiles(cs.tiles, cs.workers);
-    const std::vector<richness::Product<float>> pr{{A, A, P, P, true, C}};
+    const std::vector<richness::Product<float>> pr{{A, A, P, P, P, P, true, C, P}};
     richness::shared_products(pr, K, cs.workers);
   };
   std::printf("OpenBLAS core %s, p=%lld k=%lld, best / median of %d\n", scipy_openblas_get_corename(),

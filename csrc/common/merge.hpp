@@ -17,23 +17,17 @@
 namespace richness {
 
 // One block of co-moments to merge: its sample count, each stream's width
-// (0 when absent) and float64 mean, and each co-moment in parts of element
-// type T (one, or several over disjoint rows, all centered on the block's
-// mean; the merge adds them in float64).
+// (0 when absent) and float64 mean, and each co-moment as a row-major matrix
+// of element type T with row stride ld (its width, or wider when the
+// co-moments are blocks of one product), centered on the block's mean.
 template <typename T>
 struct Block {
   int64_t n = 0;
   int64_t width[kStreams] = {0, 0, 0};
   const double* mean[kStreams] = {nullptr, nullptr, nullptr};
-  std::vector<const T*> parts[kNumComoments];
+  const T* part[kNumComoments] = {};
+  int64_t ld[kNumComoments] = {};
 };
-
-template <typename T>
-inline double sum_parts(const std::vector<const T*>& parts, int64_t idx) {
-  double v = 0.0;
-  for (const T* q : parts) v += (double)q[idx];
-  return v;
-}
 
 // Float64 vectors a merge needs (each stream's mean shift), allocated before
 // the state changes.
@@ -44,12 +38,12 @@ struct MergeWork {
   }
 };
 
-// X += sum of the parts + f dl dr^T over a rows x cols co-moment (its lower
-// triangle when symmetric), split over the workers by area: a triangle's
-// row i holds i + 1 entries, so worker w starts at rows sqrt(w / W).
+// X += part + f dl dr^T over a rows x cols co-moment (its lower triangle when
+// symmetric; part's rows ld apart), split over the workers by area: a
+// triangle's row i holds i + 1 entries, so worker w starts at rows sqrt(w / W).
 template <typename T>
-void add_comoment(std::vector<double>& X, const std::vector<const T*>& parts, int64_t rows, int64_t cols,
-                  bool sym, double f, const double* dl, const double* dr, int64_t workers) noexcept {
+void add_comoment(std::vector<double>& X, const T* part, int64_t ld, int64_t rows, int64_t cols, bool sym, double f,
+                  const double* dl, const double* dr, int64_t workers) noexcept {
   workers = std::max<int64_t>(1, std::min<int64_t>(workers, rows * cols / (int64_t(1) << 18) + 1));
   auto first_row = [&](int64_t w) {
     const double share = (double)w / (double)workers;
@@ -60,12 +54,8 @@ void add_comoment(std::vector<double>& X, const std::vector<const T*>& parts, in
       double* xi = X.data() + i * cols;
       const double fdi = f * dl[i];
       const int64_t end = sym ? i + 1 : cols;
-      if (parts.size() == 1) {  // one product (the CPU's batches): a loop the compiler vectorises
-        const T* q = parts[0] + i * cols;
-        for (int64_t j = 0; j < end; ++j) xi[j] += (double)q[j] + fdi * dr[j];
-      } else {
-        for (int64_t j = 0; j < end; ++j) xi[j] += sum_parts(parts, i * cols + j) + fdi * dr[j];
-      }
+      const T* q = part + i * ld;
+      for (int64_t j = 0; j < end; ++j) xi[j] += (double)q[j] + fdi * dr[j];
     }
   });
 }
@@ -84,7 +74,7 @@ void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers) 
   }
   for (int i = 0; i < kNumComoments; ++i) {
     const Comoment& cm = kComoments[i];
-    add_comoment(s.comoment(i), b.parts[i], s.width(cm.rows), s.width(cm.cols), cm.symmetric(), f,
+    add_comoment(s.comoment(i), b.part[i], b.ld[i], s.width(cm.rows), s.width(cm.cols), cm.symmetric(), f,
                  work.d[cm.rows].data(), work.d[cm.cols].data(), workers);
   }
   for (int q = 0; q < kStreams; ++q) {
@@ -97,7 +87,7 @@ void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers) 
 // Which stream's merged moments would overflow (0 features, 1 outputs,
 // 2 targets), or -1. The moment matrices are Gram matrices, so by
 // Cauchy-Schwarz no entry exceeds the largest diagonal (up to rounding): the
-// diagonals of the state, of each product part (in its own type T) and the
+// diagonals of the state, of each product (in its own type T) and the
 // mean-shift term f |d|^2 bound every merged entry, the cross co-moments'
 // included. A margin of 4 covers the rounding. Reads O(p) values; changes
 // nothing.
@@ -113,12 +103,8 @@ int overflow_of(const State& s, const Block<T>& b) {
     const int64_t w = b.width[q];
     double bound = 0.0;
     for (int64_t j = 0; j < w; ++j) {
-      double diag = 0.0;
-      for (const T* part : b.parts[i]) {
-        const double v = (double)part[j * w + j];
-        if (!(v <= part_max)) return q;  // Inf or NaN from the product itself
-        diag += v;
-      }
+      double diag = (double)b.part[i][j * b.ld[i] + j];
+      if (!(diag <= part_max)) return q;  // Inf or NaN from the product itself
       double shift = 0.0;
       if (started) {
         const double dj = b.mean[q][j] - s.stream_mean(q)[j];

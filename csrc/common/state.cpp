@@ -22,7 +22,10 @@ void State::merge(const State& o, int64_t workers) {
     b.width[q] = o.width(q);
     b.mean[q] = o.stream_mean(q).data();
   }
-  for (int i = 0; i < kNumComoments; ++i) b.parts[i] = {o.comoment(i).data()};
+  for (int i = 0; i < kNumComoments; ++i) {
+    b.part[i] = o.comoment(i).data();
+    b.ld[i] = o.width(kComoments[i].cols);
+  }
   const int which = overflow_of(*this, b);
   if (which >= 0)
     throw std::invalid_argument(std::string("cannot merge: the merged ") + stream_name(which) +

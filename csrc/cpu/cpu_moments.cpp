@@ -250,15 +250,16 @@ void means_checked(const Matrix& m, const char* name, std::vector<double>& mu, d
 
 // Centered copy in the product type: the subtraction happens in float64,
 // before the narrowing (docs/MATH.md, "Streaming estimator": mean 1e4, spread 1e-2 survives in float32).
+// Row i goes to out + i * ld.
 template <typename T>
-void center_rows(const Matrix& m, const std::vector<double>& mu, T* out, int64_t r0, int64_t r1) {
+void center_rows(const Matrix& m, const std::vector<double>& mu, T* out, int64_t ld, int64_t r0, int64_t r1) {
   const double* u = mu.data();
   const int64_t w = m.cols;
   if constexpr (std::is_same<T, float>::value) {
-    if (vector_rows(m) && fast_center_rows(m.ptr, m.dtype == DType::f16, m.ld, w, r0, r1, u, out)) return;
+    if (vector_rows(m) && fast_center_rows(m.ptr, m.dtype == DType::f16, m.ld, w, r0, r1, u, out, ld)) return;
   }
   for_each_row(m, r0, r1, [&](int64_t i, auto get) {
-    T* r = out + i * w;
+    T* r = out + i * ld;
     for (int64_t j = 0; j < w; ++j) r[j] = (T)(get(j) - u[j]);
   });
 }
@@ -365,80 +366,78 @@ void check_labels(const std::vector<int64_t>& y, int64_t num_classes, int64_t p)
 // 2,048 they are 16 MB, which a fresh allocation would fault in page by page
 // each batch). Rows are read class by class (in the stable sort's order, so
 // each class's rows still in theirs), so a class's sums stay in cache while
-// its rows are added, and the workers take column ranges: each reads every
-// row's part in its range, so each sum adds its rows in their order whatever
-// the number of workers.
+// its rows are added and checked against the state's, and the workers take
+// column ranges: each reads every row's part in its range, so each sum adds
+// its rows in their order whatever the number of workers. Each sum starts
+// from 0.0 in a register, so the scratch is neither cleared nor read first.
 struct BatchClasses {
   std::vector<int64_t> classes;
   std::vector<double>& sums;
   int64_t p = 0;  // the batch's width (the state's is -1 before its first batch)
+  int64_t parts = 1, step = 0;  // the workers' column ranges: [w * step, (w + 1) * step)
 
-  BatchClasses(const Matrix& x, const std::vector<int64_t>& y, std::vector<double>& scratch) : sums(scratch) {
+  // Throws unless every class sum, alone and added to the state's, is finite.
+  BatchClasses(const Matrix& x, const std::vector<int64_t>& y, const State& state, std::vector<double>& scratch)
+      : sums(scratch) {
     std::vector<int64_t> order(y.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = (int64_t)i;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return y[a] < y[b]; });
-    std::vector<int64_t> slot(y.size());
-    for (int64_t i : order) {
-      if (classes.empty() || classes.back() != y[i]) classes.push_back(y[i]);
-      slot[i] = (int64_t)classes.size() - 1;
+    std::vector<int64_t> first{0};  // class g's rows are order[first[g] .. first[g + 1])
+    for (size_t k = 0; k < order.size(); ++k) {
+      if (classes.empty() || classes.back() != y[order[k]]) {
+        if (!classes.empty()) first.push_back((int64_t)k);
+        classes.push_back(y[order[k]]);
+      }
     }
+    first.push_back((int64_t)order.size());
     p = x.cols;
-    sums.assign(classes.size() * (size_t)p, 0.0);
-    const int64_t parts = pass_workers(x.rows, p);
-    const int64_t step = ((p + parts - 1) / parts + 15) / 16 * 16;  // whole cache lines of float rows
+    sums.resize(classes.size() * (size_t)p);
+    parts = pass_workers(x.rows, p);
+    step = ((p + parts - 1) / parts + 15) / 16 * 16;  // whole cache lines of float rows
+    const size_t es = dtype_size(x.dtype);
     run_split(parts, [&](int64_t w) { return std::min(p, w * step); }, [&](int64_t, int64_t j0, int64_t j1) {
       if (j1 <= j0) return;
-      if (vector_rows(x) && add_by_class(x, order, slot, j0, j1)) return;
+      std::vector<const void*> rows(vector_rows(x) ? order.size() : 0);
+      for (size_t k = 0; k < rows.size(); ++k)
+        rows[k] = static_cast<const char*>(x.ptr) + ((size_t)order[k] * (size_t)x.ld + (size_t)j0) * es;
       Matrix part = x;
-      part.ptr = static_cast<const char*>(x.ptr) + (size_t)j0 * dtype_size(x.dtype);
+      part.ptr = static_cast<const char*>(x.ptr) + (size_t)j0 * es;
       part.cols = j1 - j0;
-      for_each_row(part, 0, x.rows, [&](int64_t k) { return order[k]; }, [&](int64_t i, auto get) {
-        double* sk = sums.data() + slot[i] * p + j0;
-        for (int64_t j = 0; j < j1 - j0; ++j) sk[j] += get(j);
-      });
+      for (size_t g = 0; g < classes.size(); ++g) {
+        double* sg = sums.data() + g * p + j0;
+        const int64_t k0 = first[g], k1 = first[g + 1];
+        if (rows.empty() || !fast_add_rows(rows.data() + k0, x.dtype == DType::f16, k1 - k0, j1 - j0, sg, true)) {
+          std::fill(sg, sg + (j1 - j0), 0.0);
+          for_each_row(part, k0, k1, [&](int64_t k) { return order[k]; }, [&](int64_t, auto get) {
+            for (int64_t j = 0; j < j1 - j0; ++j) sg[j] += get(j);
+          });
+        }
+        check(state, g, j0, j1);
+      }
     });
   }
 
-  // Columns j0..j1 of each class's rows (in `order`, class by class) into its
-  // sums with the vector passes; false where they do not run.
-  bool add_by_class(const Matrix& x, const std::vector<int64_t>& order, const std::vector<int64_t>& slot, int64_t j0,
-                    int64_t j1) {
-    const size_t es = dtype_size(x.dtype);
-    std::vector<const void*> rows(order.size());
-    for (size_t k = 0; k < order.size(); ++k)
-      rows[k] = static_cast<const char*>(x.ptr) + ((size_t)order[k] * (size_t)x.ld + (size_t)j0) * es;
-    const bool f16 = x.dtype == DType::f16;
-    for (size_t k0 = 0, g = 0; k0 < order.size(); ++g) {
-      size_t k1 = k0;
-      while (k1 < order.size() && slot[(size_t)order[k1]] == (int64_t)g) ++k1;
-      if (!fast_add_rows(rows.data() + k0, f16, (int64_t)(k1 - k0), j1 - j0, sums.data() + g * p + j0)) return false;
-      k0 = k1;
-    }
-    return true;
-  }
-
-  // Throws unless every class sum, alone and added to the state's, is finite.
-  void check(const State& s) const {
-    for (size_t g = 0; g < classes.size(); ++g) {
-      const bool old = s.n > 0 && classes[g] < s.k;
-      const double* state_row = old ? s.class_sums.data() + classes[g] * p : nullptr;
-      for (int64_t j = 0; j < p; ++j) {
-        const double v = sums[g * p + j] + (state_row ? state_row[j] : 0.0);
-        if (std::isfinite(v)) continue;
-        Msg os;
-        os << "features: the sums of class " << classes[g] << " are not finite (a value changed to NaN or Inf "
-           << "while the batch was read, or the sums overflow float64); the batch was not added";
-        throw std::invalid_argument(os.str());
-      }
+  void check(const State& s, size_t g, int64_t j0, int64_t j1) const {
+    const bool old = s.n > 0 && classes[g] < s.k;
+    const double* state_row = old ? s.class_sums.data() + classes[g] * p : nullptr;
+    for (int64_t j = j0; j < j1; ++j) {
+      const double v = sums[g * p + j] + (state_row ? state_row[j] : 0.0);
+      if (std::isfinite(v)) continue;
+      Msg os;
+      os << "features: the sums of class " << classes[g] << " are not finite (a value changed to NaN or Inf "
+         << "while the batch was read, or the sums overflow float64); the batch was not added";
+      throw std::invalid_argument(os.str());
     }
   }
 
   void add_to(State& s, const std::vector<int64_t>& y) const noexcept {
     for (int64_t v : y) ++s.class_counts[v];
-    for (size_t g = 0; g < classes.size(); ++g) {
-      double* sk = s.class_sums.data() + classes[g] * p;
-      for (int64_t j = 0; j < p; ++j) sk[j] += sums[g * p + j];
-    }
+    run_split(parts, [&](int64_t w) { return std::min(p, w * step); }, [&](int64_t, int64_t j0, int64_t j1) noexcept {
+      for (size_t g = 0; g < classes.size(); ++g) {
+        double* sk = s.class_sums.data() + classes[g] * p;
+        for (int64_t j = j0; j < j1; ++j) sk[j] += sums[g * p + j];
+      }
+    });
   }
 };
 
@@ -569,13 +568,21 @@ double comoment_elems(int64_t p, int64_t c, int64_t t) {
   return e;
 }
 
+// Elements of a batch's products (form_products): the square of the
+// features' buffer (with the outputs when stacked), then for each other
+// stream of width c its p x c cross product and c x c square.
+double product_elems(int64_t p, int64_t c, int64_t t, bool stack_outputs) {
+  const double P = (double)p, C = (double)c, Tt = (double)t, W = stack_outputs ? P + C : P;
+  return W * W + P * Tt + Tt * Tt + (stack_outputs ? 0.0 : P * C + C * C);
+}
+
 // Bytes of scratch a batch of nb rows takes: centered rows and the products
-// (one of each co-moment, whatever the number of workers) in the product
-// type (elem bytes), plus, with labels (k >= 0), the labels' copy and the
-// batch's class sums.
+// (whatever the number of workers) in the product type (elem bytes, 4: the
+// outputs stacked with the features), plus, with labels (k >= 0), the
+// labels' copy and the batch's class sums.
 double scratch_bytes(int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, double elem) {
   const double P = (double)p, C = (double)c, Tt = (double)t;
-  return elem * ((double)nb * (P + C + Tt) + comoment_elems(p, c, t)) +
+  return elem * ((double)nb * (P + C + Tt) + product_elems(p, c, t, elem == 4.0)) +
          (k >= 0 ? 8.0 * (double)nb * (P + 3) : 0.0);
 }
 
@@ -604,8 +611,22 @@ void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, in
 // Centers the batch in the product type T (rows split over the workers),
 // then forms each co-moment once, in scratch, from tiles the workers share
 // (products.hpp); the state is not touched. Points a Block at the products.
+//
+// Float32 products: the outputs and the features are centered side by side
+// into one buffer, outputs first, and one symmetric product of its c + p
+// columns holds A (outputs x outputs), B (features x outputs) and M
+// (features x features) as blocks of its lower triangle. The same arithmetic
+// as three products, but the BLAS packs the features once instead of twice
+// and the cross product runs in the triangle's large tiles rather than as a
+// narrow GEMM of its own (benchmarks/RESULTS.md, "One product for features
+// and outputs"). Float64 products keep one product per co-moment: M then
+// comes from the same tiles with or without outputs, so head mode and
+// streamed outputs agree to float64 rounding (tests/test_curves.py). The
+// targets always have a buffer and products of their own, so the outputs x
+// targets block, which no co-moment needs, is never formed.
 template <typename T>
 Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers, Scratch<T>& sc) {
+  constexpr bool stack_outputs = std::is_same<T, float>::value;
   const int64_t nb = b.features.rows;
   const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
   Block<T> blk;
@@ -613,21 +634,58 @@ Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers,
   for (int q = 0; q < kStreams; ++q) {
     blk.width[q] = in[q] ? in[q]->cols : 0;
     blk.mean[q] = means.mean[q].data();
-    sc.centered[q].resize((size_t)(nb * blk.width[q]));
   }
-  for (int i = 0; i < kNumComoments; ++i)
-    sc.parts[i].resize((size_t)(blk.width[kComoments[i].rows] * blk.width[kComoments[i].cols]));
+  const int64_t p = blk.width[0];
+  const int64_t lead = stack_outputs ? blk.width[1] : 0, w = lead + p;  // the features' buffer: [outputs |] features
+  sc.centered.resize((size_t)(nb * (blk.width[0] + blk.width[1] + blk.width[2])));
+  sc.products.resize((size_t)product_elems(p, blk.width[1], blk.width[2], stack_outputs));
+  // Where each stream's centered columns start, and their row stride: the
+  // features' buffer, then one buffer for each other stream.
+  T* column[kStreams];
+  int64_t ld[kStreams];
+  T* next = sc.centered.data();
+  column[0] = next + lead;
+  ld[0] = w;
+  if (stack_outputs) {
+    column[1] = next;
+    ld[1] = w;
+  }
+  next += nb * w;
+  for (int q = stack_outputs ? 2 : 1; q < kStreams; ++q) {
+    column[q] = next;
+    ld[q] = blk.width[q];
+    next += nb * blk.width[q];
+  }
   run_workers(workers, nb, [&](int64_t, int64_t r0, int64_t r1) {
     for (int q = 0; q < kStreams; ++q)
-      if (in[q]) center_rows<T>(*in[q], means.mean[q], sc.centered[q].data(), r0, r1);
+      if (in[q]) center_rows<T>(*in[q], means.mean[q], column[q], ld[q], r0, r1);
   });
-  std::vector<Product<T>> products;
+  // The triangle of the features' buffer, then each other stream's cross
+  // product with the features and its own triangle.
+  T* out = sc.products.data();
+  const T* buffer = sc.centered.data();
+  std::vector<Product<T>> products{{buffer, buffer, w, w, w, w, true, out, w}};
+  T* cross[kStreams] = {nullptr, nullptr, nullptr};
+  T* square[kStreams] = {nullptr, nullptr, nullptr};
+  out += w * w;
+  for (int q = stack_outputs ? 2 : 1; q < kStreams; ++q) {
+    const int64_t c = blk.width[q];
+    if (c == 0) continue;
+    cross[q] = out;
+    square[q] = out + p * c;
+    out += p * c + c * c;
+    products.push_back({column[0], column[q], w, c, p, c, false, cross[q], c});
+    products.push_back({column[q], column[q], c, c, c, c, true, square[q], c});
+  }
   for (int i = 0; i < kNumComoments; ++i) {
     const int rq = kComoments[i].rows, cq = kComoments[i].cols;
-    if (!in[rq] || !in[cq]) continue;
-    products.push_back({sc.centered[rq].data(), sc.centered[cq].data(), blk.width[rq], blk.width[cq],
-                        kComoments[i].symmetric(), sc.parts[i].data()});
-    blk.parts[i].push_back(sc.parts[i].data());
+    if (rq <= 1 && cq <= 1 && (stack_outputs || cq == 0)) {  // a block of the features' triangle
+      blk.part[i] = sc.products.data() + (column[rq] - buffer) * w + (column[cq] - buffer);
+      blk.ld[i] = w;
+    } else {  // a product of its own (features x stream, or the stream's square)
+      blk.part[i] = rq == cq ? square[cq] : cross[cq];
+      blk.ld[i] = blk.width[cq];
+    }
   }
   shared_products(products, nb, workers);
   return blk;
@@ -691,10 +749,7 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std
     throw std::invalid_argument(os.str());
   }
   std::optional<BatchClasses> classes;
-  if (b.labels) {
-    classes.emplace(x, labels, sc.class_sums);
-    classes->check(state_);
-  }
+  if (b.labels) classes.emplace(x, labels, state_, sc.class_sums);
   Target target(state_, p, b.outputs ? c : -1, b.targets ? t : -1, b.labels ? std::max<int64_t>(k_needed, 0) : -1);
   MergeWork work(blk.width);
   // Nothing below allocates or throws.
@@ -727,7 +782,7 @@ void grams_typed(const Matrix& x, int64_t per, T* out, double* norms) {
       std::fill(mu.begin(), mu.end(), 0.0);
       add_column_sums(b, 0, per, mu.data());
       for (double& v : mu) v /= (double)per;
-      center_rows<T>(b, mu, xc.data(), 0, per);
+      center_rows<T>(b, mu, xc.data(), p, 0, per);
       T* c = out + g * per * per;
       syrk_rows(per, p, xc.data(), c);
       double sq = 0.0;  // ||G||_F^2 from the lower triangle, in float64

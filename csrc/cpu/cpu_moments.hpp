@@ -26,8 +26,8 @@ struct BatchMeans {
 // products in the product type T.
 template <typename T>
 struct Scratch {
-  std::vector<T> centered[kStreams];  // by stream, rows split among workers
-  std::vector<T> parts[kNumComoments];  // by co-moment, the batch's product (the workers share it)
+  std::vector<T> centered;  // the batch's centered rows (form_products: where each stream lies)
+  std::vector<T> products;  // the co-moments' products (the workers share them)
   std::vector<double> class_sums;  // the batch's float64 sums of each class it holds
 };
 

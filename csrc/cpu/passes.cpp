@@ -8,6 +8,10 @@
 #include <atomic>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace richness {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -17,11 +21,12 @@ namespace richness {
 #ifdef RICHNESS_VECTOR_PASSES
 namespace {
 
-#define RICHNESS_INLINE __attribute__((always_inline)) inline
+// Helpers and bodies carry the instruction sets both kernels have, so they
+// inline into either (the code is then generated for the caller's set).
+#define RICHNESS_INLINE __attribute__((always_inline, target("avx2,fma,f16c"))) inline
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef double v8d __attribute__((vector_size(64)));
-typedef _Float16 v8h __attribute__((vector_size(16)));
 
 constexpr int kBlock = 8;  // rows a column's accumulator takes in registers before it is stored
 
@@ -31,10 +36,8 @@ RICHNESS_INLINE v8f load8(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-RICHNESS_INLINE v8f load8(const uint16_t* p) {  // float16 bits, widened exactly
-  v8h h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, v8f);
+RICHNESS_INLINE v8f load8(const uint16_t* p) {  // float16 bits, widened exactly (F16C)
+  return (v8f)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 RICHNESS_INLINE v8d loadd(const double* p) {
   v8d v;
@@ -47,11 +50,7 @@ RICHNESS_INLINE v8d widen(v8f v) { return __builtin_convertvector(v, v8d); }
 RICHNESS_INLINE v8f narrow(v8d v) { return __builtin_convertvector(v, v8f); }
 
 RICHNESS_INLINE float scalar(const float* p) { return *p; }
-RICHNESS_INLINE float scalar(const uint16_t* p) {
-  _Float16 h;
-  std::memcpy(&h, p, sizeof h);
-  return (float)h;
-}
+RICHNESS_INLINE float scalar(const uint16_t* p) { return _cvtsh_ss(*p); }
 
 // Min and max as std::min(a, v) / std::max(a, v) with a the running value: a
 // NaN v leaves it (a NaN also makes the column's sum NaN, which the caller
@@ -104,35 +103,49 @@ RICHNESS_INLINE void stats_body(const In* base, int64_t ld, int64_t cols, int64_
 
 template <typename In>
 RICHNESS_INLINE void center_body(const In* base, int64_t ld, int64_t cols, int64_t r0, int64_t r1, const double* mu,
-                                 float* out) {
+                                 float* out, int64_t out_ld) {
   for (int64_t i = r0; i < r1; ++i) {
     const In* x = base + i * ld;
-    float* o = out + i * cols;
+    float* o = out + i * out_ld;
     int64_t j = 0;
     for (; j + 8 <= cols; j += 8) store(o + j, narrow(widen(load8(x + j)) - loadd(mu + j)));
     for (; j < cols; ++j) o[j] = (float)((double)scalar(x + j) - mu[j]);
   }
 }
 
-// Rows given by pointers, R at a time.
-template <int R, typename In>
+// Rows given by pointers, R at a time; Fresh: the sums start from 0.0 (the
+// bits of zeroing them first: 0.0 + v, not v, which differs for -0.0).
+template <int R, bool Fresh, typename In>
 RICHNESS_INLINE void add_block(const In* const* rows, int64_t cols, double* s) {
   int64_t j = 0;
   for (; j + 8 <= cols; j += 8) {
-    v8d acc = loadd(s + j);
+    v8d acc = Fresh ? v8d{} : loadd(s + j);
     for (int r = 0; r < R; ++r) acc += widen(load8(rows[r] + j));
     store(s + j, acc);
   }
-  for (; j < cols; ++j)
-    for (int r = 0; r < R; ++r) s[j] += scalar(rows[r] + j);
+  for (; j < cols; ++j) {
+    double acc = Fresh ? 0.0 : s[j];
+    for (int r = 0; r < R; ++r) acc += scalar(rows[r] + j);
+    s[j] = acc;
+  }
 }
 
 template <typename In>
-RICHNESS_INLINE void add_body(const void* const* rows, int64_t count, int64_t cols, double* s) {
+RICHNESS_INLINE void add_body(const void* const* rows, int64_t count, int64_t cols, double* s, bool fresh) {
   const In* const* r = reinterpret_cast<const In* const*>(rows);
   int64_t k = 0;
-  for (; k + kBlock <= count; k += kBlock) add_block<kBlock>(r + k, cols, s);
-  for (; k < count; ++k) add_block<1>(r + k, cols, s);
+  if (count == 0) {
+    if (fresh) std::fill(s, s + cols, 0.0);
+    return;
+  }
+  if (fresh) {  // the first block starts the sums
+    const int64_t first = std::min<int64_t>(count, kBlock);
+    if (first == kBlock) add_block<kBlock, true>(r, cols, s);
+    else add_block<1, true>(r, cols, s);
+    k = first == kBlock ? kBlock : 1;
+  }
+  for (; k + kBlock <= count; k += kBlock) add_block<kBlock, false>(r + k, cols, s);
+  for (; k < count; ++k) add_block<1, false>(r + k, cols, s);
 }
 
 // One set of entry points per instruction set.
@@ -141,10 +154,10 @@ struct Kernels {
   void (*stats_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*);
   void (*sums_f32)(const float*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*);
   void (*sums_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*);
-  void (*center_f32)(const float*, int64_t, int64_t, int64_t, int64_t, const double*, float*);
-  void (*center_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, const double*, float*);
-  void (*add_f32)(const void* const*, int64_t, int64_t, double*);
-  void (*add_f16)(const void* const*, int64_t, int64_t, double*);
+  void (*center_f32)(const float*, int64_t, int64_t, int64_t, int64_t, const double*, float*, int64_t);
+  void (*center_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, const double*, float*, int64_t);
+  void (*add_f32)(const void* const*, int64_t, int64_t, double*, bool);
+  void (*add_f16)(const void* const*, int64_t, int64_t, double*, bool);
 };
 
 #define RICHNESS_KERNELS(NAME, TARGET)                                                                              \
@@ -165,18 +178,18 @@ struct Kernels {
     stats_body<false>(b, ld, c, r0, r1, s, lo, hi);                                                                 \
   }                                                                                                                 \
   TARGET void NAME##_center_f32(const float* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, const double* mu,      \
-                                float* out) {                                                                       \
-    center_body(b, ld, c, r0, r1, mu, out);                                                                         \
+                                float* out, int64_t out_ld) {                                                       \
+    center_body(b, ld, c, r0, r1, mu, out, out_ld);                                                                 \
   }                                                                                                                 \
   TARGET void NAME##_center_f16(const uint16_t* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, const double* mu,   \
-                                float* out) {                                                                       \
-    center_body(b, ld, c, r0, r1, mu, out);                                                                         \
+                                float* out, int64_t out_ld) {                                                       \
+    center_body(b, ld, c, r0, r1, mu, out, out_ld);                                                                 \
   }                                                                                                                 \
-  TARGET void NAME##_add_f32(const void* const* rows, int64_t count, int64_t c, double* s) {                         \
-    add_body<float>(rows, count, c, s);                                                                             \
+  TARGET void NAME##_add_f32(const void* const* rows, int64_t count, int64_t c, double* s, bool fresh) {             \
+    add_body<float>(rows, count, c, s, fresh);                                                                      \
   }                                                                                                                 \
-  TARGET void NAME##_add_f16(const void* const* rows, int64_t count, int64_t c, double* s) {                         \
-    add_body<uint16_t>(rows, count, c, s);                                                                          \
+  TARGET void NAME##_add_f16(const void* const* rows, int64_t count, int64_t c, double* s, bool fresh) {             \
+    add_body<uint16_t>(rows, count, c, s, fresh);                                                                   \
   }                                                                                                                 \
   const Kernels NAME##_kernels = {NAME##_stats_f32, NAME##_stats_f16, NAME##_sums_f32,   NAME##_sums_f16,            \
                                   NAME##_center_f32, NAME##_center_f16, NAME##_add_f32, NAME##_add_f16};
@@ -224,18 +237,18 @@ bool fast_column_sums(const void* base, bool f16, int64_t ld, int64_t cols, int6
 }
 
 bool fast_center_rows(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1, const double* mu,
-                      float* out) {
+                      float* out, int64_t out_ld) {
   const Kernels* k = kernels();
   if (!k) return false;
-  if (f16) k->center_f16(static_cast<const uint16_t*>(base), ld, cols, r0, r1, mu, out);
-  else k->center_f32(static_cast<const float*>(base), ld, cols, r0, r1, mu, out);
+  if (f16) k->center_f16(static_cast<const uint16_t*>(base), ld, cols, r0, r1, mu, out, out_ld);
+  else k->center_f32(static_cast<const float*>(base), ld, cols, r0, r1, mu, out, out_ld);
   return true;
 }
 
-bool fast_add_rows(const void* const* rows, bool f16, int64_t count, int64_t cols, double* s) {
+bool fast_add_rows(const void* const* rows, bool f16, int64_t count, int64_t cols, double* s, bool fresh) {
   const Kernels* k = kernels();
   if (!k) return false;
-  (f16 ? k->add_f16 : k->add_f32)(rows, count, cols, s);
+  (f16 ? k->add_f16 : k->add_f32)(rows, count, cols, s, fresh);
   return true;
 }
 
@@ -248,8 +261,10 @@ bool fast_column_stats(const void*, bool, int64_t, int64_t, int64_t, int64_t, do
   return false;
 }
 bool fast_column_sums(const void*, bool, int64_t, int64_t, int64_t, int64_t, double*) { return false; }
-bool fast_center_rows(const void*, bool, int64_t, int64_t, int64_t, int64_t, const double*, float*) { return false; }
-bool fast_add_rows(const void* const*, bool, int64_t, int64_t, double*) { return false; }
+bool fast_center_rows(const void*, bool, int64_t, int64_t, int64_t, int64_t, const double*, float*, int64_t) {
+  return false;
+}
+bool fast_add_rows(const void* const*, bool, int64_t, int64_t, double*, bool) { return false; }
 
 #endif
 

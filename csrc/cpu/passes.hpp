@@ -30,12 +30,13 @@ bool fast_column_stats(const void* base, bool f16, int64_t ld, int64_t cols, int
 // The same sums without minima and maxima.
 bool fast_column_sums(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1, double* s);
 
-// out[i * cols + j] = (float)((double)x[i][j] - mu[j]) for r0 <= i < r1.
+// out[i * out_ld + j] = (float)((double)x[i][j] - mu[j]) for r0 <= i < r1.
 bool fast_center_rows(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1, const double* mu,
-                      float* out);
+                      float* out, int64_t out_ld);
 
 // s[j] += rows[k][j] for 0 <= k < count in that order, 0 <= j < cols (each
-// row a pointer to its first column): a class's rows into its sums.
-bool fast_add_rows(const void* const* rows, bool f16, int64_t count, int64_t cols, double* s);
+// row a pointer to its first column): a class's rows into its sums. fresh:
+// s starts from 0.0 (its old contents are neither read nor kept).
+bool fast_add_rows(const void* const* rows, bool f16, int64_t count, int64_t cols, double* s, bool fresh);
 
 }  // namespace richness

@@ -73,16 +73,18 @@ inline void syrk_rows(int64_t n, int64_t k, const double* a, double* c) {
   scipy_cblas_dsyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0, a, (int)k, 0.0, c, (int)n);
 }
 
-// One product to form: out (rows x cols, row-major) = a^T b, where a holds
-// rows columns and b cols columns (both k rows, row-major, packed);
-// symmetric: b == a and only the lower triangle is needed.
+// One product to form: out (rows x cols, row-major, row stride ldc) = a^T b,
+// where a holds rows columns and b cols columns of k row-major rows, lda and
+// ldb elements apart; symmetric: b == a and only the lower triangle is needed.
 template <typename T>
 struct Product {
   const T* a;
   const T* b;
+  int64_t lda, ldb;
   int64_t rows, cols;
   bool symmetric;
   T* out;
+  int64_t ldc;
 };
 
 inline void syrk_lower(int64_t n, int64_t k, const float* a, int64_t lda, float* c, int64_t ldc) {
@@ -134,9 +136,9 @@ void shared_products(const std::vector<Product<T>>& products, int64_t k, int64_t
     for (size_t i = next++; i < tiles.size(); i = next++) {
       const Tile& t = tiles[i];
       const Product<T>& pr = *t.pr;
-      T* out = pr.out + t.r0 * pr.cols + t.c0;
-      if (t.syrk) syrk_lower(t.r1 - t.r0, k, pr.a + t.r0, pr.rows, out, pr.cols);
-      else gemm_tn(t.r1 - t.r0, t.c1 - t.c0, k, pr.a + t.r0, pr.rows, pr.b + t.c0, pr.cols, out, pr.cols);
+      T* out = pr.out + t.r0 * pr.ldc + t.c0;
+      if (t.syrk) syrk_lower(t.r1 - t.r0, k, pr.a + t.r0, pr.lda, out, pr.ldc);
+      else gemm_tn(t.r1 - t.r0, t.c1 - t.c0, k, pr.a + t.r0, pr.lda, pr.b + t.c0, pr.ldb, out, pr.ldc);
     }
   });
 }
