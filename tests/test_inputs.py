@@ -271,7 +271,7 @@ def test_vector_passes_give_the_plain_loops_bits(dtype):
     rng = np.random.default_rng(8)
     available = _core.simd_available()
     cases = []
-    for n, p in ((1, 5), (9, 8), (700, 13), (1031, 70)):
+    for n, p in ((1, 5), (9, 8), (700, 13), (1031, 70), (4001, 70)):  # the last past 1 MiB: centered on the state means
         X = (100.0 + 7.0 * rng.normal(size=(n, p + 3))).astype(dtype)[:, 2:-1]  # strided rows
         cases.append((X, rng.integers(0, 9, n)))
     try:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import richness
-from reference import dlr_naive, nc1_naive, one_hot, states_equal
+from reference import dlr_naive, dlr_thin, nc1_naive, one_hot, states_equal
 
 
 def chunk(seed, n, labels_upto, p=5, C=3):
@@ -340,3 +340,36 @@ def test_states_fixing_different_num_classes_do_not_merge_on_any_route():
     with pytest.raises(ValueError, match=message):
         _state.merge([a.state_dict(), b.state_dict()])
     assert a.num_classes == 4 and a.n == 30
+
+
+@pytest.mark.parametrize("drift", [0.0, 0.2, 50.0])
+def test_float32_batches_centered_on_the_state_means(drift):
+    """With float32 products, a batch after the first is centered on the
+    state's means by the read that checks it, and the merge takes the shift
+    out in float64; a batch whose means lie too far from the state's (here 50
+    spreads: labels sorted by class, say) is centered on its own means
+    instead. Either way the co-moments match the float64 reference of all the
+    rows to float32 precision, on a large common offset (the float32 rows
+    keep only about four digits of their spread) and on a constant column."""
+    rng = np.random.default_rng(41)
+    p, C, nb = 20, 4, 12000  # 12,000 x 24 float32 centered rows: past the 1 MiB of the shifted route
+    W = rng.normal(size=(p, C))
+    batches = []
+    for k in range(4):
+        X = 1e4 + rng.normal(size=(nb, p)) @ rng.normal(size=(p, p)) + drift * k
+        X[:, 2] = 7.25  # constant: its centered rows are exactly zero
+        batches.append((X.astype(np.float32), (X @ W).astype(np.float32)))
+    m32 = richness.Moments(precision="fp32")
+    for X, F in batches:
+        m32.update(X, F)
+    st = m32.state_dict()
+    X = np.concatenate([x.astype(np.float64) for x, _ in batches])
+    F = np.concatenate([f.astype(np.float64) for _, f in batches])
+    Xc, Fc = X - X.mean(0), F - F.mean(0)
+    sx, sf = np.sqrt(np.diag(Xc.T @ Xc)), np.sqrt(np.diag(Fc.T @ Fc))
+    for key, want, scale in (("M", Xc.T @ Xc, np.outer(sx, sx)), ("B", Xc.T @ Fc, np.outer(sx, sf)),
+                             ("A", Fc.T @ Fc, np.outer(sf, sf))):
+        assert np.all(np.abs(st[key] - want) <= 1e-5 * scale), key
+    assert np.all(st["M"][2, :] == 0) and np.all(st["M"][:, 2] == 0)  # the constant column: no false covariance
+    np.testing.assert_allclose(st["mean"], X.mean(0), rtol=1e-12)
+    assert abs(m32.compute().dlr - dlr_thin(X, F)[0]) < 1e-6

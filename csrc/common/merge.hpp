@@ -27,6 +27,9 @@ struct Block {
   const double* mean[kStreams] = {nullptr, nullptr, nullptr};
   const T* part[kNumComoments] = {};
   int64_t ld[kNumComoments] = {};
+  // The parts are centered on the state's means before the merge instead of
+  // the block's own (merge_block takes the difference out).
+  bool on_state_mean = false;
 };
 
 // Float64 vectors a merge needs (each stream's mean shift), allocated before
@@ -64,10 +67,13 @@ void add_comoment(std::vector<double>& X, const T* part, int64_t ld, int64_t row
 //   X = Xa + Xb + f d_rows d_cols^T,  and each mean += d nb / n.
 // Only lower triangles of the symmetric ones are read and written. Neither
 // allocates nor throws: callers check overflow_of and allocate `work` first.
+//
+// Parts centered on the state's means a instead (Block::on_state_mean) are
+// Xb + nb d d^T, so the same merge is X = Xa + part - (nb^2 / n) d d^T.
 template <typename T>
 void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers) noexcept {
   const double na = (double)s.n, nb = (double)b.n, n = na + nb;
-  const double f = na * nb / n, w = nb / n;
+  const double f = b.on_state_mean ? -(nb * nb / n) : na * nb / n, w = nb / n;
   for (int q = 0; q < kStreams; ++q) {
     const std::vector<double>& mean = s.stream_mean(q);
     for (int64_t j = 0; j < s.width(q); ++j) work.d[q][j] = b.mean[q][j] - mean[j];
@@ -105,11 +111,11 @@ int overflow_of(const State& s, const Block<T>& b) {
     for (int64_t j = 0; j < w; ++j) {
       double diag = (double)b.part[i][j * b.ld[i] + j];
       if (!(diag <= part_max)) return q;  // Inf or NaN from the product itself
-      double shift = 0.0;
+      double shift = 0.0;  // parts centered on the state's means hold it already (and more)
       if (started) {
         const double dj = b.mean[q][j] - s.stream_mean(q)[j];
         diag += s.comoment(i)[j * w + j];
-        shift = f * dj * dj;
+        shift = b.on_state_mean ? 0.0 : f * dj * dj;
       }
       bound = std::max(bound, diag + shift);
     }

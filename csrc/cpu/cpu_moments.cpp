@@ -193,23 +193,60 @@ void add_column_stats(const Matrix& m, int64_t r0, int64_t r1, double* s, double
 // sum * (1 / n), whose rounding would otherwise center a constant column on a
 // value it never takes and leave a false covariance (docs/MATH.md, constant
 // features). range and magnitude: the largest max - min and |value|.
-void column_means(const Matrix& m, std::vector<double>& out, double& range, double& magnitude) {
+//
+// With a ShiftedCopy the same read also writes the rows centered on the
+// given shift, (float)(x - shift) computed in float64, and sums (x - shift)^2
+// in float64 (update_typed: centering on the state's means).
+struct ShiftedCopy {
+  const double* shift;
+  float* out;
+  int64_t ld;
+  std::vector<double>* squares;  // the column sums of (x - shift)^2
+};
+
+// Rows r0..r1 into sums, minima, maxima, squares of x - c and the centered copy.
+void add_column_stats_shifted(const Matrix& m, int64_t r0, int64_t r1, double* s, double* lo, double* hi, double* sq,
+                              const ShiftedCopy& copy) {
+  if (vector_rows(m) && fast_column_stats_shifted(m.ptr, m.dtype == DType::f16, m.ld, m.cols, r0, r1, s, lo, hi, sq,
+                                                  copy.shift, copy.out, copy.ld))
+    return;
+  for_each_row(m, r0, r1, [&](int64_t i, auto get) {
+    float* o = copy.out + i * copy.ld;
+    for (int64_t j = 0; j < m.cols; ++j) {
+      const double v = get(j);
+      s[j] += v;
+      lo[j] = std::min(lo[j], v);
+      hi[j] = std::max(hi[j], v);
+      const double d = v - copy.shift[j];
+      o[j] = (float)d;
+      sq[j] += d * d;
+    }
+  });
+}
+
+void column_means(const Matrix& m, std::vector<double>& out, double& range, double& magnitude,
+                  const ShiftedCopy* copy = nullptr) {
   const int64_t w = m.cols;
   const double inf = std::numeric_limits<double>::infinity();
-  std::vector<std::vector<double>> sum(std::max(1, blas_get_num_threads())), lo(sum.size()), hi(sum.size());
+  std::vector<std::vector<double>> sum(std::max(1, blas_get_num_threads())), lo(sum.size()), hi(sum.size()),
+      sq(copy ? sum.size() : 0);
   parallel_rows(m.rows, w, [&](int64_t t, int64_t r0, int64_t r1) {
     sum[t].assign(w, 0.0);
     lo[t].assign(w, inf);
     hi[t].assign(w, -inf);
-    add_column_stats(m, r0, r1, sum[t].data(), lo[t].data(), hi[t].data());
+    if (!copy) return add_column_stats(m, r0, r1, sum[t].data(), lo[t].data(), hi[t].data());
+    sq[t].assign(w, 0.0);
+    add_column_stats_shifted(m, r0, r1, sum[t].data(), lo[t].data(), hi[t].data(), sq[t].data(), *copy);
   });
   out.assign(w, 0.0);
   std::vector<double> mn(w, inf), mx(w, -inf);
+  if (copy) copy->squares->assign(w, 0.0);
   for (size_t t = 0; t < sum.size(); ++t)
     for (int64_t j = 0; j < (int64_t)sum[t].size(); ++j) {
       out[j] += sum[t][j];
       mn[j] = std::min(mn[j], lo[t][j]);
       mx[j] = std::max(mx[j], hi[t][j]);
+      if (copy) (*copy->squares)[j] += sq[t][j];
     }
   const double inv = 1.0 / (double)m.rows;
   range = magnitude = 0.0;
@@ -231,8 +268,9 @@ int64_t count_nonfinite(const Matrix& m) {
 
 // Float64 column means, which double as the finiteness check: a finite sum
 // of finite values is finite, so only a non-finite sum needs the count.
-void means_checked(const Matrix& m, const char* name, std::vector<double>& mu, double& range, double& magnitude) {
-  column_means(m, mu, range, magnitude);
+void means_checked(const Matrix& m, const char* name, std::vector<double>& mu, double& range, double& magnitude,
+                   const ShiftedCopy* copy = nullptr) {
+  column_means(m, mu, range, magnitude, copy);
   bool finite = true;
   for (double v : mu) finite = finite && std::isfinite(v);
   if (finite) return;
@@ -624,42 +662,67 @@ void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, in
 // streamed outputs agree to float64 rounding (tests/test_curves.py). The
 // targets always have a buffer and products of their own, so the outputs x
 // targets block, which no co-moment needs, is never formed.
+// Where each stream's centered columns lie in the scratch (sized here).
 template <typename T>
-Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers, Scratch<T>& sc) {
+struct Layout {
+  bool stack_outputs;
+  int64_t width[kStreams];
+  T* column[kStreams];  // each stream's first column
+  int64_t ld[kStreams];  // and its row stride
+};
+
+template <typename T>
+Layout<T> centered_layout(const Batch& b, Scratch<T>& sc) {
   constexpr bool stack_outputs = std::is_same<T, float>::value;
+  const int64_t nb = b.features.rows;
+  const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
+  Layout<T> L;
+  L.stack_outputs = stack_outputs;
+  for (int q = 0; q < kStreams; ++q) L.width[q] = in[q] ? in[q]->cols : 0;
+  const int64_t p = L.width[0];
+  const int64_t lead = stack_outputs ? L.width[1] : 0, w = lead + p;  // the features' buffer: [outputs |] features
+  sc.centered.resize((size_t)(nb * (L.width[0] + L.width[1] + L.width[2])));
+  sc.products.resize((size_t)product_elems(p, L.width[1], L.width[2], stack_outputs));
+  // The features' buffer, then one buffer for each other stream.
+  T* next = sc.centered.data();
+  L.column[0] = next + lead;
+  L.ld[0] = w;
+  if (stack_outputs) {
+    L.column[1] = next;
+    L.ld[1] = w;
+  }
+  next += nb * w;
+  for (int q = stack_outputs ? 2 : 1; q < kStreams; ++q) {
+    L.column[q] = next;
+    L.ld[q] = L.width[q];
+    next += nb * L.width[q];
+  }
+  return L;
+}
+
+// centered: the rows are already in the layout (centered on the state's
+// means by the first read); else they are centered here on the batch's.
+template <typename T>
+Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers, Scratch<T>& sc, const Layout<T>& L,
+                       bool centered) {
+  const bool stack_outputs = L.stack_outputs;
   const int64_t nb = b.features.rows;
   const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
   Block<T> blk;
   blk.n = nb;
+  blk.on_state_mean = centered;
   for (int q = 0; q < kStreams; ++q) {
-    blk.width[q] = in[q] ? in[q]->cols : 0;
+    blk.width[q] = L.width[q];
     blk.mean[q] = means.mean[q].data();
   }
-  const int64_t p = blk.width[0];
-  const int64_t lead = stack_outputs ? blk.width[1] : 0, w = lead + p;  // the features' buffer: [outputs |] features
-  sc.centered.resize((size_t)(nb * (blk.width[0] + blk.width[1] + blk.width[2])));
-  sc.products.resize((size_t)product_elems(p, blk.width[1], blk.width[2], stack_outputs));
-  // Where each stream's centered columns start, and their row stride: the
-  // features' buffer, then one buffer for each other stream.
-  T* column[kStreams];
-  int64_t ld[kStreams];
-  T* next = sc.centered.data();
-  column[0] = next + lead;
-  ld[0] = w;
-  if (stack_outputs) {
-    column[1] = next;
-    ld[1] = w;
-  }
-  next += nb * w;
-  for (int q = stack_outputs ? 2 : 1; q < kStreams; ++q) {
-    column[q] = next;
-    ld[q] = blk.width[q];
-    next += nb * blk.width[q];
-  }
-  run_workers(workers, nb, [&](int64_t, int64_t r0, int64_t r1) {
-    for (int q = 0; q < kStreams; ++q)
-      if (in[q]) center_rows<T>(*in[q], means.mean[q], column[q], ld[q], r0, r1);
-  });
+  const int64_t p = blk.width[0], w = L.ld[0];
+  T* const* column = L.column;
+  const int64_t* ld = L.ld;
+  if (!centered)
+    run_workers(workers, nb, [&](int64_t, int64_t r0, int64_t r1) {
+      for (int q = 0; q < kStreams; ++q)
+        if (in[q]) center_rows<T>(*in[q], means.mean[q], column[q], ld[q], r0, r1);
+    });
   // The triangle of the features' buffer, then each other stream's cross
   // product with the features and its own triangle.
   T* out = sc.products.data();
@@ -699,25 +762,41 @@ void CpuMoments::update_locked(const Batch& b, Precision precision) {
   validate_batch({s.n, s.p, s.c, s.t, s.k, s.num_classes}, b);
   if (b.features.rows == 0) return;
   check_count_fits(s.n, b.features.rows, "the batch was not added");
-  // Value checks read the data once; their float64 means are the batch means.
-  BatchMeans means;
-  const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
-  for (int q = 0; q < kStreams; ++q)
-    if (in[q]) means_checked(*in[q], stream_name(q), means.mean[q], means.range[q], means.magnitude[q]);
   std::vector<int64_t> labels;
   if (b.labels) {
     labels = read_labels(*b.labels);
     check_labels(labels, state_.num_classes, b.features.cols);
   }
-  check_spread(b, means, precision);
   // The product type from the table (a CPU mode multiplies in float64 or float32).
-  if (traits(precision).product == DType::f64) update_typed<double>(b, means, labels, precision, scratch_d_);
-  else update_typed<float>(b, means, labels, precision, scratch_f_);
+  if (traits(precision).product == DType::f64) update_typed<double>(b, labels, precision, scratch_d_);
+  else update_typed<float>(b, labels, precision, scratch_f_);
 }
 
+namespace {
+// The smallest batch (bytes of its centered rows) centered on the state's
+// means: a second read of a batch within a core's L2 cache costs little.
+constexpr double kShiftedBytes = double(1 << 20);
+
+// Whether rows centered on the state's means c keep the float32 products'
+// precision: for every column, n (m - c)^2 <= n var, where the float64 sum of
+// squares of x - c is n var + n (m - c)^2. The products then round values at
+// most sqrt(2) times the column's spread, against the spread itself when the
+// rows are centered on the batch's own means m; the merge takes the shift
+// out exactly in float64 (common/merge.hpp). A column constant in the batch
+// passes only when c is its value (its centered rows are then exactly zero).
+bool shift_keeps_precision(int64_t nb, const std::vector<double>& mean, const std::vector<double>& c,
+                           const std::vector<double>& squares) {
+  for (size_t j = 0; j < mean.size(); ++j) {
+    const double d = mean[j] - c[j];
+    if (!(2.0 * (double)nb * d * d <= squares[j])) return false;
+  }
+  return true;
+}
+}  // namespace
+
 template <typename T>
-void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std::vector<int64_t>& labels,
-                              Precision precision, Scratch<T>& sc) {
+void CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision,
+                              Scratch<T>& sc) {
   const Matrix& x = b.features;
   const int64_t nb = x.rows, p = x.cols;
   const int64_t c = b.outputs ? b.outputs->cols : 0, t = b.targets ? b.targets->cols : 0;
@@ -737,7 +816,32 @@ void CpuMoments::update_typed(const Batch& b, const BatchMeans& means, const std
       blas_workers(wanted, [&](int64_t) { return scratch_bytes(nb, p, c, t, k_needed, (double)sizeof(T)); });
   // All products go to scratch first: nothing below can leave the state half
   // updated (an allocation failure throws before the merge starts).
-  const Block<T> blk = form_products(b, means, workers, sc);
+  const Layout<T> layout = centered_layout(b, sc);
+  // Value checks read the data once; their float64 means are the batch means.
+  // With float32 products and a state that has samples, that read also
+  // centers the rows on the state's means (one pass over the batch instead of
+  // two), kept when shift_keeps_precision holds; else the rows are centered
+  // again on the batch's means. Only for batches whose centered rows pass
+  // kShiftedBytes: a smaller one is read again from the cache, and keeps the
+  // bits of a batch state merged on its own (torchmetrics' forward).
+  bool on_state_mean = false;
+  BatchMeans means;
+  const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
+  if constexpr (std::is_same<T, float>::value)
+    on_state_mean = state_.n > 0 && (double)nb * (double)(p + c + t) * sizeof(T) >= kShiftedBytes;
+  std::vector<double> squares[kStreams];
+  for (int q = 0; q < kStreams; ++q) {
+    if (!in[q]) continue;
+    ShiftedCopy copy{nullptr, nullptr, 0, &squares[q]};
+    if constexpr (std::is_same<T, float>::value) copy = {state_.stream_mean(q).data(), layout.column[q], layout.ld[q],
+                                                         &squares[q]};
+    means_checked(*in[q], stream_name(q), means.mean[q], means.range[q], means.magnitude[q],
+                  on_state_mean ? &copy : nullptr);
+  }
+  check_spread(b, means, precision);
+  for (int q = 0; q < kStreams && on_state_mean; ++q)
+    if (in[q]) on_state_mean = shift_keeps_precision(nb, means.mean[q], state_.stream_mean(q), squares[q]);
+  const Block<T> blk = form_products(b, means, workers, sc, layout, on_state_mean);
   const int which = overflow_of(state_, blk);
   if (which >= 0) {
     Msg os;

@@ -75,8 +75,7 @@ class CpuMoments {
   Scratch<double> scratch_d_;
   void update_locked(const Batch& b, Precision precision);
   template <typename T>
-  void update_typed(const Batch& b, const BatchMeans& means, const std::vector<int64_t>& labels,
-                    Precision precision, Scratch<T>& sc);
+  void update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision, Scratch<T>& sc);
 };
 
 // Gram matrices of consecutive blocks of `per` rows of x, each block centered

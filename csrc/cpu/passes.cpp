@@ -93,6 +93,50 @@ RICHNESS_INLINE void stats_block(const In* x, int64_t ld, int64_t cols, double* 
     }
 }
 
+// R rows: sums, minima, maxima, and the rows centered on c with their
+// float64 squares.
+template <int R, typename In>
+RICHNESS_INLINE void shifted_block(const In* x, int64_t ld, int64_t cols, double* s, double* lo, double* hi,
+                                   double* sq, const double* c, float* out, int64_t out_ld) {
+  int64_t j = 0;
+  for (; j + 8 <= cols; j += 8) {
+    v8d acc = loadd(s + j), acc2 = loadd(sq + j);
+    const v8d cj = loadd(c + j);
+    v8f mn = load8(x + j), mx = mn;
+    for (int r = 0; r < R; ++r) {
+      const v8f v = r == 0 ? mn : load8(x + r * ld + j);
+      mn = vmin(mn, v);
+      mx = vmax(mx, v);
+      const v8d wv = widen(v), d = wv - cj;
+      acc += wv;
+      store(out + r * out_ld + j, narrow(d));
+      acc2 += d * d;
+    }
+    store(s + j, acc);
+    store(sq + j, acc2);
+    store(lo + j, vmin(loadd(lo + j), widen(mn)));
+    store(hi + j, vmax(loadd(hi + j), widen(mx)));
+  }
+  for (; j < cols; ++j)
+    for (int r = 0; r < R; ++r) {
+      const double v = scalar(x + r * ld + j), d = v - c[j];
+      s[j] += v;
+      lo[j] = std::min(lo[j], v);
+      hi[j] = std::max(hi[j], v);
+      out[r * out_ld + j] = (float)d;
+      sq[j] += d * d;
+    }
+}
+
+template <typename In>
+RICHNESS_INLINE void shifted_body(const In* base, int64_t ld, int64_t cols, int64_t r0, int64_t r1, double* s,
+                                  double* lo, double* hi, double* sq, const double* c, float* out, int64_t out_ld) {
+  int64_t i = r0;
+  for (; i + kBlock <= r1; i += kBlock)
+    shifted_block<kBlock>(base + i * ld, ld, cols, s, lo, hi, sq, c, out + i * out_ld, out_ld);
+  for (; i < r1; ++i) shifted_block<1>(base + i * ld, ld, cols, s, lo, hi, sq, c, out + i * out_ld, out_ld);
+}
+
 template <bool Stats, typename In>
 RICHNESS_INLINE void stats_body(const In* base, int64_t ld, int64_t cols, int64_t r0, int64_t r1, double* s,
                                 double* lo, double* hi) {
@@ -156,6 +200,10 @@ struct Kernels {
   void (*sums_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*);
   void (*center_f32)(const float*, int64_t, int64_t, int64_t, int64_t, const double*, float*, int64_t);
   void (*center_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, const double*, float*, int64_t);
+  void (*shifted_f32)(const float*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*, double*,
+                      const double*, float*, int64_t);
+  void (*shifted_f16)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, double*, double*, double*, double*,
+                      const double*, float*, int64_t);
   void (*add_f32)(const void* const*, int64_t, int64_t, double*, bool);
   void (*add_f16)(const void* const*, int64_t, int64_t, double*, bool);
 };
@@ -185,6 +233,14 @@ struct Kernels {
                                 float* out, int64_t out_ld) {                                                       \
     center_body(b, ld, c, r0, r1, mu, out, out_ld);                                                                 \
   }                                                                                                                 \
+  TARGET void NAME##_shifted_f32(const float* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, double* s,           \
+                                 double* lo, double* hi, double* sq, const double* sh, float* out, int64_t out_ld) { \
+    shifted_body(b, ld, c, r0, r1, s, lo, hi, sq, sh, out, out_ld);                                                 \
+  }                                                                                                                 \
+  TARGET void NAME##_shifted_f16(const uint16_t* b, int64_t ld, int64_t c, int64_t r0, int64_t r1, double* s,        \
+                                 double* lo, double* hi, double* sq, const double* sh, float* out, int64_t out_ld) { \
+    shifted_body(b, ld, c, r0, r1, s, lo, hi, sq, sh, out, out_ld);                                                 \
+  }                                                                                                                 \
   TARGET void NAME##_add_f32(const void* const* rows, int64_t count, int64_t c, double* s, bool fresh) {             \
     add_body<float>(rows, count, c, s, fresh);                                                                      \
   }                                                                                                                 \
@@ -192,7 +248,8 @@ struct Kernels {
     add_body<uint16_t>(rows, count, c, s, fresh);                                                                   \
   }                                                                                                                 \
   const Kernels NAME##_kernels = {NAME##_stats_f32, NAME##_stats_f16, NAME##_sums_f32,   NAME##_sums_f16,            \
-                                  NAME##_center_f32, NAME##_center_f16, NAME##_add_f32, NAME##_add_f16};
+                                  NAME##_center_f32, NAME##_center_f16, NAME##_shifted_f32, NAME##_shifted_f16,    \
+                                  NAME##_add_f32,    NAME##_add_f16};
 
 RICHNESS_KERNELS(avx512, __attribute__((target("avx512f,avx512vl,avx2,fma,f16c"))))
 RICHNESS_KERNELS(avx2, __attribute__((target("avx2,fma,f16c"))))
@@ -228,6 +285,16 @@ bool fast_column_stats(const void* base, bool f16, int64_t ld, int64_t cols, int
   return true;
 }
 
+bool fast_column_stats_shifted(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1,
+                               double* s, double* lo, double* hi, double* sq, const double* shift, float* out,
+                               int64_t out_ld) {
+  const Kernels* k = kernels();
+  if (!k) return false;
+  if (f16) k->shifted_f16(static_cast<const uint16_t*>(base), ld, cols, r0, r1, s, lo, hi, sq, shift, out, out_ld);
+  else k->shifted_f32(static_cast<const float*>(base), ld, cols, r0, r1, s, lo, hi, sq, shift, out, out_ld);
+  return true;
+}
+
 bool fast_column_sums(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1, double* s) {
   const Kernels* k = kernels();
   if (!k) return false;
@@ -258,6 +325,10 @@ int simd_available() { return 0; }
 int simd_level() { return 0; }
 int set_simd_level(int) { return 0; }
 bool fast_column_stats(const void*, bool, int64_t, int64_t, int64_t, int64_t, double*, double*, double*) {
+  return false;
+}
+bool fast_column_stats_shifted(const void*, bool, int64_t, int64_t, int64_t, int64_t, double*, double*, double*,
+                               double*, const double*, float*, int64_t) {
   return false;
 }
 bool fast_column_sums(const void*, bool, int64_t, int64_t, int64_t, int64_t, double*) { return false; }

@@ -27,6 +27,13 @@ int set_simd_level(int level);
 bool fast_column_stats(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1, double* s,
                        double* lo, double* hi);
 
+// The same, and the rows centered on `shift` into out (row i at out + i *
+// out_ld): out = (float)((double)x - shift[j]) and sq[j] += that float64
+// difference squared.
+bool fast_column_stats_shifted(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1,
+                               double* s, double* lo, double* hi, double* sq, const double* shift, float* out,
+                               int64_t out_ld);
+
 // The same sums without minima and maxima.
 bool fast_column_sums(const void* base, bool f16, int64_t ld, int64_t cols, int64_t r0, int64_t r1, double* s);
 
