@@ -360,6 +360,114 @@ def test_core_centered_grams_against_float64_and_bad_blocks():
                              norms.ctypes.data)
 
 
+def test_core_one_block_gram_shared_by_two_threads_against_float64():
+    # One block with more threads than blocks: the Gram's two halves and the
+    # block between them are formed on two threads (an odd row count, so the
+    # halves differ); one thread forms it whole. Both against float64.
+    from richness import _adapt, _core
+
+    rng = np.random.default_rng(1)
+    X = (3.0 + rng.standard_normal((131, 256))).astype(np.float32)
+    Xc = X.astype(np.float64) - X.astype(np.float64).mean(axis=0)
+    want = Xc @ Xc.T
+    threads = _core.blas_get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            _core.blas_set_num_threads(n_threads)
+            for prec, dt, tol in (("fp32", np.float32, 1e-5), ("fp64", np.float64, 1e-12)):
+                G, norms = np.full((1, 131, 131), np.nan, dt), np.empty(1)
+                _core.centered_grams(_adapt.as_matrix(X, "x").arg(), 131, prec, G.ctypes.data, norms.ctypes.data)
+                assert np.abs(G[0] - want).max() < tol * np.abs(want).max(), (n_threads, prec)
+                assert np.array_equal(G[0], G[0].T)
+                assert abs(norms[0] - np.linalg.norm(want)) < tol * np.linalg.norm(want)
+    finally:
+        _core.blas_set_num_threads(threads)
+
+
+def test_core_matmul_against_float64_and_refusals():
+    from richness import _core
+
+    rng = np.random.default_rng(2)
+    a, b, bt = rng.standard_normal((37, 19)), rng.standard_normal((19, 11)), rng.standard_normal((11, 19))
+    for dt, tol in ((np.float32, 1e-5), (np.float64, 1e-13)):
+        out = np.full((37, 11), np.nan, dt)
+        _core.matmul(a.astype(dt), b.astype(dt), out)
+        assert np.abs(out - a.astype(dt).astype(np.float64) @ b.astype(dt).astype(np.float64)).max() < tol * 10
+        _core.matmul(a.astype(dt), bt.astype(dt), out, trans_b=True)
+        assert np.abs(out - a.astype(dt).astype(np.float64) @ bt.astype(dt).astype(np.float64).T).max() < tol * 10
+    out = np.zeros((37, 11))
+    with pytest.raises(ValueError, match="shapes do not match"):
+        _core.matmul(a, bt, out)
+    with pytest.raises(ValueError, match="share one dtype"):
+        _core.matmul(a, b.astype(np.float32), out)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _core.matmul(a, np.asfortranarray(b), out)
+    assert not out.any()
+
+
+def test_export_into_writes_the_state_dict_and_refuses_before_writing():
+    rng = np.random.default_rng(3)
+    m = richness.Moments()
+    x, f = rng.standard_normal((40, 6)) + 2.0, rng.standard_normal((40, 3))
+    m.update(x, f, rng.integers(0, 4, 40), targets=rng.standard_normal(40))
+    want = m.state_dict()
+    arrays = {k: np.full_like(v, -7) for k, v in want.items() if isinstance(v, np.ndarray)}
+    got = m.export_into(arrays)
+    assert got["n"] == 40 and got["k"] == 4 and got["precision"] == want["precision"]
+    for k, v in arrays.items():
+        assert np.array_equal(v, want[k]), k
+    sentinel = {k: np.full_like(v, -7) for k, v in arrays.items()}
+    for bad_key, bad in (("class_sums", np.zeros((5, 6))), ("M", np.zeros((6, 6), np.float32)),
+                         ("class_counts", np.zeros(4))):
+        arrays = {k: v.copy() for k, v in sentinel.items()}
+        arrays[bad_key] = bad
+        with pytest.raises(ValueError, match=bad_key):
+            m.export_into(arrays)
+        for k, v in arrays.items():  # nothing written
+            if k != bad_key:
+                assert np.array_equal(v, sentinel[k]), k
+    arrays = {k: v.copy() for k, v in sentinel.items()}
+    del arrays["A"]
+    with pytest.raises(ValueError, match="no array for 'A'"):
+        m.export_into(arrays)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp64"])
+def test_update_out_writes_the_merged_state_as_it_merges(precision):
+    # p = 600: the merge of M runs on two threads (each mirrors its own rows);
+    # 500 float32 rows of 600 + 3 columns pass 1 MiB, so the later batches are
+    # centered on the state's means. After every batch, out holds state_dict().
+    from richness import _core
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1500, 600)).astype(np.float32) + 1.0
+    f, y = rng.standard_normal((1500, 3)).astype(np.float32), rng.integers(0, 5, 1500)
+    threads = _core.blas_get_num_threads()
+    m = richness.Moments(precision=precision)
+    _core.blas_set_num_threads(2)
+    try:
+        m.update(x[:500], f[:500], y[:500])
+        out = {k: np.full_like(v, -7) for k, v in m.state_dict().items() if isinstance(v, np.ndarray)}
+        for i in (500, 1000):
+            got = m.update(x[i:i + 500], f[i:i + 500], y[i:i + 500], out=out)
+            want = m.state_dict()
+            assert got is not None and got["n"] == i + 500
+            for k, v in out.items():
+                assert np.array_equal(v, want[k]), (i, k)
+        # a batch with a new class grows the class arrays: out does not fit, is left alone
+        kept = {k: v.copy() for k, v in out.items()}
+        assert m.update(x[:10], f[:10], np.full(10, 7), out=out) is None
+        assert all(np.array_equal(out[k], kept[k]) for k in out)
+        assert m.n == 1510
+        with pytest.raises(ValueError, match="no array for"):  # refused before the batch is added
+            m.update(x[:10], f[:10], y[:10], out={})
+        assert m.n == 1510
+    finally:
+        _core.blas_set_num_threads(threads)
+    with pytest.raises(ValueError, match="without groups"):
+        richness.Moments(groups=2).update(x[:10], out=out)
+
+
 def test_float16_widening_is_exact_for_every_finite_half():
     # Every finite float16 (subnormals and both zeros included), in rows of an
     # odd width so that whole groups of eight and the tail are both widened:

@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/merge.hpp"
+#include "../common/parallel.hpp"
 #include "../common/state.hpp"
 #include "../common/types.hpp"
 
@@ -164,21 +167,25 @@ struct BatchArgs {
   py::arg("features"), py::arg("outputs") = py::none(), py::arg("labels") = py::none(),        \
       py::arg("targets") = py::none()
 
-// Copies a row-major lower triangle into a full symmetric array.
+// Writes a row-major lower triangle as a full symmetric n x n array at `o`
+// (o and l do not overlap), split over `workers` threads by area: each
+// copies its rows' lower part as it lies, then mirrors them (mirror_lower).
+inline void fill_symmetric(const double* __restrict l, int64_t n, double* __restrict o, int64_t workers = 1) {
+  // (below about 1,500 x 1,500 a second thread costs more than it saves, measured at p = 512 and 1,024)
+  workers = std::max<int64_t>(1, std::min<int64_t>(workers, n * n / (int64_t(1) << 21) + 1));
+  auto first_row = [&](int64_t w) {  // row i holds i + 1 entries: equal areas at sqrt(w / W)
+    return std::min(n, (int64_t)std::llround((double)n * std::sqrt((double)w / (double)workers)));
+  };
+  run_split(workers, first_row, [&](int64_t, int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) std::copy(l + i * n, l + i * n + i + 1, o + i * n);
+    mirror_lower(o, n, r0, r1);
+  });
+}
+
+// Copies a row-major lower triangle into a new full symmetric array.
 inline py::array_t<double> symmetric(const std::vector<double>& lower, int64_t n) {
   py::array_t<double> out({n, n});
-  double* o = out.mutable_data();
-  const double* l = lower.data();
-  // In square blocks: the transposed writes of a row-by-row mirror would touch
-  // a new cache line each (at p = 512 they made the export of a state slower
-  // than the products of a 1,280-row batch).
-  constexpr int64_t kb = 32;
-  for (int64_t i0 = 0; i0 < n; i0 += kb)
-    for (int64_t j0 = 0; j0 <= i0; j0 += kb) {
-      const int64_t i1 = std::min(n, i0 + kb), j1 = std::min(n, j0 + kb);
-      for (int64_t i = i0; i < i1; ++i)
-        for (int64_t j = j0; j < std::min(j1, i + 1); ++j) o[i * n + j] = o[j * n + i] = l[i * n + j];
-    }
+  fill_symmetric(lower.data(), n, out.mutable_data());
   return out;
 }
 
@@ -220,6 +227,50 @@ inline py::dict export_state(const State& s) {
   RICHNESS_STATE_ARRAYS(RICHNESS_EXPORT)
 #undef RICHNESS_EXPORT
   return d;
+}
+
+template <typename T>
+std::pair<T*, int64_t> target_array(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw std::invalid_argument(std::string("export_into: no array for '") + key + "'");
+  const py::object o = d[key];
+  const bool ok = py::isinstance<py::array_t<T>>(o);
+  const auto a = ok ? py::reinterpret_borrow<py::array>(o) : py::array();
+  if (!ok || !(a.flags() & py::array::c_style) || !a.writeable())
+    throw std::invalid_argument(std::string("export_into: '") + key + "' must be a writable C-contiguous " +
+                                (std::is_same<T, double>::value ? "float64" : "int64") + " array");
+  return {static_cast<T*>(const_cast<void*>(a.data())), (int64_t)a.size()};
+}
+inline void fill_symmetric_of(const std::vector<double>& l, int64_t n, double* o, int64_t workers) {
+  fill_symmetric(l.data(), n, o, workers);
+}
+inline void fill_symmetric_of(const std::vector<int64_t>&, int64_t, int64_t*, int64_t) {}
+
+// The caller's arrays a state is written into (export_into, update's out):
+// one writable, C-contiguous array a field, of the field's element type, read
+// with the GIL held; their sizes are checked against the state under its lock.
+inline StateTargets state_targets(const py::dict& d) {
+  StateTargets out;
+#define RICHNESS_TARGET(name, type, rows, cols, sym) std::tie(out.name, out.name##_size) = target_array<type>(d, #name);
+  RICHNESS_STATE_ARRAYS(RICHNESS_TARGET)
+#undef RICHNESS_TARGET
+  return out;
+}
+
+// Throws, before anything is written, unless every array has the state's
+// exported size; else writes the state there (symmetric matrices filled).
+inline void export_state_into(const State& s, const StateTargets& out, int64_t workers) {
+  if (const char* name = out.misfit(s)) {
+    Msg os;
+    os << "export_into: '" << name << "' does not have the state's size";
+    throw std::invalid_argument(os.str());
+  }
+#define RICHNESS_TARGET(name, type, rows, cols, sym) \
+  if (sym)                                           \
+    fill_symmetric_of(s.name, s.size(rows), out.name, workers); \
+  else                                               \
+    std::copy(s.name.begin(), s.name.end(), out.name);
+  RICHNESS_STATE_ARRAYS(RICHNESS_TARGET)
+#undef RICHNESS_TARGET
 }
 
 template <typename T>

@@ -49,13 +49,27 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "update",
           [](CpuMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
-             std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, const std::string& precision) {
+             std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, const std::string& precision,
+             const std::optional<py::dict>& out) {
             const BatchArgs args(features, outputs, labels, targets);
             const Precision prec = precision_of(precision);
-            py::gil_scoped_release release;
-            self.update(args.batch(), prec);
+            std::optional<StateTargets> into;
+            if (out) into = state_targets(*out);
+            State head;
+            bool written;
+            {
+              py::gil_scoped_release release;
+              written = self.update(args.batch(), prec, into ? &*into : nullptr, &head);
+            }
+            if (!written) return py::object(py::none());
+            py::dict d = shape_of(head);
+            d["n"] = head.n;
+            return py::object(d);
           },
-          RICHNESS_BATCH_ARGS, py::arg("precision") = "fp32")
+          RICHNESS_BATCH_ARGS, py::arg("precision") = "fp32", py::arg("out") = py::none(),
+          "Add a batch. With `out` (arrays as export_into takes them), the merged state is also written there "
+          "as it is merged, if their sizes are the merged state's: returns the merged state's widths, class count, "
+          "precision and n if they were written, else None.")
       .def("merge", &CpuMoments::merge, py::arg("other"), release())
       .def("reset", &CpuMoments::reset, release())
       .def("get_state",
@@ -67,6 +81,26 @@ PYBIND11_MODULE(_core, m) {
              }
              return export_state(s);
            })
+      .def(
+          "export_into",
+          [](const CpuMoments& self, const py::dict& out) {
+            const StateTargets targets = state_targets(out);
+            State head;
+            {
+              py::gil_scoped_release release;
+              self.read([&](const State& s) {
+                export_state_into(s, targets, blas_get_num_threads());
+                head = s.scalars();
+              });
+            }
+            py::dict d = shape_of(head);
+            d["n"] = head.n;
+            return d;
+          },
+          py::arg("out"),
+          "Write the state's arrays into the caller's arrays (a dict by field name: writable C-contiguous float64 "
+          "or int64 arrays of the sizes get_state exports, symmetric matrices full) and return its widths, "
+          "class count, precision and n. Checks every size first; writes nothing on a mismatch.")
       .def("set_state",
            [](CpuMoments& self, const py::dict& d) {
              State s = import_state(d);
@@ -120,6 +154,35 @@ PYBIND11_MODULE(_core, m) {
       "((rows / per) x per x per, float64 for precision fp64, float32 otherwise) and their "
       "Frobenius norms into the float64 buffer at `norms` (rows / per). Internal: the Monitor's "
       "one-batch windows.");
+  m.def(
+      "matmul",
+      [](const py::array& a, const py::array& b, py::array& out, bool trans_b) {
+        auto need = [](bool ok, const std::string& what) {
+          if (!ok) throw std::invalid_argument("matmul: " + what);
+        };
+        need(a.ndim() == 2 && b.ndim() == 2 && out.ndim() == 2, "a, b and out must be 2-D");
+        need((a.flags() & py::array::c_style) && (b.flags() & py::array::c_style) &&
+                 (out.flags() & py::array::c_style) && out.writeable(),
+             "a, b and out must be C-contiguous, out writable");
+        const bool f32 = py::isinstance<py::array_t<float>>(a), f64 = py::isinstance<py::array_t<double>>(a);
+        need(f32 || f64, "a must be float32 or float64");
+        need(a.dtype().is(b.dtype()) && a.dtype().is(out.dtype()), "a, b and out must share one dtype");
+        const int64_t m = a.shape(0), k = a.shape(1), kb = trans_b ? b.shape(1) : b.shape(0),
+                      n = trans_b ? b.shape(0) : b.shape(1);
+        need(kb == k && out.shape(0) == m && out.shape(1) == n, "shapes do not match");
+        void* o = out.mutable_data();
+        py::gil_scoped_release release;
+        if (f32)
+          matmul_here(m, n, k, static_cast<const float*>(a.data()), static_cast<const float*>(b.data()),
+                      static_cast<float*>(o), trans_b);
+        else
+          matmul_here(m, n, k, static_cast<const double*>(a.data()), static_cast<const double*>(b.data()),
+                      static_cast<double*>(o), trans_b);
+      },
+      py::arg("a"), py::arg("b"), py::arg("out"), py::arg("trans_b") = false,
+      "out = a @ b (or a @ b.T with trans_b) for C-contiguous float32 or float64 matrices of one dtype, by "
+      "the core's BLAS on the calling thread alone (no thread pool wakes): for products too small to be "
+      "worth threads (the torchmetrics metric's per-batch value).");
   m.attr("PRECISIONS") = precision_names();  // finest to coarsest
   m.def("precisions", &precision_table,
         "The precision modes, finest to coarsest: name, coarseness, input and product element types and "

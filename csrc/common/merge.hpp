@@ -41,12 +41,61 @@ struct MergeWork {
   }
 };
 
+// Mirrors rows [r0, r1) of the lower triangle of the row-major n x n matrix o
+// into its upper triangle (o[j][i] = o[i][j] for j < i): writes columns
+// [r0, r1) of the rows above, so row ranges mirror independently. In square
+// blocks: a row-by-row mirror would touch a new cache line with each write.
+inline void mirror_lower(double* o, int64_t n, int64_t r0, int64_t r1) noexcept {
+  constexpr int64_t kb = 32;
+  for (int64_t i0 = r0; i0 < r1; i0 += kb) {
+    const int64_t i1 = std::min(r1, i0 + kb);
+    for (int64_t j0 = 0; j0 < i1; j0 += kb) {
+      const int64_t j1 = std::min(i1, j0 + kb);
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t i = std::max(i0, j + 1); i < i1; ++i) o[j * n + i] = o[i * n + j];
+    }
+  }
+}
+
+// A state's arrays in the caller's memory, in the exported layout (symmetric
+// matrices full): one array a field and its size. An update can write the
+// merged state there as it merges (CpuMoments::update); fits() says whether
+// the sizes are the state's.
+struct StateTargets {
+#define RICHNESS_TARGET(name, type, rows, cols, sym) \
+  type* name = nullptr;                          \
+  int64_t name##_size = 0;
+  RICHNESS_STATE_ARRAYS(RICHNESS_TARGET)
+#undef RICHNESS_TARGET
+
+  // The first array whose size is not the state's, or nullptr.
+  const char* misfit(const State& s) const {
+#define RICHNESS_TARGET(name, type, rows, cols, sym) \
+  if (name##_size != s.size(rows) * s.size(cols)) return #name;
+    RICHNESS_STATE_ARRAYS(RICHNESS_TARGET)
+#undef RICHNESS_TARGET
+    return nullptr;
+  }
+  double* comoment(int i) const {
+    double* const all[] = {
+#define RICHNESS_MEMBER(name, rows, cols) name,
+        RICHNESS_COMOMENTS(RICHNESS_MEMBER)
+#undef RICHNESS_MEMBER
+    };
+    return all[i];
+  }
+  double* stream_mean(int q) const { return q == 0 ? mean : q == 1 ? out_mean : tgt_mean; }
+};
+
 // X += part + f dl dr^T over a rows x cols co-moment (its lower triangle when
 // symmetric; part's rows ld apart), split over the workers by area: a
 // triangle's row i holds i + 1 entries, so worker w starts at rows sqrt(w / W).
+//
+// With `full`, the merged co-moment is also written there in full (each
+// worker's rows as it merges them, then their mirror above the diagonal).
 template <typename T>
 void add_comoment(std::vector<double>& X, const T* part, int64_t ld, int64_t rows, int64_t cols, bool sym, double f,
-                  const double* dl, const double* dr, int64_t workers) noexcept {
+                  const double* dl, const double* dr, int64_t workers, double* full = nullptr) noexcept {
   workers = std::max<int64_t>(1, std::min<int64_t>(workers, rows * cols / (int64_t(1) << 18) + 1));
   auto first_row = [&](int64_t w) {
     const double share = (double)w / (double)workers;
@@ -59,7 +108,9 @@ void add_comoment(std::vector<double>& X, const T* part, int64_t ld, int64_t row
       const int64_t end = sym ? i + 1 : cols;
       const T* q = part + i * ld;
       for (int64_t j = 0; j < end; ++j) xi[j] += (double)q[j] + fdi * dr[j];
+      if (full) std::copy(xi, xi + end, full + i * cols);
     }
+    if (full && sym) mirror_lower(full, cols, r0, r1);
   });
 }
 
@@ -70,8 +121,12 @@ void add_comoment(std::vector<double>& X, const T* part, int64_t ld, int64_t row
 //
 // Parts centered on the state's means a instead (Block::on_state_mean) are
 // Xb + nb d d^T, so the same merge is X = Xa + part - (nb^2 / n) d d^T.
+//
+// With `out` (sizes fitting the merged state), the merged means and
+// co-moments are also written there; class arrays are the caller's.
 template <typename T>
-void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers) noexcept {
+void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers,
+                 const StateTargets* out = nullptr) noexcept {
   const double na = (double)s.n, nb = (double)b.n, n = na + nb;
   const double f = b.on_state_mean ? -(nb * nb / n) : na * nb / n, w = nb / n;
   for (int q = 0; q < kStreams; ++q) {
@@ -81,11 +136,12 @@ void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers) 
   for (int i = 0; i < kNumComoments; ++i) {
     const Comoment& cm = kComoments[i];
     add_comoment(s.comoment(i), b.part[i], b.ld[i], s.width(cm.rows), s.width(cm.cols), cm.symmetric(), f,
-                 work.d[cm.rows].data(), work.d[cm.cols].data(), workers);
+                 work.d[cm.rows].data(), work.d[cm.cols].data(), workers, out ? out->comoment(i) : nullptr);
   }
   for (int q = 0; q < kStreams; ++q) {
     std::vector<double>& mean = s.stream_mean(q);
     for (int64_t j = 0; j < s.width(q); ++j) mean[j] += work.d[q][j] * w;
+    if (out) std::copy(mean.begin(), mean.end(), out->stream_mean(q));
   }
   s.n += b.n;
 }

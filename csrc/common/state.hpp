@@ -134,6 +134,7 @@ struct State {
   std::vector<double>& comoment(int i);  // the i-th of RICHNESS_COMOMENTS
   const std::vector<double>& comoment(int i) const;
 
+  State scalars() const;               // n, the widths and precision, without the arrays
   void reset();                        // forget samples; keep num_classes
   void check_consistent() const;       // sizes agree with p, c, t, k
   // Chan et al. pairwise merge of another state into this one (exact up to
@@ -149,6 +150,12 @@ inline constexpr std::vector<double> State::*kComomentArrays[] = {
 };
 inline std::vector<double>& State::comoment(int i) { return this->*kComomentArrays[i]; }
 inline const std::vector<double>& State::comoment(int i) const { return this->*kComomentArrays[i]; }
+
+inline State State::scalars() const {
+  State w;
+  w.n = n, w.p = p, w.c = c, w.t = t, w.k = k, w.num_classes = num_classes, w.precision = precision;
+  return w;
+}
 
 // Header-inline so that the device backend (which does not link the CPU
 // core) validates imported states with the same rules.

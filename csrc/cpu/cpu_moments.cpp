@@ -524,9 +524,11 @@ CpuMoments::~CpuMoments() {
   r.live.erase(&mu_);
 }
 
-void CpuMoments::update(const Batch& b, Precision precision) {
+bool CpuMoments::update(const Batch& b, Precision precision, const StateTargets* out, State* head) {
   std::lock_guard<std::mutex> lock(mu_);
-  update_locked(b, precision);
+  const bool written = update_locked(b, precision, out);
+  if (written && head) *head = state_.scalars();
+  return written;
 }
 
 void CpuMoments::merge(const CpuMoments& other) {
@@ -552,15 +554,7 @@ State CpuMoments::snapshot() const {
 
 State CpuMoments::widths() const {
   std::lock_guard<std::mutex> lock(mu_);
-  State w;
-  w.n = state_.n;
-  w.p = state_.p;
-  w.c = state_.c;
-  w.t = state_.t;
-  w.k = state_.k;
-  w.num_classes = state_.num_classes;
-  w.precision = state_.precision;
-  return w;
+  return state_.scalars();
 }
 
 void CpuMoments::set_state(State s) {
@@ -756,11 +750,11 @@ Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers,
 
 }  // namespace
 
-void CpuMoments::update_locked(const Batch& b, Precision precision) {
+bool CpuMoments::update_locked(const Batch& b, Precision precision, const StateTargets* out) {
   check_runs_on_cpu(precision);
   const State& s = state_;
   validate_batch({s.n, s.p, s.c, s.t, s.k, s.num_classes}, b);
-  if (b.features.rows == 0) return;
+  if (b.features.rows == 0) return false;
   check_count_fits(s.n, b.features.rows, "the batch was not added");
   std::vector<int64_t> labels;
   if (b.labels) {
@@ -768,8 +762,8 @@ void CpuMoments::update_locked(const Batch& b, Precision precision) {
     check_labels(labels, state_.num_classes, b.features.cols);
   }
   // The product type from the table (a CPU mode multiplies in float64 or float32).
-  if (traits(precision).product == DType::f64) update_typed<double>(b, labels, precision, scratch_d_);
-  else update_typed<float>(b, labels, precision, scratch_f_);
+  if (traits(precision).product == DType::f64) return update_typed<double>(b, labels, precision, scratch_d_, out);
+  return update_typed<float>(b, labels, precision, scratch_f_, out);
 }
 
 namespace {
@@ -795,8 +789,8 @@ bool shift_keeps_precision(int64_t nb, const std::vector<double>& mean, const st
 }  // namespace
 
 template <typename T>
-void CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision,
-                              Scratch<T>& sc) {
+bool CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision,
+                              Scratch<T>& sc, const StateTargets* out) {
   const Matrix& x = b.features;
   const int64_t nb = x.rows, p = x.cols;
   const int64_t c = b.outputs ? b.outputs->cols : 0, t = b.targets ? b.targets->cols : 0;
@@ -859,15 +853,42 @@ void CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels
   // Nothing below allocates or throws.
   target.grow();
   State& s = target.state();
-  merge_block(s, blk, work, blas_get_num_threads());
+  if (out && out->misfit(s)) out = nullptr;  // (sizes do not change in the merge)
+  merge_block(s, blk, work, blas_get_num_threads(), out);
   if (classes) classes->add_to(s, labels);
+  if (out) {
+    std::copy(s.class_counts.begin(), s.class_counts.end(), out->class_counts);
+    std::copy(s.class_sums.begin(), s.class_sums.end(), out->class_sums);
+  }
   s.precision = std::max(s.precision, precision);
   target.commit();
+  return out != nullptr;
 }
 
 // ---- Gram matrices of row blocks (the Monitor's one-batch windows) ----------
 
 namespace {
+
+// The lower triangle of the Gram of the rows of xc (per x p) into c (row
+// stride per). Split: two workers share one Gram, the first forming the two
+// diagonal triangles of its halves, the second the block between them (each
+// half the multiply-adds); every entry is still one dot product of two rows.
+template <typename T>
+void gram_lower(const T* xc, int64_t per, int64_t p, T* c, bool split) {
+  if (!split) {
+    syrk_rows(per, p, xc, p, c, per);
+    return;
+  }
+  const int64_t h = per / 2;
+  run_split(2, [](int64_t w) { return w; }, [&](int64_t w, int64_t, int64_t) {
+    if (w == 0) {
+      syrk_rows(h, p, xc, p, c, per);
+      syrk_rows(per - h, p, xc + h * p, p, c + h * per + h, per);
+    } else {
+      gemm_nt(per - h, h, p, xc + h * p, p, xc, p, c + h * per, per);
+    }
+  });
+}
 
 template <typename T>
 void grams_typed(const Matrix& x, int64_t per, T* out, double* norms) {
@@ -876,6 +897,9 @@ void grams_typed(const Matrix& x, int64_t per, T* out, double* norms) {
   const int64_t workers =
       blas_workers(std::min<int64_t>(blas_get_num_threads(), blocks),
                    [&](int64_t w) { return (double)w * (double)(per * p * sizeof(T) + p * sizeof(double)); });
+  // Fewer blocks than threads (one batch's Gram): the two halves of each
+  // Gram on two threads, where the product outweighs a thread's start.
+  const bool split = workers < 2 && blocks < blas_get_num_threads() && per >= 64 && per * per * p >= (1 << 22);
   run_workers(workers, blocks, [&](int64_t, int64_t g0, int64_t g1) {
     std::vector<double> mu((size_t)p);
     std::vector<T> xc((size_t)(per * p));
@@ -888,7 +912,7 @@ void grams_typed(const Matrix& x, int64_t per, T* out, double* norms) {
       for (double& v : mu) v /= (double)per;
       center_rows<T>(b, mu, xc.data(), p, 0, per);
       T* c = out + g * per * per;
-      syrk_rows(per, p, xc.data(), c);
+      gram_lower(xc.data(), per, p, c, split);
       double sq = 0.0;  // ||G||_F^2 from the lower triangle, in float64
       for (int64_t i = 0; i < per; ++i) {
         const double d = (double)c[i * per + i];
@@ -916,6 +940,30 @@ void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out
     grams_typed<double>(x, per, static_cast<double*>(out), norms);
   else
     grams_typed<float>(x, per, static_cast<float*>(out), norms);
+}
+
+// ---- small products on the calling thread ---------------------------------
+
+namespace {
+template <typename T>
+void matmul_typed(int64_t m, int64_t n, int64_t k, const T* a, const T* b, T* out, bool trans_b) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    std::fill(out, out + m * n, T(0));
+    return;
+  }
+  if (trans_b)
+    gemm_nt(m, n, k, a, k, b, k, out, n);
+  else
+    gemm_nn(m, n, k, a, b, out);
+}
+}  // namespace
+
+void matmul_here(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* out, bool trans_b) {
+  matmul_typed(m, n, k, a, b, out, trans_b);
+}
+void matmul_here(int64_t m, int64_t n, int64_t k, const double* a, const double* b, double* out, bool trans_b) {
+  matmul_typed(m, n, k, a, b, out, trans_b);
 }
 
 // ---- BLAS facts -------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/merge.hpp"
 #include "../common/state.hpp"
 #include "../common/types.hpp"
 
@@ -58,11 +59,20 @@ class CpuMoments {
   // precision: fp64 multiplies in double; fp32 in float (float16/bfloat16
   // inputs are widened to float after centering). tf32/bf16 are GPU modes.
   // On any error (bad input, overflow, out of memory) the state is unchanged.
-  void update(const Batch& b, Precision precision);
+  // With `out`, the merged state is also written there (in the exported
+  // layout) as it is merged, if out's sizes fit it: returns whether it was,
+  // and then the merged state's scalars in `head`.
+  bool update(const Batch& b, Precision precision, const StateTargets* out = nullptr, State* head = nullptr);
   void merge(const CpuMoments& other);
   void reset();
 
   State snapshot() const;      // a consistent copy of the state
+  // fn(state) under the object's lock: reads the state in place (no copy).
+  template <typename Fn>
+  void read(Fn&& fn) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn(static_cast<const State&>(state_));
+  }
   State widths() const;        // its scalar fields only (n, widths, precision), no arrays
   void set_state(State s);     // replaces the state (s already validated)
   int64_t n() const;
@@ -73,9 +83,10 @@ class CpuMoments {
   State state_;
   Scratch<float> scratch_f_;
   Scratch<double> scratch_d_;
-  void update_locked(const Batch& b, Precision precision);
+  bool update_locked(const Batch& b, Precision precision, const StateTargets* out);
   template <typename T>
-  void update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision, Scratch<T>& sc);
+  bool update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision, Scratch<T>& sc,
+                    const StateTargets* out);
 };
 
 // Gram matrices of consecutive blocks of `per` rows of x, each block centered
@@ -85,6 +96,11 @@ class CpuMoments {
 // inputs propagate (no check). Runs on the worker threads, one block per BLAS
 // call.
 void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out, double* norms);
+
+// out (m x n) = a (m x k) b (k x n), or a b^T with b (n x k) when trans_b;
+// row-major, contiguous; one single-threaded BLAS call on the calling thread.
+void matmul_here(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* out, bool trans_b);
+void matmul_here(int64_t m, int64_t n, int64_t k, const double* a, const double* b, double* out, bool trans_b);
 
 // BLAS facts for `richness info`, and the number of worker threads an update
 // uses (each calls BLAS single-threaded; see CpuMoments::update_typed).

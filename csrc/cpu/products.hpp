@@ -65,12 +65,36 @@ inline void gemm_tn(int64_t m, int64_t n, int64_t k, const double* a, int64_t ld
                     0.0, c, (int)ldc);
 }
 
-// C (n x n, lower, row-major) = A A^T for row-major A (n x k): the Gram of rows.
-inline void syrk_rows(int64_t n, int64_t k, const float* a, float* c) {
-  scipy_cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0f, a, (int)k, 0.0f, c, (int)n);
+// C (m x n, row stride ldc) = A B^T for row-major A (m x k) and B (n x k),
+// strides lda and ldb: products of rows.
+inline void gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+                    float* c, int64_t ldc) {
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n, (int)k, 1.0f, a, (int)lda, b, (int)ldb,
+                    0.0f, c, (int)ldc);
 }
-inline void syrk_rows(int64_t n, int64_t k, const double* a, double* c) {
-  scipy_cblas_dsyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0, a, (int)k, 0.0, c, (int)n);
+inline void gemm_nt(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb,
+                    double* c, int64_t ldc) {
+  scipy_cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n, (int)k, 1.0, a, (int)lda, b, (int)ldb,
+                    0.0, c, (int)ldc);
+}
+
+// C (m x n) = A B for contiguous row-major A (m x k) and B (k x n).
+inline void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c) {
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0f, a, (int)k, b, (int)n,
+                    0.0f, c, (int)n);
+}
+inline void gemm_nn(int64_t m, int64_t n, int64_t k, const double* a, const double* b, double* c) {
+  scipy_cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0, a, (int)k, b, (int)n,
+                    0.0, c, (int)n);
+}
+
+// C (n x n, lower, row-major, row stride ldc) = A A^T for row-major A (n x k,
+// stride lda): the Gram of rows.
+inline void syrk_rows(int64_t n, int64_t k, const float* a, int64_t lda, float* c, int64_t ldc) {
+  scipy_cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0f, a, (int)lda, 0.0f, c, (int)ldc);
+}
+inline void syrk_rows(int64_t n, int64_t k, const double* a, int64_t lda, double* c, int64_t ldc) {
+  scipy_cblas_dsyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)n, (int)k, 1.0, a, (int)lda, 0.0, c, (int)ldc);
 }
 
 // One product to form: out (rows x cols, row-major, row stride ldc) = a^T b,

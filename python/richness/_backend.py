@@ -127,6 +127,10 @@ class CoreBackend:
         else:
             self.core.update(*args, _current_stream(batch.features.owner))
 
+    def update_into(self, batch: Batch, precision: str, out: dict) -> Optional[dict]:
+        """``update``, the merged state also written into ``out`` (CPU; see ``Moments.update``)."""
+        return self.core.update(*batch.args(), precision, out)
+
     def merge(self, other: Backend) -> None:
         source = other.whole()
         if source is self or type(source.core) is not type(self.core):
@@ -156,6 +160,11 @@ class CoreBackend:
         if self.device == "cpu":
             return self.to_state()
         return _device_state(self.core, self.device)
+
+    def export_into(self, arrays: dict) -> dict:
+        if self.device != "cpu":
+            raise ValueError(f"export_into writes host arrays; this state is on {self.device} (use device_state)")
+        return dict(self.core.export_into(arrays))
 
     def whole(self) -> "CoreBackend":
         return self
@@ -346,6 +355,14 @@ def _device_state(core: Any, device: str) -> dict:
 def _address(a: Any) -> int:
     """The data address of a C-contiguous numpy array or torch tensor."""
     return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data_ptr())
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_b: bool = False) -> None:
+    """``out = a @ b`` (``a @ b.T`` with ``trans_b``) for C-contiguous numpy
+    matrices of one float dtype, by the core's BLAS on the calling thread
+    only: no thread pool (numpy's, torch's) wakes beside the core's workers
+    and the training's for a product this small."""
+    _core.matmul(a, b, out, trans_b)
 
 
 def centered_grams(features: Any, rows: int, precision: str, grams: Any, norms: Any) -> None:

@@ -179,9 +179,16 @@ class Moments(Lockable):
 
     # -- accumulation ---------------------------------------------------------
 
-    def update(self, features: Any, outputs: Any = None, labels: Any = None, targets: Any = None) -> None:
+    def update(self, features: Any, outputs: Any = None, labels: Any = None, targets: Any = None, *,
+               out: Optional[dict] = None) -> Optional[dict]:
         """Add a batch: ``features`` (n, p); optional ``outputs`` (n, C),
-        integer ``labels`` (n,) and float ``targets`` (n, T) or (n,)."""
+        integer ``labels`` (n,) and float ``targets`` (n, T) or (n,).
+
+        ``out`` (CPU, without ``groups``): arrays as ``export_into`` takes
+        them; the merged state is also written there as it is merged (the
+        merge's own pass, on its threads), if their sizes are the merged
+        state's. Returns the merged state's scalars (as ``export_into``)
+        when ``out`` was written, else None (always None without it)."""
         batch = Batch(_adapt.as_matrix(features, "features"),
                       _adapt.as_matrix(outputs, "outputs", allow_1d=True) if outputs is not None else None,
                       _adapt.as_labels(labels) if labels is not None else None,
@@ -189,8 +196,15 @@ class Moments(Lockable):
         devices = {m.device for m in batch if m is not None}
         if len(devices) > 1:
             raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
+        if out is not None and (self._groups is not None or batch.features.device != "cpu"):
+            raise ValueError("update(out=...) writes host arrays from a CPU Moments without groups; "
+                             "use device_state() or state_dict() after the update")
         backend = self._backend_for(batch.features.device)
-        backend.update(batch, batch_precision(self.precision, batch))
+        precision = batch_precision(self.precision, batch)
+        if out is not None:
+            return cast(CoreBackend, backend).update_into(batch, precision, out)
+        backend.update(batch, precision)
+        return None
 
     def merge(self, other: "Moments") -> None:
         """Add another state (Chan et al. pairwise merge; exact up to rounding)."""
@@ -309,6 +323,17 @@ class Moments(Lockable):
         if self._backend is None:
             return self.state_dict()
         return self._backend.device_state()
+
+    def export_into(self, arrays: dict) -> dict:
+        """Write ``state_dict()``'s arrays into the caller's: ``arrays`` maps
+        every array's name in ``state_dict()`` to a
+        writable C-contiguous numpy array of that field's dtype and size
+        (symmetric matrices full). Returns the scalars (``n``, widths,
+        ``num_classes``, ``precision``). Every size is checked first: on a
+        mismatch (the class count grew, say) nothing is written. CPU states
+        only; no allocation, one pass over the state."""
+        backend = self._backend or self._make_backend("cpu")  # empty: a CPU state of no samples
+        return backend.whole().export_into(arrays)
 
     def state_dict(self) -> dict:
         """A float64 numpy copy of the state (symmetric matrices filled)."""
