@@ -27,11 +27,16 @@ from richness.torchmetrics import DLR
 def interleaved(fns, batches, reps):
     """Per function, the mean time of ``reps`` calls (ms), the functions
     called in turn on each batch, so that load from other processes hits
-    all alike."""
+    all alike; the order rotates from batch to batch, so that no function
+    always follows the same one (a call that wakes a thread pool slows the
+    next)."""
     total = {k: 0.0 for k in fns}
+    names = list(fns)
     for i in range(reps):
         b = batches[i % len(batches)]
-        for k, fn in fns.items():
+        for j in range(len(names)):
+            k = names[(i + j) % len(names)]
+            fn = fns[k]
             t = time.perf_counter()
             fn(*b)
             total[k] += time.perf_counter() - t

@@ -88,6 +88,57 @@ def test_bad_batch_raises_and_leaves_the_state():
     assert abs(float(a.compute()) - dlr_naive(X, F)[0]) < 1e-12
 
 
+def test_the_state_tensors_are_the_state_after_every_batch():
+    # Read directly after each batch (no compute, no state_dict): the float64
+    # co-moments of the rows so far, with the class arrays growing with the labels.
+    X, F, y = data()
+    y = np.where(np.arange(300) < 100, y % 2, y)  # two classes first, more later
+    a = DLR()
+    for i in range(0, 300, 50):
+        a.update(t(F[i:i + 50]), t(y[i:i + 50]), features=t(X[i:i + 50]))
+        Xs, Fs, ys = X[:i + 50], F[:i + 50], y[:i + 50]
+        Xc, Fc = Xs - Xs.mean(axis=0), Fs - Fs.mean(axis=0)
+        assert int(a.widths[0]) == i + 50
+        assert np.allclose(a.mean.numpy(), Xs.mean(axis=0), rtol=1e-12, atol=1e-12)
+        assert np.allclose(a.M.numpy(), Xc.T @ Xc, rtol=1e-10, atol=1e-10)
+        assert np.allclose(a.B.numpy(), Xc.T @ Fc, rtol=1e-10, atol=1e-10)
+        assert np.allclose(a.A.numpy(), Fc.T @ Fc, rtol=1e-10, atol=1e-10)
+        k = ys.max() + 1
+        assert a.class_counts.tolist() == np.bincount(ys, minlength=k).tolist()
+        sums = np.stack([Xs[ys == c].sum(axis=0) for c in range(k)])
+        assert np.allclose(a.class_sums.numpy(), sums, rtol=1e-12, atol=1e-9)
+
+
+def test_in_place_writes_to_the_state_tensors_are_the_state():
+    # copy_ into the tensors (torch bumps their version) replaces the state: the
+    # next batch adds to what was written, not to what the metric held before.
+    X, F, y = data()
+    a, b = DLR(), DLR()
+    feed(a, X[:140], F[:140], y[:140])
+    feed(b, X[140:280] * 2.0, F[140:280], y[140:280])  # another state of the same widths
+    for name, v in a.metric_state.items():
+        getattr(b, name).copy_(v)
+    feed(b, X[140:], F[140:], y[140:])
+    assert abs(float(b.compute()) - dlr_naive(X, F)[0]) < 1e-12
+
+
+def test_loaded_and_merged_tensors_are_not_written_by_later_batches():
+    X, F, y = data()
+    a = DLR()
+    a.persistent(True)
+    feed(a, X[:140], F[:140], y[:140])
+    sd = a.state_dict()
+    kept = {k: v.clone() for k, v in sd.items()}
+    b, c = DLR(), DLR()
+    b.load_state_dict(sd)
+    c.merge_state(dict(sd))
+    feed(b, X[140:], F[140:], y[140:])
+    feed(c, X[140:], F[140:], y[140:])
+    assert all(torch.equal(sd[k], kept[k]) for k in sd)
+    want = dlr_naive(X, F)[0]
+    assert abs(float(b.compute()) - want) < 1e-12 and abs(float(c.compute()) - want) < 1e-12
+
+
 def test_empty_and_one_sample_compute_warn_and_give_nan():
     a = DLR()
     with pytest.warns(UserWarning, match="no samples"):

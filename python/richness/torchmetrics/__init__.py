@@ -10,24 +10,27 @@ the means and the co-moments of a rank together. Under DDP the ranks' states
 are gathered side by side and ``compute`` merges them with ``_state.merge``
 (docs/MATH.md, "Merging states"), in float64.
 
-Batches go to a ``richness.Moments`` on the metric's device (its update is one
-product, and on a GPU it never waits for the device); the field tensors are
-exported from it when anything reads them (``compute``, ``sync``,
-``state_dict``, ``metric_state``, pickling), and a state written from outside
-(``load_state_dict``, ``merge_state``, ``unsync``, ``.to(device)``) is loaded
-back into it before the next batch.
+The state tensors are the state. Batches go to a ``richness.Moments`` on the
+metric's device (its update is one product, and on a GPU it never waits for
+the device), and after every batch the tensors hold its state: on the CPU
+the core writes the merged state into the tensors' memory as it merges (the
+merge's own pass over the co-moments, on its threads, the symmetric matrices
+mirrored in blocks); on a GPU they are the state's device-to-device copy.
+``compute``, ``sync``, ``state_dict``, ``metric_state`` and pickling read the
+tensors as they are. The accumulator is checked against them before each
+batch: when they are not the ones it last wrote, or torch has written them
+in place since (their version moved: torchmetrics' ``reset``, ``sync`` /
+``unsync``, ``load_state_dict``, ``merge_state``, ``.to(device)``, or a
+user's ``copy_``), it is loaded from them first. Nothing else of
+torchmetrics is overridden but its documented methods, and device moves go
+through the documented ``exclude_state`` of ``Metric._apply``.
 
-Why the accumulator stays: a design with the state tensors as the only state
-(each ``update`` accumulating the batch into a reset ``Moments``, exporting
-it and merging it into the tensors in place) was built and measured
-(benchmarks/RESULTS.md, torchmetrics metric): on the CPU the export of the
-batch's p x p state (the core copies its state out; it has no export into
-given buffers) costs about as much as the batch's product, and ``update``
-took 2x as long at p = 512, batch 256 (3-5x with a linear head, whose update
-is otherwise only the product). ``update`` is the hot path, so the
-accumulator is kept; the mirroring lives in ``__getattr__``/``__setattr__``
-and nothing else writes torchmetrics' internals (device moves go through the
-documented ``exclude_state`` of ``Metric._apply``).
+What that costs (benchmarks/RESULTS.md, torchmetrics metric): writing a full
+float64 p x p matrix after every batch, about a fifth of an update at batch
+256 (p = 512 to 2,048), less for larger batches. An earlier design that
+exported each batch's state through a copy and merged it into the tensors in
+numpy made ``update`` 2x slower; the one before this kept the tensors as a
+lazily exported mirror of the accumulator.
 """
 
 from .._optional import pip_extra

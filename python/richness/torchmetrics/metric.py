@@ -72,6 +72,10 @@ class DLR(Metric):
     forwards never reach the original's metric.
     """
 
+    _acc: Optional[Moments]  # plain attributes (in __dict__), typed for the checker
+    _published: Optional[tuple]
+    widths: Any
+
     is_differentiable = False
     higher_is_better = None
     full_state_update = False
@@ -98,30 +102,18 @@ class DLR(Metric):
             self.add_state(f.name, torch.zeros(_state.shape_of(f, empty), dtype=_TORCH_DTYPE[f.dtype],
                                                device=self.device), dist_reduce_fx=None)
         self.add_state("widths", self._widths_tensor(empty, self.device), dist_reduce_fx=None)
-        self.__dict__.update(_acc=None, _acc_ok=False, _pending=None, _captured=None, _hook=None,
-                             _ok_before_sync=False, _gram=None)
+        self.__dict__.update(_acc=None, _published=None, _pending=None, _captured=None, _hook=None, _gram=None)
         self._watch_head()
 
-    # -- the accumulator and the state tensors ----------------------------------
+    # -- the state tensors and the accumulator ----------------------------------
 
     @staticmethod
-    def _widths_tensor(st: dict, device: Any) -> Any:
-        vals = [int(st[k]) for k in _state.WIDTHS] + [_state.precisions().index(st["precision"])]
-        return torch.tensor(vals, dtype=torch.int64, device=device)
+    def _widths_values(st: dict) -> List[int]:
+        return [int(st[k]) for k in _state.WIDTHS] + [_state.precisions().index(st["precision"])]
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _STATES:  # written from outside (reset, unsync, load, merge): reload before the next batch
-            self._present()
-            self.__dict__["_acc_ok"] = False
-        super().__setattr__(name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        # The state tensors are dropped when a batch moves the accumulator
-        # ahead of them; the first read exports them again.
-        if name in _STATES and self.__dict__.get("_acc") is not None:
-            self._export()
-            return self.__dict__[name]
-        return super().__getattr__(name)
+    @classmethod
+    def _widths_tensor(cls, st: dict, device: Any) -> Any:
+        return torch.tensor(cls._widths_values(st), dtype=torch.int64, device=device)
 
     def _device_name(self) -> str:
         dev = self.device
@@ -132,35 +124,77 @@ class DLR(Metric):
     def _new_moments(self) -> Moments:
         return Moments(self.num_classes, device=self._device_name(), precision=self.precision)
 
-    def _export(self) -> None:
-        """Write the accumulator's state into the state tensors (a copy on the
-        CPU, a device-to-device copy on a GPU)."""
-        st = self._acc.device_state()
-        dev = self.device
-        for f in _state.FIELDS:
-            a = st[f.name]
-            self.__dict__[f.name] = (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(dev)
-        self.__dict__["widths"] = self._widths_tensor(st, dev)
-
-    def _present(self) -> None:
-        """Export the state tensors if they were dropped."""
-        if self.__dict__.get("_acc") is not None and "widths" not in self.__dict__:
-            self._export()
-
-    def _drop(self) -> None:
-        for name in _STATES:
-            self.__dict__.pop(name, None)
+    def _in_step(self) -> bool:
+        """Whether the state tensors are still the ones the accumulator last
+        wrote, unchanged since (torchmetrics' reset, sync, load and
+        merge_state, and ``.to(device)``, replace them; in-place torch writes
+        bump their version)."""
+        published = self._published
+        if published is None:
+            return False
+        for name, (ref, version) in zip(_STATES, published):
+            t = getattr(self, name)
+            if ref() is not t or t._version != version:
+                return False
+        return True
 
     def _accumulator(self) -> Moments:
-        """The accumulator, loaded from the state tensors if they were written
-        from outside since (host copy; not on the path of consecutive batches)."""
-        if not self._acc_ok:
+        """The accumulator: a ``Moments`` holding the state tensors' state,
+        loaded from them (a host copy, off the path of consecutive batches)
+        when anything else has written them."""
+        if not self._in_step() or self._acc is None or self._acc.device not in (None, self._device_name()):
             acc = self._new_moments()
             st = self._local_state(host=True)
             if st["n"] > 0:
                 acc.load_state_dict(st)
-            self.__dict__.update(_acc=acc, _acc_ok=True)
+            self.__dict__.update(_acc=acc, _published=None)
+            return acc
         return self._acc
+
+    def _targets(self) -> Optional[dict]:
+        """The state tensors as the core's in-place targets (numpy views),
+        while they are the accumulator's own on the CPU; else None."""
+        if self.device.type != "cpu" or not self._in_step():
+            return None
+        return {f.name: getattr(self, f.name).numpy() for f in _state.FIELDS}
+
+    def _publish(self, written: Optional[dict] = None) -> None:
+        """Make the state tensors the accumulator's state, after each batch.
+        ``written``: the scalars of a state the core has already written into
+        them in place as it merged (``Moments.update(out=...)``): only
+        ``widths`` is left. Else, on the CPU, the core writes them in place
+        (one pass, no allocation), or fresh tensors are made where their
+        sizes changed (the class count grew) or they are not the
+        accumulator's own (loaded from outside); on a GPU they become the
+        state's device-to-device copy. Their references and versions are
+        recorded for ``_in_step``."""
+        acc, dev = self._acc, self.device
+        assert acc is not None  # called after a batch went to the accumulator
+        st = written
+        if st is not None:
+            self.widths.numpy()[:] = self._widths_values(st)
+        elif dev.type == "cpu":
+            targets = self._targets() if self._published is not None else None
+            if targets is not None:
+                try:
+                    st = acc.export_into(targets)
+                except ValueError:  # a size changed: new tensors below
+                    st = None
+            if st is None:
+                st = acc.state_dict()
+                for f in _state.FIELDS:
+                    setattr(self, f.name, torch.from_numpy(st[f.name]))
+                self.widths = self._widths_tensor(st, dev)
+            else:
+                self.widths.numpy()[:] = self._widths_values(st)
+        else:
+            st = acc.device_state()
+            for f in _state.FIELDS:
+                a = st[f.name]
+                setattr(self, f.name, (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(dev))
+            self.widths = self._widths_tensor(st, dev)
+        self.__dict__["_published"] = tuple((weakref.ref(getattr(self, name)), getattr(self, name)._version)
+                                            for name in _STATES)
 
     def _state_at(self, rank: Optional[int], host: bool) -> dict:
         """One state dict from the state tensors: rank ``rank`` of a synced
@@ -198,12 +232,13 @@ class DLR(Metric):
         if pending is not None:  # forward has already taken the batch's moments
             self.__dict__["_pending"] = None
             self._accumulator().merge(pending)
-            self._drop()
+            self._publish()
             return
         args = self._batch(preds, target, features)
-        self._accumulator().update(**args)
+        acc = self._accumulator()
+        written = acc.update(**args, out=self._targets())
         self.__dict__["_captured"] = None
-        self._drop()
+        self._publish(written)
 
     def _batch(self, preds: Any = None, target: Any = None, features: Any = None) -> dict:
         if features is None:
@@ -280,12 +315,13 @@ class DLR(Metric):
         (C x C; with C > n, Fc Fc^T and G in sample space), as the Monitor's
         one-batch windows finish them.
 
-        Besides the core's product, everything here is O(n^2 C) and runs in
-        numpy's own loops (``einsum``), single-threaded: a threaded BLAS or
-        torch product this small only wakes a thread pool beside the core's
-        and the training's, which costs more than the product on a busy CPU
+        The products besides the Gram (the head's outputs, G Fc) run in the
+        core's BLAS on the calling thread (``_backend.matmul``), the rest in
+        numpy's own loops (``einsum``, O(n C^2)): a threaded BLAS or torch
+        product this small only wakes a thread pool beside the core's and
+        the training's, which costs more than the product on a busy CPU
         (benchmarks/bench_torchmetrics.py)."""
-        from .._backend import Batch, centered_grams
+        from .._backend import Batch, centered_grams, matmul
         from .._moments import batch_precision
 
         n = feats.rows
@@ -298,14 +334,18 @@ class DLR(Metric):
             self.__dict__["_gram"] = G
         norm_m = np.empty(1)
         centered_grams(feats, n, precision, G, norm_m)
-        if W is not None:  # the head's outputs, less the bias (centered away)
-            F = np.einsum("ij,kj->ik", _host(feats.owner), W, dtype=np.float64)
+        if W is not None:  # the head's outputs in float64, less the bias (centered away)
+            F = np.empty((n, W.shape[0]))
+            matmul(np.ascontiguousarray(_host(feats.owner), dtype=np.float64),
+                   np.ascontiguousarray(W, dtype=np.float64), F, trans_b=True)
         else:
             F = _host(streams["outputs"].owner).astype(np.float64)
         Fc = F - F.mean(axis=0)
         if Fc.shape[1] <= n:
             A = np.einsum("ki,kj->ij", Fc, Fc)
-            Q = np.einsum("ki,kj->ij", Fc, np.einsum("ij,jk->ik", G, Fc.astype(dtype)).astype(np.float64))
+            H = np.empty(Fc.shape, dtype=dtype)
+            matmul(G, np.ascontiguousarray(Fc, dtype=dtype), H)
+            Q = np.einsum("ki,kj->ij", Fc, H.astype(np.float64))
             divide = True
         else:
             A, Q, divide = np.einsum("ik,jk->ij", Fc, Fc), G.astype(np.float64), False
@@ -374,27 +414,10 @@ class DLR(Metric):
         results) with torchmetrics' plotting; bounds 0 (rich) and 1 (lazy)."""
         return self._plot(val, ax)
 
-    def reset(self) -> None:
-        for name in _STATES:  # dropped tensors need no export just to be replaced: a placeholder on the device
-            self.__dict__.setdefault(name, torch.empty(0, device=self.device))
-        super().reset()
-        if self._acc is not None and self._acc.device == self._device_name():
-            self._acc.reset()
-            self.__dict__["_acc_ok"] = True
-
     def sync(self, dist_sync_fn: Optional[Callable] = None, process_group: Optional[Any] = None,
              should_sync: bool = True, distributed_available: Optional[Callable] = None) -> None:
-        ok = self._acc_ok
         super().sync(_padded(dist_sync_fn or gather_all_tensors), process_group, should_sync,
                      distributed_available)
-        if self._is_synced:
-            self.__dict__["_ok_before_sync"] = ok
-
-    def unsync(self, should_unsync: bool = True) -> None:
-        restoring = should_unsync and self._is_synced
-        super().unsync(should_unsync)
-        if restoring:  # the local state is back, the accumulator never left it
-            self.__dict__["_acc_ok"] = self._ok_before_sync
 
     def merge_state(self, incoming_state: Any) -> None:
         """Add another DLR metric's state (or its ``metric_state`` dict): the
@@ -418,10 +441,6 @@ class DLR(Metric):
         self.widths = self._widths_tensor(merged, dev)
         self._computed = None
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        self._present()
-        return super().state_dict(*args, **kwargs)
-
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
         # A state dict saved before a field existed is refused naming the field, in the words of
         # every other loader (_state.checked; docs/ARCHITECTURE.md, "Adding things").
@@ -431,7 +450,6 @@ class DLR(Metric):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _apply(self, fn: Callable, exclude_state: Any = ()) -> Any:
-        self._present()
         # The states keep their dtypes (float64 sums, int64 widths) whatever
         # dtype conversion is asked (torchmetrics converts states under
         # set_dtype and .to(dtype)): they are excluded from ``fn``, the
@@ -441,15 +459,14 @@ class DLR(Metric):
         this = cast("DLR", super()._apply(fn, exclude_state=tuple(exclude_state) + _STATES))
         dev = this.device
         for name in _STATES:
-            t = this.__dict__[name]
+            t = getattr(this, name)
             if t.device != dev:
                 setattr(this, name, t.to(dev))
         return this
 
     def __getstate__(self) -> dict:
-        self._present()
         st = super().__getstate__()
-        st.update(_acc=None, _acc_ok=False, _pending=None, _captured=None, _hook=None, _gram=None)
+        st.update(_acc=None, _published=None, _pending=None, _captured=None, _hook=None, _gram=None)
         return st
 
     def __setstate__(self, state: dict) -> None:
