@@ -81,6 +81,70 @@ def routes() -> dict:
     rep = s.compute()
     out["similarity"] = _digest({"cka": rep.cka, "cka_debiased": rep.cka_debiased})
     out["cka"] = _digest([richness.cka(X, F), richness.cka(X, F, debiased=True)])
+    out.update(torch_routes())
+    return out
+
+
+def _record(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k not in ("time", "wall_time")}
+
+
+def torch_routes() -> dict:
+    """The routes through torch (skipped without torch and torchmetrics):
+    the torchmetrics metric (update, forward's per-batch values at 128 and
+    512 rows, a linear head), the Monitor's every=1 and window routes, and
+    evaluate over a loader."""
+    try:
+        import torch
+        import torchmetrics  # noqa: F401
+    except ImportError:
+        return {}
+    from richness.torchmetrics import DLR
+
+    out = {}
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64)):
+        X, F, y, W = (torch.from_numpy(np.ascontiguousarray(a)) for a in _data(3, n=2048, p=320, C=10))
+        X, F = X.to(dtype), F.to(dtype)
+        values = {}
+        for rows in (128, 512):  # one-batch Grams: below and above the two-thread split
+            metric = DLR(num_classes=10)
+            values[rows] = [metric(F[i:i + rows], y[i:i + rows], features=X[i:i + rows])
+                            for i in range(0, len(X), rows)]
+            values[f"{rows}_compute"] = metric.compute()
+            values[f"{rows}_state"] = {k: v for k, v in metric.metric_state.items()}
+        out[f"torchmetrics_{name}"] = _digest({str(k): [np.asarray(t) for t in v] if isinstance(v, list)
+                                               else {a: np.asarray(b) for a, b in v.items()} if isinstance(v, dict)
+                                               else np.asarray(v) for k, v in values.items()})
+        head = torch.nn.Linear(320, 10).to(dtype)
+        metric = DLR(num_classes=10, head=head)
+        vals = []
+        for i in range(0, len(X), 256):
+            head(X[i:i + 256])
+            vals.append(np.asarray(metric(target=y[i:i + 256])))
+        out[f"torchmetrics_head_{name}"] = _digest(vals + [np.asarray(metric.compute())])
+
+    def mlp():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10))
+
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(256, 40, generator=g), torch.randint(0, 10, (256,), generator=g)) for _ in range(40)]
+    for name, kw in (("every1", dict(every=1, window=1)), ("window", dict(every=10, window=5))):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        mon = richness.Monitor(model, **kw)
+        for x, t in batches:
+            loss = torch.nn.functional.cross_entropy(model(x), t)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step(labels=t)
+        mon.close()
+        out[f"monitor_{name}"] = _digest([_record(r) for r in mon.history])
+    rep = richness.evaluate(mlp(), batches, progress=False)
+    out["evaluate"] = _digest(_report(rep))
     return out
 
 

@@ -776,3 +776,34 @@ def test_monitor_window_on_many_classes_and_a_changing_shape():
     for rec, (d, r, nc1, n) in zip(hist, want):
         assert rec["n"] == n and rec["rank"] == r
         assert abs(rec["dlr"] - d) < 2e-5 and abs(rec["nc1"] - nc1) < 1e-3 * nc1
+
+
+def test_monitor_window_reuses_its_state_arrays_only_while_the_sizes_fit(monkeypatch):
+    # Each window's state is written into the arrays of the one before when the
+    # sizes are the same (no new allocation), and into new ones when the class
+    # count changes; every record matches the float64 oracle, so no window
+    # reads another's values.
+    from richness import Moments
+
+    exports = []
+    real = Moments.export_into
+
+    def spy(self, arrays):
+        exports.append(id(arrays["M"]))
+        return real(self, arrays)
+
+    monkeypatch.setattr(Moments, "export_into", spy)
+    torch.manual_seed(7)
+    head = nn.Linear(24, 5).double()
+    classes = [3, 3, 3, 3, 6, 6, 6, 6, 2, 2]  # labels below this count, two steps a window
+    batches = [(torch.randn(30, 24, dtype=torch.float64) * (1 + s), torch.randint(0, k, (30,)))
+               for s, k in enumerate(classes)]
+    hist, want = _window_run(head, batches, every=2, window=2)
+    assert [r["step"] for r in hist] == [2, 4, 6, 8, 10]
+    for rec, (d, r, nc1, n) in zip(hist, want):
+        assert rec["n"] == n == 60 and rec["rank"] == r
+        assert abs(rec["dlr"] - d) < 1e-10 and abs(rec["nc1"] - nc1) < 1e-8 * nc1
+    # the exports tried: windows 2 and 3 into window 1's arrays (window 3 has 6
+    # classes: refused, new arrays), windows 4 and 5 into window 3's (window 5
+    # has 2 classes: refused, new arrays)
+    assert len(exports) == 4 and exports[0] == exports[1] and exports[2] == exports[3] != exports[0]

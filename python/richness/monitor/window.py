@@ -32,6 +32,10 @@ class WindowRoute:
         self.moments = Moments(precision=precision)
         self.window = window
         self.buf: Optional[StepBuffer] = None
+        # The state's arrays of the last host emission, written again by the
+        # next (Moments.export_into: no allocation, no page faults) while the
+        # sizes hold; the finished values are scalars, so nothing keeps them.
+        self._arrays: Optional[Dict[str, np.ndarray]] = None
 
     def add(self, parts: Dict[str, Any], threads: BlasThreads) -> None:
         w = self.buf
@@ -73,7 +77,7 @@ class WindowRoute:
                 m.all_reduce()  # collective: all ranks emit at the same step
             if too_few_samples(m.n):
                 return None
-            st = m.state_dict()  # the one host sync
+            st = self._state()  # the one host sync
             # Finish with torch float64 CPU tensors (zero-copy views of the state):
             # the math then runs on torch's own thread pool, the one training
             # uses, instead of waking numpy's BLAS threads every emission.
@@ -90,3 +94,19 @@ class WindowRoute:
             return WindowValues(q, extra)
         finally:
             m.reset()
+
+    def _state(self) -> Dict[str, Any]:
+        """The window's state dict: on the host, written into the arrays of
+        the last emission when their sizes still fit (else new ones, kept for
+        the next)."""
+        m = self.moments
+        if m.device != "cpu":
+            return m.state_dict()
+        if self._arrays is not None:
+            try:
+                return {**self._arrays, **m.export_into(self._arrays)}
+            except ValueError:  # another size (classes, widths): nothing was written
+                pass
+        st = m.state_dict()
+        self._arrays = {k: v for k, v in st.items() if isinstance(v, np.ndarray)}
+        return st
