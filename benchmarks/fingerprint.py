@@ -1,9 +1,11 @@
 """Fingerprints of what the package computes, to show that a refactoring changed no number.
 
 Runs a fixed set of seeded computations through the public API and prints one SHA-256 per route
-of the exact bytes of every float it returns (reports, state arrays, merges, CKA). Run it on two
-checkouts and compare the lines: equal hashes mean bit-identical results on that route, on that
-machine and thread count (BLAS results may differ between processors).
+of the exact bytes of every float it returns (reports, state arrays, merges, CKA; where torch and
+torchmetrics are installed also the torchmetrics metric, the Monitor's two routes and evaluate, on
+2 torch threads). Run it on two checkouts and compare the lines: equal hashes mean bit-identical
+results on that route, on that machine and thread count (BLAS results may differ between
+processors).
 
     python benchmarks/fingerprint.py [--json OUT]
 """
