@@ -468,6 +468,43 @@ def test_update_out_writes_the_merged_state_as_it_merges(precision):
         richness.Moments(groups=2).update(x[:10], out=out)
 
 
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-6), ("fp64", 1e-12)])
+def test_update_own_writes_the_batch_own_comoments(precision, tol):
+    # The batch's own co-moments, centered on its own means, against float64
+    # numpy on the values it holds; 500 float32 rows of 600 + 3 columns pass
+    # 1 MiB, so the second batch's products are centered on the state's means
+    # and the shift must be taken out. The merged state is the one without own.
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((1000, 600)) * np.linspace(0.5, 2.0, 600) + 3.0).astype(np.float32)
+    f = (x[:, :3].astype(np.float64) * 2.0 + rng.standard_normal((1000, 3))).astype(np.float32)
+    m, ref = richness.Moments(precision=precision), richness.Moments(precision=precision)
+    for i in (0, 500):
+        xb, fb = x[i:i + 500].astype(np.float64), f[i:i + 500].astype(np.float64)
+        xc, fc = xb - xb.mean(axis=0), fb - fb.mean(axis=0)
+        own = {"norm_m": np.full(1, -7.0), "B": np.full((600, 3), -7.0), "A": np.full((3, 3), -7.0)}
+        m.update(x[i:i + 500], f[i:i + 500], own=own)
+        ref.update(x[i:i + 500], f[i:i + 500])
+        want_b, want_a = xc.T @ fc, fc.T @ fc
+        assert abs(own["norm_m"][0] - np.linalg.norm(xc.T @ xc)) < tol * np.linalg.norm(xc.T @ xc), i
+        assert np.abs(own["B"] - want_b).max() < tol * np.abs(want_b).max(), i
+        assert np.abs(own["A"] - want_a).max() < tol * np.abs(want_a).max() and np.array_equal(own["A"], own["A"].T)
+    assert states_equal(m.state_dict(), ref.state_dict())
+    # refused before the batch is added: sizes, keys, B without outputs; the state is as it was
+    before = m.state_dict()
+    for bad, match in (({"B": np.empty((600, 2))}, "'B' has 1200 elements"), ({"C": np.empty(1)}, "unknown key"),
+                       ({"norm_m": np.empty(1, np.float32)}, "float64"), ({"norm_m": np.empty(0)}, "at least 1")):
+        with pytest.raises(ValueError, match=match):
+            m.update(x[:10], f[:10], own=bad)
+    with pytest.raises(ValueError, match="need the batch's outputs"):
+        m.update(x[:10], own={"A": np.empty((3, 3))})
+    assert states_equal(m.state_dict(), before)
+    own = {"norm_m": np.full(1, -7.0)}  # an empty batch: zero, nothing added
+    m.update(x[:0], f[:0], own=own)
+    assert own["norm_m"][0] == 0.0 and m.n == 1000
+    with pytest.raises(ValueError, match="without groups"):
+        richness.Moments(groups=2).update(x[:10], own=own)
+
+
 def test_float16_widening_is_exact_for_every_finite_half():
     # Every finite float16 (subnormals and both zeros included), in rows of an
     # odd width so that whole groups of eight and the tail are both widened:

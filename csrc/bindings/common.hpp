@@ -230,13 +230,13 @@ inline py::dict export_state(const State& s) {
 }
 
 template <typename T>
-std::pair<T*, int64_t> target_array(const py::dict& d, const char* key) {
-  if (!d.contains(key)) throw std::invalid_argument(std::string("export_into: no array for '") + key + "'");
+std::pair<T*, int64_t> target_array(const py::dict& d, const char* key, const char* what = "export_into") {
+  if (!d.contains(key)) throw std::invalid_argument(std::string(what) + ": no array for '" + key + "'");
   const py::object o = d[key];
   const bool ok = py::isinstance<py::array_t<T>>(o);
   const auto a = ok ? py::reinterpret_borrow<py::array>(o) : py::array();
   if (!ok || !(a.flags() & py::array::c_style) || !a.writeable())
-    throw std::invalid_argument(std::string("export_into: '") + key + "' must be a writable C-contiguous " +
+    throw std::invalid_argument(std::string(what) + ": '" + key + "' must be a writable C-contiguous " +
                                 (std::is_same<T, double>::value ? "float64" : "int64") + " array");
   return {static_cast<T*>(const_cast<void*>(a.data())), (int64_t)a.size()};
 }
@@ -254,6 +254,38 @@ inline StateTargets state_targets(const py::dict& d) {
   RICHNESS_STATE_ARRAYS(RICHNESS_TARGET)
 #undef RICHNESS_TARGET
   return out;
+}
+
+// The caller's arrays an update writes the batch's own co-moments into
+// (update's `batch`, common/merge.hpp BatchOut): norm_m (at least one
+// element), B (p x c) and A (c x c), each optional, B and A only with
+// outputs; checked against the batch before the update starts.
+inline BatchOut batch_out(const py::dict& d, const Batch& b) {
+  constexpr const char* what = "update(batch=...)";
+  for (auto item : d) {
+    const std::string key = py::str(item.first);
+    if (key != "norm_m" && key != "B" && key != "A")
+      throw std::invalid_argument(std::string(what) + ": unknown key '" + key + "' (norm_m, B, A)");
+  }
+  const int64_t p = b.features.cols, c = b.outputs ? b.outputs->cols : 0;
+  if ((d.contains("B") || d.contains("A")) && c == 0)
+    throw std::invalid_argument(std::string(what) + ": B and A need the batch's outputs");
+  auto get = [&](const char* key, int64_t size, bool at_least) -> double* {
+    if (!d.contains(key)) return nullptr;
+    const auto [ptr, n] = target_array<double>(d, key, what);
+    if (at_least ? n < size : n != size) {
+      Msg os;
+      os << what << ": '" << key << "' has " << n << " elements, the batch's needs " << (at_least ? "at least " : "")
+         << size;
+      throw std::invalid_argument(os.str());
+    }
+    return ptr;
+  };
+  BatchOut o;
+  o.norm_m = get("norm_m", 1, true);
+  o.B = get("B", p * c, false);
+  o.A = get("A", c * c, false);
+  return o;
 }
 
 // Throws, before anything is written, unless every array has the state's

@@ -146,6 +146,64 @@ void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers,
   s.n += b.n;
 }
 
+// Where an update writes the batch's own co-moments, centered on the batch's
+// mean (a batch's own DLR needs only these: torchmetrics' forward), float64:
+// the Frobenius norm of its feature co-moment ||Xc^T Xc||_F, and with
+// outputs the cross co-moment B (p x c, row-major) and the outputs' A
+// (c x c, full). A null pointer is not written.
+struct BatchOut {
+  double* norm_m = nullptr;
+  double* B = nullptr;
+  double* A = nullptr;
+};
+
+// Writes the block's own co-moments into `out` (BatchOut), in float64 from
+// its products: reads M's lower triangle (p^2 / 2 values, eight running sums)
+// and copies B and A. Parts centered on the state's means `state` (Block::
+// on_state_mean) are Xb + nb d d^T: the term is taken out entry by entry.
+// Changes nothing else; call before the block is merged (the state's means
+// are read).
+template <typename T>
+void block_own_comoments(const Block<T>& b, const State& state, const BatchOut& out) noexcept {
+  const bool shifted = b.on_state_mean;
+  const double nb = shifted ? (double)b.n : 0.0;
+  auto shift = [&](int q, int64_t j) { return shifted ? b.mean[q][j] - state.stream_mean(q)[j] : 0.0; };
+  if (out.norm_m) {
+    const int64_t p = b.width[0], ld = b.ld[0];
+    double diag = 0.0, off[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < p; ++i) {
+      const T* row = b.part[0] + i * ld;
+      const double di = nb * shift(0, i);
+      int64_t j = 0;
+      for (; j + 8 <= i; j += 8)
+        for (int u = 0; u < 8; ++u) {
+          const double v = (double)row[j + u] - di * shift(0, j + u);
+          off[u] += v * v;
+        }
+      for (; j < i; ++j) {
+        const double v = (double)row[j] - di * shift(0, j);
+        off[j & 7] += v * v;
+      }
+      const double v = (double)row[i] - di * shift(0, i);
+      diag += v * v;
+    }
+    double total = 0.0;
+    for (double o : off) total += o;
+    *out.norm_m = std::sqrt(2.0 * total + diag);
+  }
+  const int64_t p = b.width[0], c = b.width[1];
+  if (c <= 0) return;
+  for (int64_t i = 0; out.B && i < p; ++i) {  // B: co-moment 1 (features x outputs)
+    const double di = nb * shift(0, i);
+    for (int64_t j = 0; j < c; ++j) out.B[i * c + j] = (double)b.part[1][i * b.ld[1] + j] - di * shift(1, j);
+  }
+  for (int64_t i = 0; out.A && i < c; ++i) {  // A: co-moment 2, its lower triangle, mirrored
+    const double di = nb * shift(1, i);
+    for (int64_t j = 0; j <= i; ++j)
+      out.A[i * c + j] = out.A[j * c + i] = (double)b.part[2][i * b.ld[2] + j] - di * shift(1, j);
+  }
+}
+
 // Which stream's merged moments would overflow (0 features, 1 outputs,
 // 2 targets), or -1. The moment matrices are Gram matrices, so by
 // Cauchy-Schwarz no entry exceeds the largest diagonal (up to rounding): the

@@ -524,9 +524,10 @@ CpuMoments::~CpuMoments() {
   r.live.erase(&mu_);
 }
 
-bool CpuMoments::update(const Batch& b, Precision precision, const StateTargets* out, State* head) {
+bool CpuMoments::update(const Batch& b, Precision precision, const StateTargets* out, State* head,
+                        const BatchOut* own) {
   std::lock_guard<std::mutex> lock(mu_);
-  const bool written = update_locked(b, precision, out);
+  const bool written = update_locked(b, precision, out, own);
   if (written && head) *head = state_.scalars();
   return written;
 }
@@ -750,11 +751,20 @@ Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers,
 
 }  // namespace
 
-bool CpuMoments::update_locked(const Batch& b, Precision precision, const StateTargets* out) {
+bool CpuMoments::update_locked(const Batch& b, Precision precision, const StateTargets* out,
+                               const BatchOut* own) {
   check_runs_on_cpu(precision);
   const State& s = state_;
   validate_batch({s.n, s.p, s.c, s.t, s.k, s.num_classes}, b);
-  if (b.features.rows == 0) return false;
+  if (b.features.rows == 0) {
+    if (own) {  // an empty batch's co-moments are zero
+      const int64_t p = b.features.cols, c = b.outputs ? b.outputs->cols : 0;
+      if (own->norm_m) *own->norm_m = 0.0;
+      if (own->B) std::fill(own->B, own->B + p * c, 0.0);
+      if (own->A) std::fill(own->A, own->A + c * c, 0.0);
+    }
+    return false;
+  }
   check_count_fits(s.n, b.features.rows, "the batch was not added");
   std::vector<int64_t> labels;
   if (b.labels) {
@@ -762,8 +772,9 @@ bool CpuMoments::update_locked(const Batch& b, Precision precision, const StateT
     check_labels(labels, state_.num_classes, b.features.cols);
   }
   // The product type from the table (a CPU mode multiplies in float64 or float32).
-  if (traits(precision).product == DType::f64) return update_typed<double>(b, labels, precision, scratch_d_, out);
-  return update_typed<float>(b, labels, precision, scratch_f_, out);
+  if (traits(precision).product == DType::f64)
+    return update_typed<double>(b, labels, precision, scratch_d_, out, own);
+  return update_typed<float>(b, labels, precision, scratch_f_, out, own);
 }
 
 namespace {
@@ -790,7 +801,7 @@ bool shift_keeps_precision(int64_t nb, const std::vector<double>& mean, const st
 
 template <typename T>
 bool CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision,
-                              Scratch<T>& sc, const StateTargets* out) {
+                              Scratch<T>& sc, const StateTargets* out, const BatchOut* own) {
   const Matrix& x = b.features;
   const int64_t nb = x.rows, p = x.cols;
   const int64_t c = b.outputs ? b.outputs->cols : 0, t = b.targets ? b.targets->cols : 0;
@@ -851,6 +862,7 @@ bool CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels
   Target target(state_, p, b.outputs ? c : -1, b.targets ? t : -1, b.labels ? std::max<int64_t>(k_needed, 0) : -1);
   MergeWork work(blk.width);
   // Nothing below allocates or throws.
+  if (own) block_own_comoments(blk, state_, *own);
   target.grow();
   State& s = target.state();
   if (out && out->misfit(s)) out = nullptr;  // (sizes do not change in the merge)

@@ -61,8 +61,10 @@ class CpuMoments {
   // On any error (bad input, overflow, out of memory) the state is unchanged.
   // With `out`, the merged state is also written there (in the exported
   // layout) as it is merged, if out's sizes fit it: returns whether it was,
-  // and then the merged state's scalars in `head`.
-  bool update(const Batch& b, Precision precision, const StateTargets* out = nullptr, State* head = nullptr);
+  // and then the merged state's scalars in `head`. With `own`, the batch's
+  // own co-moments are written there (common/merge.hpp, BatchOut).
+  bool update(const Batch& b, Precision precision, const StateTargets* out = nullptr, State* head = nullptr,
+              const BatchOut* own = nullptr);
   void merge(const CpuMoments& other);
   void reset();
 
@@ -83,10 +85,10 @@ class CpuMoments {
   State state_;
   Scratch<float> scratch_f_;
   Scratch<double> scratch_d_;
-  bool update_locked(const Batch& b, Precision precision, const StateTargets* out);
+  bool update_locked(const Batch& b, Precision precision, const StateTargets* out, const BatchOut* own);
   template <typename T>
   bool update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision, Scratch<T>& sc,
-                    const StateTargets* out);
+                    const StateTargets* out, const BatchOut* own);
 };
 
 // Gram matrices of consecutive blocks of `per` rows of x, each block centered

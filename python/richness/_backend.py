@@ -127,9 +127,11 @@ class CoreBackend:
         else:
             self.core.update(*args, _current_stream(batch.features.owner))
 
-    def update_into(self, batch: Batch, precision: str, out: dict) -> Optional[dict]:
-        """``update``, the merged state also written into ``out`` (CPU; see ``Moments.update``)."""
-        return self.core.update(*batch.args(), precision, out)
+    def update_into(self, batch: Batch, precision: str, out: Optional[dict],
+                    own: Optional[dict] = None) -> Optional[dict]:
+        """``update``, the merged state also written into ``out`` and the
+        batch's own co-moments into ``own`` (CPU; see ``Moments.update``)."""
+        return self.core.update(*batch.args(), precision, out, own)
 
     def merge(self, other: Backend) -> None:
         source = other.whole()

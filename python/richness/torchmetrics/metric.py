@@ -102,7 +102,8 @@ class DLR(Metric):
             self.add_state(f.name, torch.zeros(_state.shape_of(f, empty), dtype=_TORCH_DTYPE[f.dtype],
                                                device=self.device), dist_reduce_fx=None)
         self.add_state("widths", self._widths_tensor(empty, self.device), dist_reduce_fx=None)
-        self.__dict__.update(_acc=None, _published=None, _pending=None, _captured=None, _hook=None, _gram=None)
+        self.__dict__.update(_acc=None, _published=None, _pending=None, _captured=None, _hook=None, _gram=None,
+                             _own=None)
         self._watch_head()
 
     # -- the state tensors and the accumulator ----------------------------------
@@ -236,7 +237,7 @@ class DLR(Metric):
             return
         args = self._batch(preds, target, features)
         acc = self._accumulator()
-        written = acc.update(**args, out=self._targets())
+        written = acc.update(**args, out=self._targets(), own=self.__dict__.get("_own"))
         self.__dict__["_captured"] = None
         self._publish(written)
 
@@ -271,24 +272,38 @@ class DLR(Metric):
         """The DLR of this batch alone (no spectrum), and the batch added to
         the state; takes what ``update`` takes.
 
-        A CPU batch with fewer rows than features (a training batch against
-        a wide penultimate layer) is added by ``update`` itself, and its own
-        DLR comes from its n x n Gram (docs/MATH.md, per-batch sample-space
-        form): n^2 p / 2 multiply-adds against the update's n p^2 / 2, and
-        no second p x p state to fill, export and merge. Otherwise the batch
-        is accumulated on its own (one product), finished, and merged."""
+        On the CPU the batch is added by ``update`` itself and its own DLR
+        is finished from small matrices (docs/MATH.md, a batch's own DLR):
+        with C <= n outputs, from the norm of the batch's feature co-moment,
+        which the core reads off the update's own product, and O(n p C)
+        products with the outputs; with more outputs than rows (n < p), from
+        the batch's n x n Gram. No second p x p product, state or merge.
+        Otherwise (a GPU, representation measures, ``dist_sync_on_step``, or
+        C > n >= p) the batch is accumulated on its own, finished, and
+        merged."""
         if self._is_synced:
             raise TorchMetricsUserError("The Metric shouldn't be synced when performing ``forward``. "
                                         "HINT: Did you forget to call ``unsync`` ?.")
         args_in = self._batch(*args, **kwargs)
         feats = _adapt.as_matrix(args_in["features"], "features")
-        if (feats.device == "cpu" and 2 <= feats.rows < feats.cols and not self.measures
+        if (feats.device == "cpu" and feats.rows >= 2 and not self.measures
                 and not (self.dist_sync_on_step and self.distributed_available_fn())):
             W = self._head_weights(feats.cols) if self._uses_weights else None
-            self.update(*args, **kwargs)  # validates: a bad batch raises here and changes nothing
-            value = self._gram_value(feats, args_in, W)
-            self._forward_cache = value
-            return value
+            c = W.shape[0] if W is not None else _adapt.as_matrix(args_in["outputs"], "outputs", allow_1d=True).cols
+            if c <= feats.rows or feats.rows < feats.cols:
+                own = None
+                if c <= feats.rows:  # the batch's own co-moments, as the update forms them
+                    own = {"norm_m": np.empty(1)}
+                    if W is None:
+                        own.update(B=np.empty((feats.cols, c)), A=np.empty((c, c)))
+                self.__dict__["_own"] = own
+                try:
+                    self.update(*args, **kwargs)  # validates: a bad batch raises here and changes nothing
+                finally:
+                    self.__dict__["_own"] = None
+                value = self._batch_value(feats, args_in, W, own)
+                self._forward_cache = value
+                return value
         batch = self._new_moments()
         batch.update(**args_in)
         self.__dict__["_captured"] = None
@@ -306,51 +321,62 @@ class DLR(Metric):
         self._forward_cache = value
         return value
 
-    def _gram_value(self, feats: Any, args: dict, W: Any) -> Any:
-        """DLR of one CPU batch of n < p rows from its n x n Gram G = Xc Xc^T
-        (the core's ``centered_grams``: float64 means, centering before
-        narrowing, one product in the batch's product precision):
-        ||M||_F = ||G||_F, and with the centered outputs Fc (the head's on the
-        features, or the streamed ones), A = Fc^T Fc and Q = B^T B = Fc^T G Fc
-        (C x C; with C > n, Fc Fc^T and G in sample space), as the Monitor's
-        one-batch windows finish them.
+    def _batch_value(self, feats: Any, args: dict, W: Any, own: Optional[dict]) -> Any:
+        """DLR of one CPU batch (n rows, C outputs) already added by ``update``,
+        as the Monitor's one-batch windows finish it (``finish_gram_rows``):
+        ||M||_F, A = Fc^T Fc and Q = B^T B with B = Xc^T Fc, where Fc are
+        the centered outputs (the head's on the features, or the streamed
+        ones).
 
-        The products besides the Gram (the head's outputs, G Fc) run in the
-        core's BLAS on the calling thread (``_backend.matmul``), the rest in
-        numpy's own loops (``einsum``, O(n C^2)): a threaded BLAS or torch
-        product this small only wakes a thread pool beside the core's and
-        the training's, which costs more than the product on a busy CPU
-        (benchmarks/bench_torchmetrics.py)."""
+        ``own`` given (C <= n): the batch's own co-moments as the core read
+        them off the update's products: ``norm_m``, and with streamed
+        outputs ``B`` and ``A``; with a head, B = X^T Fc and A in float64
+        (Fc's columns sum to zero, so X needs no centering): O(n p C).
+        Else (C > n, n < p) in sample space from the batch's Gram
+        G = Xc Xc^T (the core's ``centered_grams``: float64 means, centering
+        before narrowing, one product in the batch's product precision):
+        A = Fc Fc^T and Q = G.
+
+        The products run in the core's BLAS on the calling thread
+        (``_backend.matmul``), the rest in numpy's own loops (``einsum``):
+        a threaded BLAS or torch product this small only wakes a thread pool
+        beside the core's and the training's, which costs more than the
+        product on a busy CPU (benchmarks/bench_torchmetrics.py)."""
         from .._backend import Batch, centered_grams, matmul
         from .._moments import batch_precision
 
         n = feats.rows
         streams = {k: _adapt.as_matrix(args[k], k, allow_1d=True) for k in ("outputs", "targets") if k in args}
         precision = batch_precision(self.precision, Batch(feats, streams.get("outputs"), None, streams.get("targets")))
-        dtype = np.float64 if precision == "fp64" else np.float32
-        G = self.__dict__.get("_gram")
-        if G is None or G.shape[0] != n or G.dtype != dtype:
-            G = np.empty((n, n), dtype=dtype)  # kept: a fresh buffer page-faults on every batch
-            self.__dict__["_gram"] = G
-        norm_m = np.empty(1)
-        centered_grams(feats, n, precision, G, norm_m)
-        if W is not None:  # the head's outputs in float64, less the bias (centered away)
-            F = np.empty((n, W.shape[0]))
-            matmul(np.ascontiguousarray(_host(feats.owner), dtype=np.float64),
-                   np.ascontiguousarray(W, dtype=np.float64), F, trans_b=True)
+        if own is not None and W is None:  # streamed outputs: all from the update
+            norm_m, A, B = own["norm_m"], own["A"], own["B"]
+            Q = np.einsum("pi,pj->ij", B, B)
+            sample_space = False
         else:
-            F = _host(streams["outputs"].owner).astype(np.float64)
-        Fc = F - F.mean(axis=0)
-        if Fc.shape[1] <= n:
-            A = np.einsum("ki,kj->ij", Fc, Fc)
-            H = np.empty(Fc.shape, dtype=dtype)
-            matmul(G, np.ascontiguousarray(Fc, dtype=dtype), H)
-            Q = np.einsum("ki,kj->ij", Fc, H.astype(np.float64))
-            divide = True
-        else:
-            A, Q, divide = np.einsum("ik,jk->ij", Fc, Fc), G.astype(np.float64), False
-        rows = _finish.GramRows(norm_m, A[None], Q[None])
-        (dlr,), _, _ = _finish.finish_gram_rows(rows, n, _finish.rtol_for(precision, self.rtol), not divide)
+            X = np.ascontiguousarray(_host(feats.owner), dtype=np.float64) if W is not None or own else None
+            if W is not None:  # the head's outputs in float64, less the bias (centered away)
+                F = np.empty((n, W.shape[0]))
+                matmul(X, np.ascontiguousarray(W, dtype=np.float64), F, trans_b=True)
+            else:
+                F = _host(streams["outputs"].owner).astype(np.float64).reshape(n, -1)
+            Fc = F - F.mean(axis=0)
+            if own is not None:
+                norm_m, A = own["norm_m"], np.einsum("ki,kj->ij", Fc, Fc)
+                Bt = np.empty((Fc.shape[1], feats.cols))
+                matmul(np.ascontiguousarray(Fc.T), X, Bt)
+                Q = np.einsum("ip,jp->ij", Bt, Bt)
+                sample_space = False
+            else:
+                dtype = np.float64 if precision == "fp64" else np.float32
+                G = self.__dict__.get("_gram")
+                if G is None or G.shape[0] != n or G.dtype != dtype:
+                    G = np.empty((n, n), dtype=dtype)  # kept: a fresh buffer page-faults on every batch
+                    self.__dict__["_gram"] = G
+                norm_m = np.empty(1)
+                centered_grams(feats, n, precision, G, norm_m)
+                A, Q, sample_space = np.einsum("ik,jk->ij", Fc, Fc), G.astype(np.float64), True
+        rows = _finish.GramRows(norm_m[:1], A[None], Q[None])
+        (dlr,), _, _ = _finish.finish_gram_rows(rows, n, _finish.rtol_for(precision, self.rtol), sample_space)
         if dlr is None:
             return self._undefined("for the samples added (constant features or outputs)")
         return torch.tensor(dlr, dtype=torch.float64, device=self.device)
@@ -466,7 +492,8 @@ class DLR(Metric):
 
     def __getstate__(self) -> dict:
         st = super().__getstate__()
-        st.update(_acc=None, _published=None, _pending=None, _captured=None, _hook=None, _gram=None)
+        st.update(_acc=None, _published=None, _pending=None, _captured=None, _hook=None, _gram=None,
+                  _own=None)
         return st
 
     def __setstate__(self, state: dict) -> None:
