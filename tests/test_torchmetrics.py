@@ -425,6 +425,28 @@ def test_forward_batch_value_on_every_route(shape, dtype, with_head):
     assert abs(float(m.compute()) - want) < tol
 
 
+@pytest.mark.parametrize("rows", [128, 512], ids=["n<p", "n>p"])
+@pytest.mark.parametrize("with_head", [False, True])
+def test_forward_float32_value_where_outputs_are_exact_functions_of_the_features(rows, with_head):
+    # Outputs an exact linear function of features with a common offset: A's pseudo-inverse
+    # amplifies float32 rounding of the outputs' Gram (7e-7 here when A came from float32
+    # products), so forward forms A from the float64 outputs; its value stays within 2e-7.
+    rng = np.random.default_rng(3)
+    X = (rng.standard_normal((2 * rows, 8)) @ rng.standard_normal((8, 320)) + 0.3 * rng.standard_normal((2 * rows, 320))
+         + 2.0).astype(np.float32)
+    W = rng.standard_normal((10, 320))
+    F = (X.astype(np.float64) @ W.T).astype(np.float32)
+    fc = nn.Linear(320, 10).double()
+    with torch.no_grad():
+        fc.weight.copy_(torch.from_numpy(W))
+    m = DLR(head=fc) if with_head else DLR()
+    for i in (0, rows):
+        x64 = X[i:i + rows].astype(np.float64)
+        want = dlr_naive(x64, x64 @ W.T + fc.bias.detach().numpy() if with_head else F[i:i + rows].astype(np.float64))[0]
+        val = m(t(F[i:i + rows]), features=t(X[i:i + rows]))
+        assert abs(float(val) - want) < 2e-7, (i, float(val), want)
+
+
 def test_forward_bad_batch_and_constant_features():
     X, F, y = data(n=40, p=60)
     a = DLR()

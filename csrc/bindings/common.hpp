@@ -258,18 +258,17 @@ inline StateTargets state_targets(const py::dict& d) {
 
 // The caller's arrays an update writes the batch's own co-moments into
 // (update's `batch`, common/merge.hpp BatchOut): norm_m (at least one
-// element), B (p x c) and A (c x c), each optional, B and A only with
-// outputs; checked against the batch before the update starts.
+// element) and B (p x c, only with outputs), each optional; checked against
+// the batch before the update starts.
 inline BatchOut batch_out(const py::dict& d, const Batch& b) {
   constexpr const char* what = "update(batch=...)";
   for (auto item : d) {
     const std::string key = py::str(item.first);
-    if (key != "norm_m" && key != "B" && key != "A")
-      throw std::invalid_argument(std::string(what) + ": unknown key '" + key + "' (norm_m, B, A)");
+    if (key != "norm_m" && key != "B")
+      throw std::invalid_argument(std::string(what) + ": unknown key '" + key + "' (norm_m, B)");
   }
   const int64_t p = b.features.cols, c = b.outputs ? b.outputs->cols : 0;
-  if ((d.contains("B") || d.contains("A")) && c == 0)
-    throw std::invalid_argument(std::string(what) + ": B and A need the batch's outputs");
+  if (d.contains("B") && c == 0) throw std::invalid_argument(std::string(what) + ": B needs the batch's outputs");
   auto get = [&](const char* key, int64_t size, bool at_least) -> double* {
     if (!d.contains(key)) return nullptr;
     const auto [ptr, n] = target_array<double>(d, key, what);
@@ -284,7 +283,6 @@ inline BatchOut batch_out(const py::dict& d, const Batch& b) {
   BatchOut o;
   o.norm_m = get("norm_m", 1, true);
   o.B = get("B", p * c, false);
-  o.A = get("A", c * c, false);
   return o;
 }
 

@@ -73,8 +73,8 @@ PYBIND11_MODULE(_core, m) {
           "Add a batch. With `out` (arrays as export_into takes them), the merged state is also written there "
           "as it is merged, if their sizes are the merged state's: returns the merged state's widths, class count, "
           "precision and n if they were written, else None. With `batch` (a dict of float64 arrays: norm_m of one "
-          "element, B of p x c, A of c x c, each optional), the batch's own co-moments centered on its own mean are "
-          "written there: ||Xc^T Xc||_F, Xc^T Fc and Fc^T Fc.")
+          "element, B of p x c, each optional), the batch's own co-moments centered on its own mean are written "
+          "there: ||Xc^T Xc||_F and Xc^T Fc.")
       .def("merge", &CpuMoments::merge, py::arg("other"), release())
       .def("reset", &CpuMoments::reset, release())
       .def("get_state",

@@ -147,19 +147,18 @@ void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers,
 }
 
 // Where an update writes the batch's own co-moments, centered on the batch's
-// mean (a batch's own DLR needs only these: torchmetrics' forward), float64:
-// the Frobenius norm of its feature co-moment ||Xc^T Xc||_F, and with
-// outputs the cross co-moment B (p x c, row-major) and the outputs' A
-// (c x c, full). A null pointer is not written.
+// mean (a batch's own DLR needs these besides its outputs: torchmetrics'
+// forward), float64: the Frobenius norm of its feature co-moment
+// ||Xc^T Xc||_F, and with outputs the cross co-moment B (p x c, row-major).
+// A null pointer is not written.
 struct BatchOut {
   double* norm_m = nullptr;
   double* B = nullptr;
-  double* A = nullptr;
 };
 
 // Writes the block's own co-moments into `out` (BatchOut), in float64 from
 // its products: reads M's lower triangle (p^2 / 2 values, eight running sums)
-// and copies B and A. Parts centered on the state's means `state` (Block::
+// and copies B. Parts centered on the state's means `state` (Block::
 // on_state_mean) are Xb + nb d d^T: the term is taken out entry by entry.
 // Changes nothing else; call before the block is merged (the state's means
 // are read).
@@ -196,11 +195,6 @@ void block_own_comoments(const Block<T>& b, const State& state, const BatchOut& 
   for (int64_t i = 0; out.B && i < p; ++i) {  // B: co-moment 1 (features x outputs)
     const double di = nb * shift(0, i);
     for (int64_t j = 0; j < c; ++j) out.B[i * c + j] = (double)b.part[1][i * b.ld[1] + j] - di * shift(1, j);
-  }
-  for (int64_t i = 0; out.A && i < c; ++i) {  // A: co-moment 2, its lower triangle, mirrored
-    const double di = nb * shift(1, i);
-    for (int64_t j = 0; j <= i; ++j)
-      out.A[i * c + j] = out.A[j * c + i] = (double)b.part[2][i * b.ld[2] + j] - di * shift(1, j);
   }
 }
 

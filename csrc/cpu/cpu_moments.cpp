@@ -761,7 +761,6 @@ bool CpuMoments::update_locked(const Batch& b, Precision precision, const StateT
       const int64_t p = b.features.cols, c = b.outputs ? b.outputs->cols : 0;
       if (own->norm_m) *own->norm_m = 0.0;
       if (own->B) std::fill(own->B, own->B + p * c, 0.0);
-      if (own->A) std::fill(own->A, own->A + c * c, 0.0);
     }
     return false;
   }

@@ -195,9 +195,10 @@ class Moments(Lockable):
         its own means, not merged) are written, read off the update's
         products in float64: ``norm_m`` (at least one element) the
         Frobenius norm ||Xc^T Xc||_F of its feature co-moment, and with
-        outputs ``B`` (p, C) = Xc^T Fc and ``A`` (C, C) = Fc^T Fc. They give
-        the batch's own DLR without a second product (docs/MATH.md, a
-        batch's own DLR). Checked before the batch is added."""
+        outputs ``B`` (p, C) = Xc^T Fc. With the outputs' own C x C Gram
+        they give the batch's own DLR without a second product
+        (docs/MATH.md, a batch's own DLR). Checked before the batch is
+        added."""
         batch = Batch(_adapt.as_matrix(features, "features"),
                       _adapt.as_matrix(outputs, "outputs", allow_1d=True) if outputs is not None else None,
                       _adapt.as_labels(labels) if labels is not None else None,

@@ -295,7 +295,7 @@ class DLR(Metric):
                 if c <= feats.rows:  # the batch's own co-moments, as the update forms them
                     own = {"norm_m": np.empty(1)}
                     if W is None:
-                        own.update(B=np.empty((feats.cols, c)), A=np.empty((c, c)))
+                        own["B"] = np.empty((feats.cols, c))
                 self.__dict__["_own"] = own
                 try:
                     self.update(*args, **kwargs)  # validates: a bad batch raises here and changes nothing
@@ -328,10 +328,13 @@ class DLR(Metric):
         the centered outputs (the head's on the features, or the streamed
         ones).
 
-        ``own`` given (C <= n): the batch's own co-moments as the core read
-        them off the update's products: ``norm_m``, and with streamed
-        outputs ``B`` and ``A``; with a head, B = X^T Fc and A in float64
-        (Fc's columns sum to zero, so X needs no centering): O(n p C).
+        ``own`` given (C <= n): ``norm_m`` as the core read it off the
+        update's product, and B: with streamed outputs the core's too, with a
+        head B = X^T Fc in float64 (Fc's columns sum to zero, so X needs no
+        centering): O(n p C). A comes from the float64 outputs in both: A^+
+        enters DLR, and A from float32 products moved DLR by up to 7e-7 where
+        the outputs were exact linear functions of the features (3e-8 with
+        A in float64; tests/test_torchmetrics.py bounds both routes).
         Else (C > n, n < p) in sample space from the batch's Gram
         G = Xc Xc^T (the core's ``centered_grams``: float64 means, centering
         before narrowing, one product in the batch's product precision):
@@ -348,33 +351,31 @@ class DLR(Metric):
         n = feats.rows
         streams = {k: _adapt.as_matrix(args[k], k, allow_1d=True) for k in ("outputs", "targets") if k in args}
         precision = batch_precision(self.precision, Batch(feats, streams.get("outputs"), None, streams.get("targets")))
-        if own is not None and W is None:  # streamed outputs: all from the update
-            norm_m, A, B = own["norm_m"], own["A"], own["B"]
-            Q = np.einsum("pi,pj->ij", B, B)
-            sample_space = False
+        X = np.ascontiguousarray(_host(feats.owner), dtype=np.float64) if W is not None else None
+        if W is not None:  # the head's outputs in float64, less the bias (centered away)
+            F = np.empty((n, W.shape[0]))
+            matmul(X, np.ascontiguousarray(W, dtype=np.float64), F, trans_b=True)
         else:
-            X = np.ascontiguousarray(_host(feats.owner), dtype=np.float64) if W is not None or own else None
-            if W is not None:  # the head's outputs in float64, less the bias (centered away)
-                F = np.empty((n, W.shape[0]))
-                matmul(X, np.ascontiguousarray(W, dtype=np.float64), F, trans_b=True)
+            F = _host(streams["outputs"].owner).astype(np.float64).reshape(n, -1)
+        Fc = F - F.mean(axis=0)
+        if own is not None:
+            norm_m, A = own["norm_m"], np.einsum("ki,kj->ij", Fc, Fc)
+            if X is None:  # streamed outputs: B from the update
+                Q = np.einsum("pi,pj->ij", own["B"], own["B"])
             else:
-                F = _host(streams["outputs"].owner).astype(np.float64).reshape(n, -1)
-            Fc = F - F.mean(axis=0)
-            if own is not None:
-                norm_m, A = own["norm_m"], np.einsum("ki,kj->ij", Fc, Fc)
                 Bt = np.empty((Fc.shape[1], feats.cols))
                 matmul(np.ascontiguousarray(Fc.T), X, Bt)
                 Q = np.einsum("ip,jp->ij", Bt, Bt)
-                sample_space = False
-            else:
-                dtype = np.float64 if precision == "fp64" else np.float32
-                G = self.__dict__.get("_gram")
-                if G is None or G.shape[0] != n or G.dtype != dtype:
-                    G = np.empty((n, n), dtype=dtype)  # kept: a fresh buffer page-faults on every batch
-                    self.__dict__["_gram"] = G
-                norm_m = np.empty(1)
-                centered_grams(feats, n, precision, G, norm_m)
-                A, Q, sample_space = np.einsum("ik,jk->ij", Fc, Fc), G.astype(np.float64), True
+            sample_space = False
+        else:
+            dtype = np.float64 if precision == "fp64" else np.float32
+            G = self.__dict__.get("_gram")
+            if G is None or G.shape[0] != n or G.dtype != dtype:
+                G = np.empty((n, n), dtype=dtype)  # kept: a fresh buffer page-faults on every batch
+                self.__dict__["_gram"] = G
+            norm_m = np.empty(1)
+            centered_grams(feats, n, precision, G, norm_m)
+            A, Q, sample_space = np.einsum("ik,jk->ij", Fc, Fc), G.astype(np.float64), True
         rows = _finish.GramRows(norm_m[:1], A[None], Q[None])
         (dlr,), _, _ = _finish.finish_gram_rows(rows, n, _finish.rtol_for(precision, self.rtol), sample_space)
         if dlr is None:
