@@ -122,6 +122,38 @@ def test_reader_sees_whole_batches():
     assert set(seen) <= sizes
 
 
+def test_objects_updated_from_several_threads_at_once_keep_their_serial_bits():
+    # Two core workers per update: one caller at a time holds the core's worker pool, the others
+    # start threads of their own; either way the rows are split by the worker count alone, so
+    # every object's state must equal, bit for bit, the one it gets when updated alone.
+    from richness import _core
+
+    rng = np.random.default_rng(1)
+    data = [[(rng.standard_normal((1024, 300)).astype(np.float32) + 1.0,
+              rng.standard_normal((1024, 4)).astype(np.float32), rng.integers(0, 5, 1024)) for _ in range(3)]
+            for _ in range(4)]
+    threads = _core.blas_get_num_threads()
+    _core.blas_set_num_threads(2)
+    try:
+        def feed(m, part):
+            for X, F, y in part:
+                m.update(X, F, labels=y)
+
+        serial = []
+        for part in data:
+            m = richness.Moments(device="cpu")
+            feed(m, part)
+            serial.append(m.state_dict())
+        for _ in range(10):
+            ms = [richness.Moments(device="cpu") for _ in data]
+            run_threads([lambda m=m, part=part: feed(m, part) for m, part in zip(ms, data)])
+            for m, want in zip(ms, serial):
+                got = m.state_dict()
+                assert all(np.array_equal(got[k], want[k]) for k in want if isinstance(want[k], np.ndarray))
+    finally:
+        _core.blas_set_num_threads(threads)
+
+
 def test_first_updates_from_several_threads_create_one_backend():
     """A Moments without a device creates its backend on the first batch: threads
     racing on that first batch must all land in one state (and groups keep every

@@ -93,6 +93,7 @@ PYBIND11_MODULE(_core, m) {
             State head;
             {
               py::gil_scoped_release release;
+              const ParkWorkers park;
               self.read([&](const State& s) {
                 export_state_into(s, targets, blas_get_num_threads());
                 head = s.scalars();

@@ -526,6 +526,7 @@ CpuMoments::~CpuMoments() {
 
 bool CpuMoments::update(const Batch& b, Precision precision, const StateTargets* out, State* head,
                         const BatchOut* own) {
+  const ParkWorkers park;  // the pool's workers sleep once the update is done
   std::lock_guard<std::mutex> lock(mu_);
   const bool written = update_locked(b, precision, out, own);
   if (written && head) *head = state_.scalars();
@@ -533,6 +534,7 @@ bool CpuMoments::update(const Batch& b, Precision precision, const StateTargets*
 }
 
 void CpuMoments::merge(const CpuMoments& other) {
+  const ParkWorkers park;
   if (&other == this) {  // merging with itself doubles it: read a copy first
     const State copy = snapshot();
     std::lock_guard<std::mutex> lock(mu_);
@@ -941,6 +943,7 @@ void grams_typed(const Matrix& x, int64_t per, T* out, double* norms) {
 }  // namespace
 
 void centered_grams(const Matrix& x, int64_t per, Precision precision, void* out, double* norms) {
+  const ParkWorkers park;
   check_float_shape(x, "features", x.rows, -1);
   if (per < 1 || x.rows % per != 0) {
     Msg os;
