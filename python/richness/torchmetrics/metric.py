@@ -351,8 +351,9 @@ class DLR(Metric):
         n = feats.rows
         streams = {k: _adapt.as_matrix(args[k], k, allow_1d=True) for k in ("outputs", "targets") if k in args}
         precision = batch_precision(self.precision, Batch(feats, streams.get("outputs"), None, streams.get("targets")))
-        X = np.ascontiguousarray(_host(feats.owner), dtype=np.float64) if W is not None else None
+        X: Optional[np.ndarray] = None
         if W is not None:  # the head's outputs in float64, less the bias (centered away)
+            X = np.ascontiguousarray(_host(feats.owner), dtype=np.float64)
             F = np.empty((n, W.shape[0]))
             matmul(X, np.ascontiguousarray(W, dtype=np.float64), F, trans_b=True)
         else:
