@@ -154,6 +154,33 @@ def test_objects_updated_from_several_threads_at_once_keep_their_serial_bits():
         _core.blas_set_num_threads(threads)
 
 
+def test_updates_alternating_worker_counts_keep_each_counts_bits():
+    # The core's worker pool grows to the widest job and runs narrower ones on some of its
+    # threads: each worker count must give its own bits, whatever ran before it.
+    from richness import _core
+
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((1024, 300)).astype(np.float32) + 1.0
+    F = rng.standard_normal((1024, 4)).astype(np.float32)
+    threads = _core.blas_get_num_threads()
+    try:
+        want = {}
+        for w in (2, 3, 4):
+            _core.blas_set_num_threads(w)
+            m = richness.Moments()
+            m.update(X, F)
+            want[w] = m.state_dict()
+        for i in range(90):
+            w = (4, 2, 3, 2, 4, 3)[i % 6]
+            _core.blas_set_num_threads(w)
+            m = richness.Moments()
+            m.update(X, F)
+            got = m.state_dict()
+            assert all(np.array_equal(got[k], want[w][k]) for k in got if isinstance(got[k], np.ndarray)), (i, w)
+    finally:
+        _core.blas_set_num_threads(threads)
+
+
 def test_first_updates_from_several_threads_create_one_backend():
     """A Moments without a device creates its backend on the first batch: threads
     racing on that first batch must all land in one state (and groups keep every

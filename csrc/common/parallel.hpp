@@ -73,7 +73,7 @@ class WorkerPool {
       std::lock_guard<std::mutex> lock(mu_);
       parked_.store(false, std::memory_order_relaxed);
       job_ = &job;
-      active_.store(workers - 1, std::memory_order_relaxed);
+      active_ = workers - 1;
       pending_.store(workers - 1, std::memory_order_relaxed);
       generation_.fetch_add(1, std::memory_order_release);
     }
@@ -83,7 +83,9 @@ class WorkerPool {
       std::unique_lock<std::mutex> lock(mu_);
       done_.wait(lock, [this] { return pending_.load(std::memory_order_acquire) == 0; });
     }
-    active_.store(0, std::memory_order_relaxed);  // a thread started by a later call never sees this job
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = nullptr;  // a thread started by a later call never sees this job
+    active_ = 0;
     return true;
   }
 
@@ -109,19 +111,24 @@ class WorkerPool {
     }
   }
 
+  // A worker: polls, then sleeps, until a new job; takes each job's
+  // generation, width and function together under mu_ (so a job that starts
+  // while it looks is never mistaken for the one before), runs its share if
+  // its index is within the job's width, and counts itself done.
   void loop(int64_t index) noexcept {
     uint64_t seen = 0;
     for (;;) {
-      if (!spin([&] {
-            return generation_.load(std::memory_order_acquire) != seen || parked_.load(std::memory_order_relaxed);
-          }) ||
-          generation_.load(std::memory_order_acquire) == seen) {
-        std::unique_lock<std::mutex> lock(mu_);
-        start_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-      }
-      seen = generation_.load(std::memory_order_acquire);
-      if (index >= active_.load(std::memory_order_relaxed)) continue;
-      (*job_)(index + 1);
+      spin([&] {
+        return generation_.load(std::memory_order_acquire) != seen || parked_.load(std::memory_order_relaxed);
+      });
+      std::unique_lock<std::mutex> lock(mu_);
+      start_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+      seen = generation_.load(std::memory_order_relaxed);
+      const int64_t active = active_;
+      const std::function<void(int64_t)>* job = job_;
+      lock.unlock();
+      if (index >= active || job == nullptr) continue;
+      (*job)(index + 1);
       if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         std::lock_guard<std::mutex> lock(mu_);  // the caller is waiting or about to look again
         done_.notify_one();
@@ -134,10 +141,11 @@ class WorkerPool {
   std::mutex mu_;    // pairs with the condition variables (sleepers)
   std::condition_variable start_, done_;
   std::vector<std::thread> threads_;  // detached; kept for their count (busy_)
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int64_t> active_{0}, pending_{0};
+  std::atomic<uint64_t> generation_{0};  // written under mu_; read without it while polling
+  std::atomic<int64_t> pending_{0};      // workers of the current job not yet done
   std::atomic<bool> parked_{false};
-  const std::function<void(int64_t)>* job_ = nullptr;  // written before generation_'s release
+  int64_t active_ = 0;                               // the current job's pool workers (under mu_)
+  const std::function<void(int64_t)>* job_ = nullptr;  // the current job (under mu_)
 };
 
 // Parks the pool's workers when it goes out of scope (an entry point's end).
