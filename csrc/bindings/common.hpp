@@ -257,11 +257,11 @@ inline StateTargets state_targets(const py::dict& d) {
 }
 
 // The caller's arrays an update writes the batch's own co-moments into
-// (update's `batch`, common/merge.hpp BatchOut): norm_m (at least one
+// (update's `own`, common/merge.hpp BatchOut): norm_m (at least one
 // element) and B (p x c, only with outputs), each optional; checked against
 // the batch before the update starts.
 inline BatchOut batch_out(const py::dict& d, const Batch& b) {
-  constexpr const char* what = "update(batch=...)";
+  constexpr const char* what = "update(own=...)";
   for (auto item : d) {
     const std::string key = py::str(item.first);
     if (key != "norm_m" && key != "B")

@@ -50,13 +50,13 @@ PYBIND11_MODULE(_core, m) {
           "update",
           [](CpuMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
              std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, const std::string& precision,
-             const std::optional<py::dict>& out, const std::optional<py::dict>& batch) {
+             const std::optional<py::dict>& out, const std::optional<py::dict>& own_arrays) {
             const BatchArgs args(features, outputs, labels, targets);
             const Precision prec = precision_of(precision);
             std::optional<StateTargets> into;
             if (out) into = state_targets(*out);
             std::optional<BatchOut> own;
-            if (batch) own = batch_out(*batch, args.batch());
+            if (own_arrays) own = batch_out(*own_arrays, args.batch());
             State head;
             bool written;
             {
@@ -69,10 +69,10 @@ PYBIND11_MODULE(_core, m) {
             return py::object(d);
           },
           RICHNESS_BATCH_ARGS, py::arg("precision") = "fp32", py::arg("out") = py::none(),
-          py::arg("batch") = py::none(),
+          py::arg("own") = py::none(),
           "Add a batch. With `out` (arrays as export_into takes them), the merged state is also written there "
           "as it is merged, if their sizes are the merged state's: returns the merged state's widths, class count, "
-          "precision and n if they were written, else None. With `batch` (a dict of float64 arrays: norm_m of one "
+          "precision and n if they were written, else None. With `own` (a dict of float64 arrays: norm_m of one "
           "element, B of p x c, each optional), the batch's own co-moments centered on its own mean are written "
           "there: ||Xc^T Xc||_F and Xc^T Fc.")
       .def("merge", &CpuMoments::merge, py::arg("other"), release())

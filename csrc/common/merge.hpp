@@ -173,13 +173,7 @@ void block_own_comoments(const Block<T>& b, const State& state, const BatchOut& 
     for (int64_t i = 0; i < p; ++i) {
       const T* row = b.part[0] + i * ld;
       const double di = nb * shift(0, i);
-      int64_t j = 0;
-      for (; j + 8 <= i; j += 8)
-        for (int u = 0; u < 8; ++u) {
-          const double v = (double)row[j + u] - di * shift(0, j + u);
-          off[u] += v * v;
-        }
-      for (; j < i; ++j) {
+      for (int64_t j = 0; j < i; ++j) {  // eight sums, so that the additions need not wait on each other
         const double v = (double)row[j] - di * shift(0, j);
         off[j & 7] += v * v;
       }

@@ -30,14 +30,15 @@ namespace richness {
 // not exist there): the parent's is left as it was, never used again.
 class WorkerPool {
  public:
-  // The process's pool, made on first use (and again in a forked child);
-  // nullptr if it cannot be made now.
-  static WorkerPool* get() noexcept {
+  // The process's pool, made on first use (and again in a forked child)
+  // when `make`; nullptr if there is none or it cannot be made now.
+  static WorkerPool* get(bool make = true) noexcept {
     static std::mutex made_mu;
     static WorkerPool* pool = nullptr;
     std::unique_lock<std::mutex> lock(made_mu, std::try_to_lock);
     if (!lock.owns_lock()) return nullptr;
     if (pool == nullptr || pool->pid_ != getpid()) {
+      if (!make) return nullptr;
       try {
         pool = new WorkerPool();  // never deleted: its threads live as long as the process
       } catch (...) {
@@ -50,7 +51,7 @@ class WorkerPool {
   // Idle workers sleep now instead of polling for the next step: the end of
   // a call that may have split work (ParkWorkers).
   static void park() noexcept {
-    if (WorkerPool* pool = get()) pool->parked_.store(true, std::memory_order_relaxed);
+    if (WorkerPool* pool = get(false)) pool->parked_.store(true, std::memory_order_relaxed);
   }
 
   // Runs job(w) for 1 <= w < workers on the pool's threads and job(0) on the
@@ -61,10 +62,9 @@ class WorkerPool {
     std::unique_lock<std::mutex> held(busy_, std::try_to_lock);
     if (!held.owns_lock()) return false;
     try {
-      while ((int64_t)threads_.size() < workers - 1) {
-        const int64_t index = (int64_t)threads_.size();
-        threads_.emplace_back([this, index] { loop(index); });
-        threads_.back().detach();
+      for (; started_ < workers - 1; ++started_) {
+        const int64_t index = started_;
+        std::thread([this, index] { loop(index); }).detach();  // lives as long as the process
       }
     } catch (...) {
       return false;  // the threads started so far wait for the next call
@@ -140,7 +140,7 @@ class WorkerPool {
   std::mutex busy_;  // held by the caller whose job runs
   std::mutex mu_;    // pairs with the condition variables (sleepers)
   std::condition_variable start_, done_;
-  std::vector<std::thread> threads_;  // detached; kept for their count (busy_)
+  int64_t started_ = 0;  // threads started (under busy_)
   std::atomic<uint64_t> generation_{0};  // written under mu_; read without it while polling
   std::atomic<int64_t> pending_{0};      // workers of the current job not yet done
   std::atomic<bool> parked_{false};

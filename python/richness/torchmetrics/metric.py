@@ -289,7 +289,9 @@ class DLR(Metric):
         if (feats.device == "cpu" and feats.rows >= 2 and not self.measures
                 and not (self.dist_sync_on_step and self.distributed_available_fn())):
             W = self._head_weights(feats.cols) if self._uses_weights else None
-            c = W.shape[0] if W is not None else _adapt.as_matrix(args_in["outputs"], "outputs", allow_1d=True).cols
+            streams = {k: _adapt.as_matrix(args_in[k], k, allow_1d=True)
+                       for k in ("outputs", "targets") if k in args_in}
+            c = W.shape[0] if W is not None else streams["outputs"].cols
             if c <= feats.rows or feats.rows < feats.cols:
                 own = None
                 if c <= feats.rows:  # the batch's own co-moments, as the update forms them
@@ -301,7 +303,7 @@ class DLR(Metric):
                     self.update(*args, **kwargs)  # validates: a bad batch raises here and changes nothing
                 finally:
                     self.__dict__["_own"] = None
-                value = self._batch_value(feats, args_in, W, own)
+                value = self._batch_value(feats, streams, W, own)
                 self._forward_cache = value
                 return value
         batch = self._new_moments()
@@ -321,12 +323,13 @@ class DLR(Metric):
         self._forward_cache = value
         return value
 
-    def _batch_value(self, feats: Any, args: dict, W: Any, own: Optional[dict]) -> Any:
+    def _batch_value(self, feats: Any, streams: dict, W: Any, own: Optional[dict]) -> Any:
         """DLR of one CPU batch (n rows, C outputs) already added by ``update``,
         as the Monitor's one-batch windows finish it (``finish_gram_rows``):
         ||M||_F, A = Fc^T Fc and Q = B^T B with B = Xc^T Fc, where Fc are
         the centered outputs (the head's on the features, or the streamed
-        ones).
+        ones). ``streams``: the batch's outputs and targets as ``forward``
+        adapted them (``_adapt.as_matrix``).
 
         ``own`` given (C <= n): ``norm_m`` as the core read it off the
         update's product, and B: with streamed outputs the core's too, with a
@@ -349,7 +352,6 @@ class DLR(Metric):
         from .._moments import batch_precision
 
         n = feats.rows
-        streams = {k: _adapt.as_matrix(args[k], k, allow_1d=True) for k in ("outputs", "targets") if k in args}
         precision = batch_precision(self.precision, Batch(feats, streams.get("outputs"), None, streams.get("targets")))
         X: Optional[np.ndarray] = None
         if W is not None:  # the head's outputs in float64, less the bias (centered away)
