@@ -166,9 +166,10 @@ template <typename T>
 void block_own_comoments(const Block<T>& b, const State& state, const BatchOut& out) noexcept {
   const bool shifted = b.on_state_mean;
   const double nb = shifted ? (double)b.n : 0.0;
+  const int64_t p = b.width[0], c = b.width[1];
   auto shift = [&](int q, int64_t j) { return shifted ? b.mean[q][j] - state.stream_mean(q)[j] : 0.0; };
   if (out.norm_m) {
-    const int64_t p = b.width[0], ld = b.ld[0];
+    const int64_t ld = b.ld[0];
     double diag = 0.0, off[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t i = 0; i < p; ++i) {
       const T* row = b.part[0] + i * ld;
@@ -184,9 +185,8 @@ void block_own_comoments(const Block<T>& b, const State& state, const BatchOut& 
     for (double o : off) total += o;
     *out.norm_m = std::sqrt(2.0 * total + diag);
   }
-  const int64_t p = b.width[0], c = b.width[1];
-  if (c <= 0) return;
-  for (int64_t i = 0; out.B && i < p; ++i) {  // B: co-moment 1 (features x outputs)
+  if (!out.B || c <= 0) return;
+  for (int64_t i = 0; i < p; ++i) {  // B: co-moment 1 (features x outputs)
     const double di = nb * shift(0, i);
     for (int64_t j = 0; j < c; ++j) out.B[i * c + j] = (double)b.part[1][i * b.ld[1] + j] - di * shift(1, j);
   }
