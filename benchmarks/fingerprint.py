@@ -7,7 +7,10 @@ torchmetrics are installed also the torchmetrics metric, the Monitor's two route
 results on that route, on that machine and thread count (BLAS results may differ between
 processors).
 
-    python benchmarks/fingerprint.py [--json OUT]
+    python benchmarks/fingerprint.py [--json OUT] [--fields]
+
+With --fields it also prints a digest per field of each report, record list and state dict, so
+that a change of one definition shows as that field alone.
 """
 
 from __future__ import annotations
@@ -43,6 +46,22 @@ def _digest(values) -> str:
     return h.hexdigest()
 
 
+# Per-field digests of the routes whose value is a report, a record list or a state dict
+# (filled only with --fields): they show which fields a change moved.
+_FIELDS: dict | None = None
+
+
+def _put(out: dict, name: str, values) -> None:
+    out[name] = _digest(values)
+    if _FIELDS is None:
+        return
+    if isinstance(values, dict):
+        _FIELDS[name] = {str(k): _digest(v) for k, v in values.items()}
+    elif isinstance(values, list) and values and all(isinstance(v, dict) for v in values):
+        keys = sorted({str(k) for v in values for k in v})
+        _FIELDS[name] = {k: _digest([v.get(k) for v in values]) for k in keys}
+
+
 def _data(seed: int, n: int = 3000, p: int = 48, C: int = 7, dtype=np.float32):
     rng = np.random.default_rng(seed)
     X = (rng.standard_normal((n, 8)) @ rng.standard_normal((8, p)) + 0.3 * rng.standard_normal((n, p)) + 2.0)
@@ -63,26 +82,26 @@ def routes() -> dict:
         m = richness.Moments()
         for i in range(0, len(X), 512):
             m.update(X[i:i + 512], F[i:i + 512], labels=y[i:i + 512])
-        out[f"moments_{name}_state"] = _digest(m.state_dict())
-        out[f"moments_{name}_report"] = _digest(_report(m.compute()))
-        out[f"moments_{name}_nospectrum"] = _digest(_report(m.compute(spectrum=False)))
-        out[f"moments_{name}_head"] = _digest(_report(m.compute(head=W)))
+        _put(out, f"moments_{name}_state", m.state_dict())
+        _put(out, f"moments_{name}_report", _report(m.compute()))
+        _put(out, f"moments_{name}_nospectrum", _report(m.compute(spectrum=False)))
+        _put(out, f"moments_{name}_head", _report(m.compute(head=W)))
         g = richness.Moments(groups=4, group_seed=3)
         g.update(X, F, labels=y)
-        out[f"jackknife_{name}"] = _digest(_report(g.compute()))
+        _put(out, f"jackknife_{name}", _report(g.compute()))
         a, b = richness.Moments(), richness.Moments()
         a.update(X[:1000], F[:1000], labels=y[:1000])
         b.update(X[1000:], F[1000:], labels=y[1000:])
         a.merge(b)
-        out[f"merge_two_{name}"] = _digest(a.state_dict())
-        out[f"dlr_{name}"] = _digest(richness.dlr(X, F))
+        _put(out, f"merge_two_{name}", a.state_dict())
+        _put(out, f"dlr_{name}", richness.dlr(X, F))
     X, F, y, _ = _data(2)
     s = richness.Similarity()
     for i in range(0, len(X), 700):
         s.update({"x": X[i:i + 700], "f": F[i:i + 700], "x2": np.tanh(X[i:i + 700])})
     rep = s.compute()
-    out["similarity"] = _digest({"cka": rep.cka, "cka_debiased": rep.cka_debiased})
-    out["cka"] = _digest([richness.cka(X, F), richness.cka(X, F, debiased=True)])
+    _put(out, "similarity", {"cka": rep.cka, "cka_debiased": rep.cka_debiased})
+    _put(out, "cka", [richness.cka(X, F), richness.cka(X, F, debiased=True)])
     out.update(torch_routes())
     return out
 
@@ -116,16 +135,16 @@ def torch_routes() -> dict:
                             for i in range(0, len(X), rows)]
             values[f"{rows}_compute"] = metric.compute()
             values[f"{rows}_state"] = {k: v for k, v in metric.metric_state.items()}
-        out[f"torchmetrics_{name}"] = _digest({str(k): [np.asarray(t) for t in v] if isinstance(v, list)
-                                               else {a: np.asarray(b) for a, b in v.items()} if isinstance(v, dict)
-                                               else np.asarray(v) for k, v in values.items()})
+        _put(out, f"torchmetrics_{name}", {str(k): [np.asarray(t) for t in v] if isinstance(v, list)
+                                           else {a: np.asarray(b) for a, b in v.items()} if isinstance(v, dict)
+                                           else np.asarray(v) for k, v in values.items()})
         head = torch.nn.Linear(320, 10).to(dtype)
         metric = DLR(num_classes=10, head=head)
         vals = []
         for i in range(0, len(X), 256):
             head(X[i:i + 256])
             vals.append(np.asarray(metric(target=y[i:i + 256])))
-        out[f"torchmetrics_head_{name}"] = _digest(vals + [np.asarray(metric.compute())])
+        _put(out, f"torchmetrics_head_{name}", vals + [np.asarray(metric.compute())])
 
     def mlp():
         torch.manual_seed(1)
@@ -144,22 +163,31 @@ def torch_routes() -> dict:
             opt.step()
             mon.step(labels=t)
         mon.close()
-        out[f"monitor_{name}"] = _digest([_record(r) for r in mon.history])
+        _put(out, f"monitor_{name}", [_record(r) for r in mon.history])
     rep = richness.evaluate(mlp(), batches, progress=False)
-    out["evaluate"] = _digest(_report(rep))
+    _put(out, "evaluate", _report(rep))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the fingerprints here as well")
+    ap.add_argument("--fields", action="store_true",
+                    help="also a digest per field of each report, record list and state dict")
     args = ap.parse_args()
+    global _FIELDS
+    if args.fields:
+        _FIELDS = {}
     fp = routes()
     for k, v in fp.items():
         print(f"{k:28s} {v}")
+    if _FIELDS:
+        for route, fields in _FIELDS.items():
+            for k, v in fields.items():
+                print(f"{route}.{k:40s} {v}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(fp, fh, indent=1)
+            json.dump({**fp, "fields": _FIELDS} if _FIELDS else fp, fh, indent=1)
 
 
 if __name__ == "__main__":
