@@ -121,7 +121,7 @@ def _number(value: Any, key: str, where: str, optional: bool) -> Optional[float]
 def read_log(path: "str | os.PathLike") -> List[Dict[str, Any]]:
     """Monitor records from a ``.jsonl`` or ``.csv`` log (ValueError naming the
     file and line when it cannot be read, or when a record's ``step``,
-    ``dlr`` or ``nc1`` is not a number)."""
+    ``dlr``, ``nc1`` or ``dlr_isotropic`` is not a number)."""
     path = os.fspath(path)
     recs = []
     try:
@@ -154,6 +154,7 @@ def read_log(path: "str | os.PathLike") -> List[Dict[str, Any]]:
         _number(r["step"], "step", f"{path}: line {i}", optional=False)
         _number(r["dlr"], "dlr", f"{path}: line {i}", optional=True)
         _number(r.get("nc1"), "nc1", f"{path}: line {i}", optional=True)
+        _number(r.get("dlr_isotropic"), "dlr_isotropic", f"{path}: line {i}", optional=True)
     return [r for _, r in recs]
 
 
@@ -198,6 +199,7 @@ def history(records: Union[Sequence[Mapping[str, Any]], "str | os.PathLike"], pr
             _number(r["step"], "step", f"record {i}", optional=False)
             _number(r.get("dlr"), "dlr", f"record {i}", optional=True)
             _number(r.get("nc1"), "nc1", f"record {i}", optional=True)
+            _number(r.get("dlr_isotropic"), "dlr_isotropic", f"record {i}", optional=True)
     steps = np.array([float(r["step"]) for r in records])
     dlr = np.array([np.nan if r.get("dlr") is None else float(r["dlr"]) for r in records])
     nc1 = np.array([np.nan if r.get("nc1") is None else float(r["nc1"]) for r in records])
@@ -207,6 +209,10 @@ def history(records: Union[Sequence[Mapping[str, Any]], "str | os.PathLike"], pr
     fig, axes = plt.subplots(1, 2 if has_nc1 else 1, figsize=(11 if has_nc1 else 6, 4))
     axes = np.atleast_1d(axes)
     axes[0].plot(steps, dlr, "o-", color=_COLORS[0], lw=2, ms=3)
+    iso = np.array([np.nan if r.get("dlr_isotropic") is None else float(r["dlr_isotropic"]) for r in records])
+    if np.isfinite(iso).any():  # the records' isotropic reference (the same window's n, p and rank)
+        axes[0].plot(steps, iso, "--", color="gray", lw=1.5, label="isotropic reference")
+        axes[0].legend(loc="best", fontsize=8)
     axes[0].set_xlabel("training step")
     axes[0].set_ylabel("DLR (0 = rich, 1 = lazy)")
     finite = dlr[np.isfinite(dlr)]
@@ -232,24 +238,50 @@ def history(records: Union[Sequence[Mapping[str, Any]], "str | os.PathLike"], pr
 
 
 def sweep(x: Iterable[float], series: Mapping[str, Iterable[float]], prefix: "str | os.PathLike", *,
-          xlabel: str, title: Optional[str] = None, logx: bool = True) -> List[str]:
-    """Values over a swept parameter (one line per series), PNG and SVG."""
+          xlabel: str, title: Optional[str] = None, logx: bool = True,
+          references: Optional[Mapping[str, Iterable[float]]] = None) -> List[str]:
+    """Values over a swept parameter (one panel per series), PNG and SVG.
+
+    ``references`` maps a series' name to a reference drawn dashed in its panel (for DLR: each
+    point's isotropic reference, ``Report.dlr_isotropic``)."""
     plt = _plt()
     x = np.asarray(list(x), dtype=float)
+    references = dict(references or {})
+    unknown = sorted(set(references) - set(series))
+    if unknown:
+        raise ValueError(f"references name series that are not plotted: {unknown}")
     fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4))
     axes = np.atleast_1d(axes)
     for i, (ax, (name, ys)) in enumerate(zip(axes, series.items())):
-        ax.plot(x, np.asarray(list(ys), dtype=float), "o-", color=_COLORS[i % len(_COLORS)], lw=2)
+        y = np.asarray(list(ys), dtype=float)
+        ax.plot(x, y, "o-", color=_COLORS[i % len(_COLORS)], lw=2)
+        shown = [y]
+        if name in references:
+            ref = np.asarray(list(references[name]), dtype=float)
+            ax.plot(x, ref, "--", color="gray", lw=1.5, label="isotropic reference")
+            ax.legend(loc="best", fontsize=8)
+            shown.append(ref)
         if logx:
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(name)
-        ax.set_ylim(bottom=min(0.0, float(np.nanmin(ax.get_ylim()))))  # values read against 0
+        ax.set_ylim(*_limits_from_zero(np.concatenate(shown)))  # values read against 0
         ax.grid(alpha=0.3, which="both")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, prefix)
+
+
+def _limits_from_zero(values: np.ndarray) -> tuple:
+    """y limits that start at 0 (or the smallest value, if negative) and leave a margin above the
+    largest value, so that no point is drawn on the panel's edge."""
+    finite = values[np.isfinite(values)]
+    if not finite.size:
+        return 0.0, 1.0
+    lo, hi = min(0.0, float(finite.min())), max(0.0, float(finite.max()))
+    pad = 0.05 * (hi - lo) if hi > lo else 0.05
+    return lo - (pad if lo < 0 else 0.0), hi + pad
 
 
 def depth(layers: Union[Report, Mapping[str, Report]], prefix: "str | os.PathLike", *,

@@ -211,7 +211,7 @@ def demo(args: argparse.Namespace) -> int:
             forward = _with_bar(_train_mse, args.steps, f"alpha {a:g}", "step", progress, X=Xtr, y=ytr, alpha=a,
                                 width=256, steps=args.steps, seed=args.seed)
             rep, acc = _measure(forward, Xtr, ytr, Xte, yte)
-            sweep.append((a, rep.dlr, rep.nc1, acc))
+            sweep.append((a, rep.dlr, rep.nc1, acc, rep.dlr_isotropic))
             print(f"{a:8g} {rep.dlr:7.3f} {rep.nc1:8.3f} {acc:9.3f} {rep.effective_dim:9.1f}")
     if not args.no_plots:
         try:
@@ -220,10 +220,11 @@ def demo(args: argparse.Namespace) -> int:
             paths = plot.curves(reports, os.path.join(args.out, "curves"),
                                 title="digits, 64-256-256-10 MLP: rich vs lazy (dashed: held-out)")
             if sweep:
-                a, d, nc, acc = zip(*sweep)
-                paths += plot.sweep(a, {"DLR (0 = rich, 1 = lazy)": d, "NC1": nc, "test accuracy": acc},
+                a, d, nc, acc, iso = zip(*sweep)
+                dlr_name = "DLR (0 = rich, 1 = lazy)"
+                paths += plot.sweep(a, {dlr_name: d, "NC1": nc, "test accuracy": acc},
                                     os.path.join(args.out, "sweep"), xlabel="alpha (targets y / alpha)",
-                                    title="target-downscaled sweep")
+                                    title="target-downscaled sweep", references={dlr_name: iso})
             print("\nplots: " + ", ".join(paths))
         except ImportError as e:
             print(f"\nplots skipped: {e}")
