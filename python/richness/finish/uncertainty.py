@@ -7,6 +7,8 @@ merges alone, so the error bar costs no second pass over the data.
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Optional
 
 import numpy as np
 
@@ -35,6 +37,29 @@ def jackknife_se(theta) -> float:
     return math.sqrt((k - 1) / k * float(np.sum((theta - theta.mean()) ** 2)))
 
 
+def _replicates(report: Report, loo_states: list, value, what: str) -> Optional[list]:
+    """``value(state)`` of each leave-one-out state, or None when one of them
+    raises ValueError: the data without that group do not define the quantity
+    (its features or outputs are constant there, say), so there is no error
+    bar; the estimate from all samples stands. The warning names the group
+    (numbered from 0 in the order the groups are filled) and the reason; it
+    goes to ``report.warnings`` and is issued as a ``RichnessWarning``."""
+    from ..torch.evaluate import RichnessWarning  # that module imports torch only when it runs a model
+
+    out = []
+    for i, st in enumerate(loo_states):
+        try:
+            out.append(value(st))
+        except ValueError as e:
+            left = report.n - int(st["n"])
+            message = (f"no error bars for {what}: with group {i} of {len(loo_states)} ({left} samples) left out, "
+                       f"{e}; the estimate from all samples is given without them")
+            report.warnings.append(message)
+            warnings.warn(message, RichnessWarning, stacklevel=4)
+            return None
+    return out
+
+
 def add_measure_jackknife(report: Report, loo_states: list, W, names: list, centered: bool = True) -> None:
     """``report.measures_stderr``: the jackknife standard error of each named
     representation diagnostic over the leave-one-out states (one p x p
@@ -56,10 +81,16 @@ def add_jackknife(report: Report, loo_states: list, W) -> None:
     SE^2 = (k-1)/k sum (theta_i - theta_bar)^2, bias-corrected
     theta_J = k theta - (k-1) theta_bar, 95% interval theta_J +- t_{k-1} SE.
     The interval is centred on theta_J: DLR's finite-sample bias is O(1/n),
-    which the jackknife removes to first order."""
+    which the jackknife removes to first order. A leave-one-out state whose
+    DLR is undefined (without that group the features or outputs are
+    constant) leaves the three fields None, with a warning naming the group
+    (``_replicates``)."""
     assert report.dlr is not None  # the caller adds the jackknife only to a defined DLR
     k = len(loo_states)
-    theta = np.array([dlr_of_state(st, W, report.rtol)[0] for st in loo_states])
+    values = _replicates(report, loo_states, lambda st: dlr_of_state(st, W, report.rtol)[0], "DLR")
+    if values is None:
+        return
+    theta = np.array(values)
     bar = float(theta.mean())
     se = jackknife_se(theta)
     corrected = k * report.dlr - (k - 1) * bar
