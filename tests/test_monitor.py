@@ -149,6 +149,7 @@ def test_monitor_close_warns_when_no_record_was_emitted(tmp_path):
     # a run that emitted closes quietly; an exception leaving the block is not covered up
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=r".*rows for p = \d+ features")  # the small window's own
         with richness.Monitor(model, every=2) as mon:
             for _ in range(2):
                 model(X[:8])
@@ -463,8 +464,9 @@ def test_monitor_one_batch_more_classes_than_samples(gram_route, monkeypatch):
             assert rec["nc1"] is None
         else:
             assert abs(rec["nc1"] - nc1) < 1e-8 * nc1
-    # per step: ||M||, A and Q (n x n each: sample space), counts, D D^T and D M D^T (n x n), invalid count
-    assert widths and all(w == 1 + 2 * n * n + n + 2 * n * n + 1 for w in widths)
+    # per step: ||M||, A and Q (n x n each: sample space), counts, D D^T and D M D^T (n x n), invalid count,
+    # and the active features (the isotropic reference's p)
+    assert widths and all(w == 1 + 2 * n * n + n + 2 * n * n + 1 + 1 for w in widths)
 
 
 def test_monitor_window_buffer_with_uneven_batches_matches_oracle():
@@ -721,9 +723,11 @@ def test_monitor_window_float32_with_a_large_mean_matches_oracle(precision):
         assert 0.0 <= lo <= 1.0 and 0.0 <= hi <= 1.0
 
 
-def test_monitor_window_refuses_what_moments_refuse():
-    # Rows the Moments would refuse (non-finite features, negative labels) raise
-    # the Moments' own error at emission; the next window is recorded as usual.
+def test_monitor_window_leaves_out_what_moments_refuse():
+    # Rows the Moments would refuse (non-finite features, negative labels) are
+    # left out of their window with a warning naming the step and the Moments'
+    # reason: the window's record comes from its other step, the next window
+    # is recorded as usual, and nothing raises out of step().
     torch.manual_seed(4)
     head = nn.Linear(16, 3).double()
     good = [(torch.randn(20, 16, dtype=torch.float64), torch.randint(0, 3, (20,))) for _ in range(4)]
@@ -734,16 +738,18 @@ def test_monitor_window_refuses_what_moments_refuse():
             head(good[0][0])
             mon.step(labels=good[0][1])
             head(bad[0])
-            with pytest.raises(ValueError, match=match):
+            with pytest.warns(richness.RichnessWarning, match=f"step 2: .*{match}"):
                 mon.step(labels=bad[1])
             for x, y in good[2:]:
                 head(x)
                 mon.step(labels=y)
-        assert [r["step"] for r in mon.history] == [4]
-        H = torch.cat([x for x, _ in good[2:]]).numpy()
-        with torch.no_grad():
-            F = head(torch.cat([x for x, _ in good[2:]])).numpy()
-        assert abs(mon.history[0]["dlr"] - dlr_naive(H, F)[0]) < 1e-10
+        assert [r["step"] for r in mon.history] == [2, 4]
+        assert [r["n"] for r in mon.history] == [20, 40]
+        for rec, part in zip(mon.history, (good[:1], good[2:])):
+            H = torch.cat([x for x, _ in part]).numpy()
+            with torch.no_grad():
+                F = head(torch.cat([x for x, _ in part])).numpy()
+            assert abs(rec["dlr"] - dlr_naive(H, F)[0]) < 1e-10
 
 
 def test_monitor_window_with_targets_and_constant_features():

@@ -6,6 +6,16 @@ import math
 
 from ._xp import ns
 
+# Below this many samples per feature (n < 10 p) DLR is read with a warning:
+# biased toward rich at that sample size (docs/MATH.md, finite-sample bias).
+SAMPLES_PER_FEATURE = 10
+
+
+def undersampled(n: int, p: int) -> bool:
+    """Whether ``n`` samples of ``p`` features are too few to read DLR
+    without its finite-sample bias (n < ``SAMPLES_PER_FEATURE`` p)."""
+    return n < SAMPLES_PER_FEATURE * p
+
 
 def isotropic_dlr(n: int, p_eff: float, r: int) -> float:
     """Expected DLR of isotropic Gaussian features (n samples, p_eff features)
@@ -29,12 +39,21 @@ def reference(st: dict, rtol: float, dlr, rank) -> tuple:
     xp = ns(M)
     var = xp.diagonal(M)
     p_active = int(xp.count_nonzero(var > rtol * var.max()))
-    dlr_iso = dlr_norm = None
-    if dlr is not None:
-        dlr_iso = isotropic_dlr(n, p_active, rank)
-        dlr_norm = dlr / dlr_iso if dlr_iso > 0 else None
+    dlr_iso, dlr_norm = normalized(dlr, n, p_active, rank)
     warning = None
-    if n < 10 * p:
-        warning = (f"n = {n} is below 10 x p = {10 * p} (p = {p}): DLR is biased toward rich at this sample size"
-                   + (f" (isotropic features here would give {dlr_iso:.3f})" if dlr_iso is not None else ""))
+    if undersampled(n, p):
+        warning = (f"n = {n} is below {SAMPLES_PER_FEATURE} x p = {SAMPLES_PER_FEATURE * p} (p = {p}): DLR is "
+                   "biased toward rich at this sample size"
+                   + (f" (isotropic features here would give {dlr_iso:.3f})" if dlr_iso is not None else "")
+                   + ": read it against that reference (dlr_normalized), or add samples")
     return p_active, dlr_iso, dlr_norm, warning
+
+
+def normalized(dlr, n: int, p_active: float, rank) -> tuple:
+    """(DLR_iso, DLR / DLR_iso): the isotropic reference at ``n`` samples,
+    ``p_active`` active features and ``rank``, and DLR read against it (None
+    where DLR is None, or the reference is 0); both None without DLR."""
+    if dlr is None:
+        return None, None
+    dlr_iso = isotropic_dlr(n, p_active, rank)
+    return dlr_iso, (dlr / dlr_iso if dlr_iso > 0 else None)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from ..torch.batches import check_tokens
-from ..torch.evaluate import collect
+from ..torch.evaluate import RichnessWarning, collect
 from ..torch.hooks import HeadHook, resolve_head
 from .capture import ModelForwards, TrainingCapture, probe_batches, step_rows
 from .onebatch import BatchGroup, GroupMeta, OneBatchRoute, StepMeta, finish_group
@@ -42,11 +42,22 @@ from .window import WindowRoute
 from .layer import RECORD_MEASURES, layer_rows, monitor_measures, pooled_output, resolve_layer
 from .._optional import require_torch
 from ..finish.diagnostics import SPECTRAL
+from ..finish.isotropic import SAMPLES_PER_FEATURE, undersampled
 from ..torch.threads import BlasThreads
 
 
 def _num(v: Any) -> Optional[float]:
     return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else float(v)
+
+
+# What the Moments say when they refuse a batch for its values (csrc/cpu/cpu_moments.cpp,
+# csrc/cuda/cuda_moments.cu): NaN or Inf, co-moments that overflow, a spread whose squares
+# underflow the products. A probe set refused for these is a diverged model, not a mistake.
+_VALUE_REFUSALS = ("non-finite", "not finite", "overflow", "too little for")
+
+
+def _refused_values(e: Exception) -> bool:
+    return any(s in str(e) for s in _VALUE_REFUSALS)
 
 
 class Monitor:
@@ -132,13 +143,30 @@ class Monitor:
     step's captures are its latest forwards whose rows match the labels (those
     of a step skipped after its forward are dropped with a warning); labels
     matching none are refused with nothing recorded and the step not counted.
-    ``history`` holds the emitted records ``{step, mode, n, dlr, rank, nc1,
-    effective_dim, rankme, alpha_req, participation_ratio, nc2_equinorm,
-    nc2_equiangle, nc3, time, dlr_rtol_range, dlr_from}`` (the diagnostics
-    None unless ``measures`` or ``layer`` asks for them): ``dlr_rtol_range`` is
-    DLR at rtol / 10 and rtol * 10 (how much the rank cut matters; None in
-    one-batch windows), ``dlr_from`` ``"weights"`` or ``"outputs"`` (see
-    ``wide_head``). CSV logs keep all but the last two.
+    ``history`` holds the emitted records ``{step, mode, n, dlr, dlr_isotropic,
+    dlr_normalized, rank, nc1, effective_dim, rankme, alpha_req,
+    participation_ratio, nc2_equinorm, nc2_equiangle, nc3, time,
+    dlr_rtol_range, dlr_from}`` (the diagnostics None unless ``measures`` or
+    ``layer`` asks for them): ``n`` is the rows the record's values come from
+    (a window's steps together; a features-only step that runs the layer on two
+    views, as SimCLR does, gives both: 2 x batch rows a step);
+    ``dlr_isotropic`` the DLR of isotropic features at that n, the active
+    features and the rank (the full report's finite-sample reference), and
+    ``dlr_normalized`` dlr / dlr_isotropic (both None where DLR is);
+    ``dlr_rtol_range`` is DLR at rtol / 10 and rtol * 10 (how much the rank
+    cut matters; None in one-batch windows), ``dlr_from`` ``"weights"`` or
+    ``"outputs"`` (see ``wide_head``). CSV logs keep all but the last two. A
+    window of fewer than 10 x p rows (``finish.isotropic.undersampled``) is
+    warned about once.
+
+    Bad activation values never stop training: a step whose rows the window's
+    Moments refuse (NaN or Inf, co-moments that overflow, a spread whose
+    squares underflow; labels out of range) is left out of its window with a
+    ``RichnessWarning`` naming the step and the reason, the window's record
+    coming from its other steps (a window left with none records ``n`` 0 and
+    ``dlr``, ``rank`` and ``nc1`` None); a one-batch window (every=1) with
+    NaN or Inf gives that step such a record, and a probe set refused for its
+    values a probe record with the values None, each with the warning.
 
     Example::
 
@@ -202,6 +230,7 @@ class Monitor:
         self._head_has_run = False  # told by the head's hook (head_ran)
         self._idle_warned = False  # a head that never runs is warned about once
         self._undefined_warned = False  # a record with an asked-for diagnostic undefined is warned about once
+        self._small_warned = False  # a window of fewer than 10 x p rows is warned about once
         self._t0 = time.time()
         if self.probe is None:
             self._forwards = ModelForwards(model, self._commit)
@@ -290,16 +319,47 @@ class Monitor:
         self.steps += 1
         rec = None
         self._pending = []
-        if rows is not None:
-            self._add_rows(*rows)
-        if self.steps >= self.every and not self._head_has_run and not self._idle_warned and self.probe is None:
-            self._warn_head_idle()
-        if self.steps % self.every == 0:
-            rec = self._emit()
-        if self._one_batch.due(self._step_label()):
-            self._one_batch.reduce(self._threads, _core_route)
+        try:
+            if rows is not None:
+                self._add_rows(*rows)
+            if self.steps >= self.every and not self._head_has_run and not self._idle_warned and self.probe is None:
+                self._warn_head_idle()
+            if self.steps % self.every == 0:
+                rec = self._emit()
+            if self._one_batch.due(self._step_label()):
+                self._one_batch.reduce(self._threads, _core_route)
+        finally:
+            self._warn_refused()
         self._capturing = self.probe is None and self._is_window_step(self.steps + 1)
         return rec
+
+    def _warn_refused(self) -> None:
+        """Warn of the steps the window's Moments refused (``WindowRoute``)."""
+        what = "the layer's output" if self._layer is not None else "the head's input, output or labels"
+        for step, why in self._window_route.take_refused():
+            warnings.warn(f"richness.Monitor: step {step}: {what} refused ({why}); the step is left out of its "
+                          "window, whose record comes from its other steps (with none: n 0, dlr, rank and nc1 "
+                          "None)", RichnessWarning, stacklevel=3)
+
+    def _warn_small_window(self, n: int, p: int) -> None:
+        """Warn once of a record from fewer than 10 x p rows
+        (``finish.isotropic.undersampled``, the full report's rule), naming
+        the window that would reach it."""
+        if self._small_warned or n < 2 or p < 1 or not undersampled(n, p):
+            return
+        self._small_warned = True
+        need = SAMPLES_PER_FEATURE * p
+        if self.probe is not None:
+            fix = f"use a probe set of at least {need} samples (probe=)"
+        else:
+            per_step = n / self.window
+            w = max(self.window + 1, math.ceil(need / per_step))
+            fix = (f"widen the window: window={w} (with every={max(self.every, w)} or more: window <= every) "
+                   f"gives about {round(w * per_step)} rows at this batch size")
+        warnings.warn(f"richness.Monitor: the record at step {self._step_label()} comes from n = {n} rows for "
+                      f"p = {p} features, below {SAMPLES_PER_FEATURE} x p = {need}: DLR reads biased toward "
+                      f"rich (and RankMe, alpha-ReQ toward the sample size) at this size; {fix}. "
+                      "Later such records are not warned about", RichnessWarning, stacklevel=4)
 
     def _warn_head_idle(self) -> None:
         # A head given by the user (or found on the model's first forward) that
@@ -357,7 +417,7 @@ class Monitor:
         if outs is not None and not self._uses_weights():
             parts["outputs"] = outs
         parts.update(lk)
-        self._window_route.add(parts, self._threads)
+        self._window_route.add(parts, self._threads, self._step_label())
 
     def _batch_path_fits(self, feats: Any, outs: Any) -> bool:
         """A window of one batch with fewer rows than features (every=1 with a
@@ -378,19 +438,24 @@ class Monitor:
 
     def _finish_records(self, meta: GroupMeta, v: np.ndarray) -> None:
         """Finish a reduced group's rows (``finish_group``) and emit their records."""
-        bad = [m.step for m, norm_m in zip(meta.steps, v[:, 0]) if math.isnan(norm_m)]  # _to_unit_spread
+        bad = {m.step for m, norm_m in zip(meta.steps, v[:, 0]) if math.isnan(norm_m)}  # _to_unit_spread
         if bad:
             what = "the layer's output" if self._layer is not None else "the head's input or output"
             warnings.warn(f"richness.Monitor: {what} had NaN or Inf values at step(s) "
-                          f"{', '.join(map(str, bad))}: their records have dlr, rank and nc1 None", UserWarning,
-                          stacklevel=4)
+                          f"{', '.join(map(str, sorted(bad)))}: their records have n 0 and dlr, rank and nc1 None",
+                          RichnessWarning, stacklevel=4)
         dlrs, ranks, nc1s, extra = finish_group(v, meta, self.measures)
+        none = [None] * len(meta.steps)
+        isos, norms = extra.get("dlr_isotropic", none), extra.get("dlr_normalized", none)
         for i, (m, dlr, rank, nc1) in enumerate(zip(meta.steps, dlrs, ranks, nc1s)):
-            rec = {"step": m.step, "mode": "window", "n": meta.n, "dlr": _num(dlr), "rank": rank,
+            rec = {"step": m.step, "mode": "window", "n": 0 if m.step in bad else meta.n, "dlr": _num(dlr),
+                   "dlr_isotropic": _num(isos[i]), "dlr_normalized": _num(norms[i]), "rank": rank,
                    "nc1": _num(nc1), "effective_dim": _num(extra["effective_dim"][i])}
             rec.update({name: _num(extra[name][i]) if name in self.measures else None for name in RECORD_MEASURES})
             rec.update(time=m.time, dlr_rtol_range=None, dlr_from="outputs")
-            self._warn_undefined(rec, (), skip=("nc3",))  # per-batch states carry no weights: NC3 None
+            if m.step not in bad:  # a bad step is warned about above
+                self._warn_small_window(meta.n, meta.p)
+                self._warn_undefined(rec, (), skip=("nc3",))  # per-batch states carry no weights: NC3 None
             self._dispatch(rec)
 
     @property
@@ -448,11 +513,14 @@ class Monitor:
             sink(rec)
 
     def _record(self, n: int, dlr: Any, rank: Any, nc1: Any, extra: dict, eff: Any, mode: str,
-                dlr_range: Any = None, weights: bool = False) -> dict:
+                dlr_range: Any = None, weights: bool = False, isotropic: Any = None, normalized: Any = None) -> dict:
         """A record: ``extra`` holds the representation diagnostics by name
-        (and the effective dimension where they came with the eigenvalues)."""
+        (and the effective dimension where they came with the eigenvalues);
+        ``isotropic``, ``normalized``: the finite-sample reference and DLR
+        read against it (``finish.isotropic``)."""
         eff = extra.get("effective_dim", eff)
         rec = {"step": self._step_label(), "mode": mode, "n": int(n), "dlr": _num(dlr),
+               "dlr_isotropic": _num(isotropic), "dlr_normalized": _num(normalized),
                "rank": None if rank is None else int(rank), "nc1": _num(nc1), "effective_dim": _num(eff)}
         rec.update({name: _num(extra.get(name)) for name in RECORD_MEASURES})
         rec.update(time=round(time.time() - self._t0, 6),
@@ -478,15 +546,31 @@ class Monitor:
         if values is None:
             return None
         q = values.dlr
-        rec = self._record(q.n, q.dlr, q.rank, q.nc1, values.extra, None, "window", q.dlr_range, head is not None)
-        self._warn_undefined(rec, values.extra.get("warnings"))
+        rec = self._record(q.n, q.dlr, q.rank, q.nc1, values.extra, None, "window", q.dlr_range, head is not None,
+                           values.isotropic, values.normalized)
+        if head is not None and q.dlr is None and not bool(torch.isfinite(head.weight).all()):
+            warnings.warn(f"richness.Monitor: step {self._step_label()}: the head's weights have NaN or Inf values "
+                          "(has training diverged?): the record's dlr and rank are None", RichnessWarning,
+                          stacklevel=4)
+        if q.n >= 2:  # else every step of the window was refused, and warned about
+            self._warn_small_window(q.n, values.p)
+            self._warn_undefined(rec, values.extra.get("warnings"))
         return rec
 
     def _emit_probe(self) -> Optional[dict]:
         import torch
 
-        moments, head = collect(self.model, self.probe, head=self._head, precision=self.precision, progress=False,
-                                batch_fn=self.batch_fn, tokens=self.tokens, allow_empty=self.distributed)
+        try:
+            moments, head = collect(self.model, self.probe, head=self._head, precision=self.precision,
+                                    progress=False, batch_fn=self.batch_fn, tokens=self.tokens,
+                                    allow_empty=self.distributed)
+        except ValueError as e:
+            if not _refused_values(e):
+                raise
+            warnings.warn(f"richness.Monitor: step {self._step_label()}: the probe set's activations were refused "
+                          f"({e}); its record has n 0 and dlr, rank and nc1 None (has training diverged?)",
+                          RichnessWarning, stacklevel=4)
+            return self._record(0, None, None, None, {}, None, "probe")
         if self.distributed:
             moments.all_reduce()
         if self._head is None:
@@ -496,8 +580,11 @@ class Monitor:
         except ValueError:
             return self._record(moments.n, None, None, None, {}, None, "probe")
         extra = {name: getattr(rep, name) for name in RECORD_MEASURES}  # the full report has them all
+        if rep.eigenvalues is not None:
+            self._warn_small_window(rep.n, len(rep.eigenvalues))
         return self._record(rep.n, rep.dlr, rep.rank, rep.nc1, extra, rep.effective_dim, "probe",
-                            rep.dlr_rtol_range, isinstance(head, torch.nn.Linear))
+                            rep.dlr_rtol_range, isinstance(head, torch.nn.Linear), rep.dlr_isotropic,
+                            rep.dlr_normalized)
 
     # -- lifetime -------------------------------------------------------------
 

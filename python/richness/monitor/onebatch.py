@@ -14,6 +14,7 @@ from .._state import default_precision
 from .capture import StepBuffer
 from ..torch.threads import BlasThreads
 from ..finish import GramRows, check_rtol, finish_gram_rows, rtol_for
+from ..finish.isotropic import normalized
 from ..finish.diagnostics import measures_of_gram_rows
 
 
@@ -69,6 +70,7 @@ class GroupMeta(NamedTuple):
     rtol: float
     sample_space: bool     # more outputs than samples: n x n forms
     e: int                 # the eigenvalues of each step's Gram (n, or 0 when not asked for)
+    p: int = 0             # the features of each step's batch
 
 
 class BatchGroup(StepBuffer):
@@ -96,13 +98,50 @@ class BatchGroup(StepBuffer):
         self.sample_space = outs is not None and int(outs.shape[1]) > int(feats.shape[0])
         self.grams: Any = None  # reduction scratch, made on the first reduce
         self.centered: Any = None
+        self._centered_ready = False  # ``centered`` holds this reduction's centered steps
 
-    def reduce(self, prec: str, threads: BlasThreads, core: bool = False) -> Any:
+    def reduce(self, prec: str, threads: BlasThreads, core: bool = False, rtol: Optional[float] = None) -> Any:
         """See ``_reduce``; its products in true float32 whatever the training
         loop allows for its own (``_ieee_matmul``). ``core``: the Grams of CPU
-        buffers through the core instead of torch (``monitor.CORE_GRAMS``)."""
+        buffers through the core instead of torch (``monitor.CORE_GRAMS``).
+        With outputs, one more column after the packed rows: each step's
+        active features at ``rtol`` (``_active_features``)."""
         with _ieee_matmul(self.x.device.type):
-            return self._reduce(prec, threads, core)
+            packed = self._reduce(prec, threads, core)
+            if self.f is None:
+                return packed
+            import torch
+
+            pdt = torch.float64 if prec == "fp64" else torch.float32
+            active = self._active_features(len(self.metas), pdt, rtol_for(prec, rtol))
+            return torch.cat([packed, active[:, None]], dim=1)
+
+    def _active_features(self, j: int, pdt: Any, rtol: float) -> Any:
+        """Each of the first ``j`` steps' active features (float64, one per
+        step): the columns whose variance exceeds ``rtol`` times the largest,
+        the rule of the full report's isotropic reference
+        (``finish.isotropic.reference``, on the diagonal of M). From the
+        centered scaled buffer (``_centered``: the torch route's own, made
+        here on the core route); a step of NaN or Inf (zeroed) has none."""
+        import torch
+
+        Xc = self.centered[:j] if self.centered is not None and self._centered_ready else self._centered(j, pdt)
+        ss = torch.linalg.vector_norm(Xc, dim=1).to(torch.float64).square_()  # steps x p: n times the variances
+        return (ss > rtol * ss.amax(dim=1, keepdim=True)).sum(dim=1).to(torch.float64)
+
+    def _centered(self, j: int, pdt: Any) -> Any:
+        """The first ``j`` steps centered on their own means, in the product
+        precision, in scratch kept across groups (see ``_grams``)."""
+        import torch
+
+        x = self.x
+        if self.centered is None or self.centered.dtype != pdt:
+            self.centered = torch.empty(x.shape, dtype=pdt, device=x.device)
+        X = x[:j]
+        Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=self.centered[:j])
+        Xc.sub_(Xc.mean(dim=1, keepdim=True))
+        self._centered_ready = True
+        return Xc
 
     def _reduce(self, prec: str, threads: BlasThreads, core: bool) -> Any:
         """The small matrices of every buffered step, one row each: the packed
@@ -123,6 +162,7 @@ class BatchGroup(StepBuffer):
         f64 = torch.float64
         pdt = torch.float64 if prec == "fp64" else torch.float32
         j = len(self.metas)
+        self._centered_ready = False
         finite = _to_unit_spread(self.x[:j])  # in place: the buffer is cleared after the reduction
         G, norm_m = self._grams(j, prec, pdt, threads, core)  # steps x n x n
         # G's eigenvalues are M's nonzero ones (docs/MATH.md, representation diagnostics)
@@ -185,10 +225,7 @@ class BatchGroup(StepBuffer):
         # rounding left, now at the scale of the spread: a mean of 1e4 with a
         # spread of 1e-2 still gives DLR to 1e-6. Two fast passes in the
         # product precision instead of a float64 copy of the buffer.
-        if self.centered is None:
-            self.centered = torch.empty(x.shape, dtype=pdt, device=x.device)
-        Xc = torch.sub(X, torch.mean(X, dim=1, keepdim=True, dtype=pdt), out=self.centered[:j])
-        Xc.sub_(Xc.mean(dim=1, keepdim=True))
+        Xc = self._centered(j, pdt)
         torch.bmm(Xc, Xc.transpose(1, 2), out=G)
         return G, torch.linalg.vector_norm(G, dim=(1, 2)).to(torch.float64)  # a float32 G's own accuracy
 
@@ -301,10 +338,11 @@ class OneBatchRoute:
         prec = default_precision(self.precision, all64)
         rtol = rtol_for(prec, self.rtol)
         try:
-            packed = g.reduce(prec, threads, core_route(x))
+            packed = g.reduce(prec, threads, core_route(x), rtol)
             n = int(x.shape[1])
             meta = GroupMeta(list(g.metas), n, n if g.sample_space else (0 if f is None else int(f.shape[2])),
-                             g.label_cols if g.y is not None else 0, rtol, g.sample_space, n if g.eig else 0)
+                             g.label_cols if g.y is not None else 0, rtol, g.sample_space, n if g.eig else 0,
+                             int(x.shape[2]))
         finally:
             g.clear()  # the buffers are reused by the next group (same stream: ordered)
         if packed.device.type == "cuda":
@@ -332,10 +370,20 @@ def finish_group(v: np.ndarray, meta: GroupMeta, measures: tuple = ()) -> tuple:
     three lists, None where a value is undefined (``finish_gram_rows``; all
     None without outputs, ``meta.c`` = 0), and a dict of the representation
     diagnostics in ``measures`` (and the effective dimension, with the
-    ``meta.e`` eigenvalues of each Gram), lists by name."""
+    ``meta.e`` eigenvalues of each Gram), lists by name; with outputs also
+    ``dlr_isotropic`` and ``dlr_normalized`` (``finish.isotropic.normalized``
+    at the batch's n, its active features and the rank)."""
+    steps = int(v.shape[0])
+    active = None
+    if meta.c > 0:  # the last column: each step's active features (BatchGroup.reduce)
+        v, active = v[:, :-1], v[:, -1]
     rows = GramRows.unpack(v, meta.c, meta.k, meta.e)
     extra = measures_of_gram_rows(rows, meta.rtol, measures)
-    if meta.c == 0:
-        none = [None] * int(v.shape[0])
+    if active is None:
+        none = [None] * steps
         return none, none, none, extra
-    return finish_gram_rows(rows, meta.n, meta.rtol, meta.sample_space) + (extra,)
+    dlrs, ranks, nc1s = finish_gram_rows(rows, meta.n, meta.rtol, meta.sample_space)
+    ref = [normalized(d, meta.n, int(a), r) for d, a, r in zip(dlrs, active, ranks)]
+    extra["dlr_isotropic"] = [iso for iso, _ in ref]
+    extra["dlr_normalized"] = [norm for _, norm in ref]
+    return dlrs, ranks, nc1s, extra

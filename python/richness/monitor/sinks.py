@@ -11,9 +11,12 @@ from typing import Any, Callable
 from .._optional import require_mlflow, require_wandb
 from ..finish.diagnostics import MEASURES  # the representation diagnostics: None in a record unless measured
 
-FIELDS = ("step", "mode", "n", "dlr", "rank", "nc1", "effective_dim") + MEASURES + ("time",)
+FIELDS = ("step", "mode", "n", "dlr", "dlr_isotropic", "dlr_normalized", "rank", "nc1", "effective_dim") + MEASURES \
+    + ("time",)
 # the numbers a record sends to a tracker (Lightning's loggers, Hugging Face's Trainer, W&B, MLflow)
-SCALARS = ("dlr", "nc1", "effective_dim", "rank", "n") + MEASURES
+SCALARS = ("dlr", "dlr_isotropic", "dlr_normalized", "nc1", "effective_dim", "rank", "n") + MEASURES
+# what a TensorBoard writer gets of a record
+TENSORBOARD = ("dlr", "dlr_isotropic", "dlr_normalized", "nc1", "effective_dim") + MEASURES
 
 
 def scalars(rec: dict, prefix: str) -> dict:
@@ -22,16 +25,28 @@ def scalars(rec: dict, prefix: str) -> dict:
 
 
 class _CsvSink:
+    """Rows of ``FIELDS``; a file that already has rows keeps its own header's
+    columns (a log begun by a version with fewer fields stays readable)."""
+
     def __init__(self, path: str) -> None:
         new = not os.path.exists(path) or os.path.getsize(path) == 0
+        fields = FIELDS
+        if not new:
+            try:
+                with open(path, newline="") as f:
+                    header = next(csv.reader(f), None)
+            except (OSError, UnicodeDecodeError, csv.Error):
+                header = None  # not a log of ours: appended to as before
+            if header and "step" in header:
+                fields = tuple(header)
         self.f = open(path, "a", newline="")
-        self.w = csv.DictWriter(self.f, fieldnames=FIELDS)
+        self.w = csv.DictWriter(self.f, fieldnames=fields, extrasaction="ignore")
         if new:
             self.w.writeheader()
             self.f.flush()
 
     def __call__(self, rec: dict) -> None:
-        self.w.writerow({k: ("" if rec.get(k) is None else rec.get(k)) for k in FIELDS})
+        self.w.writerow({k: ("" if rec.get(k) is None else rec.get(k)) for k in self.w.fieldnames})
         self.f.flush()
 
     def close(self) -> None:
@@ -55,7 +70,7 @@ class _TensorBoardSink:
         self.writer, self.prefix = writer, prefix
 
     def __call__(self, rec: dict) -> None:
-        for key in ("dlr", "nc1", "effective_dim") + MEASURES:
+        for key in TENSORBOARD:
             v = rec.get(key)
             if v is not None:
                 self.writer.add_scalar(f"{self.prefix}/{key}", v, rec["step"])
