@@ -148,12 +148,21 @@ def simplex_etf(K, p, rng, scale=1.0):
 # -- test helpers (no richness import) -------------------------------------------
 
 def states_equal(a, b):
-    """Exact equality of two state dicts (arrays compared bit for bit by value)."""
+    """Exact equality of two state dicts (arrays compared bit for bit by value;
+    nested dicts and lists, as a grouped state's ``groups`` entry, entry by entry)."""
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(states_equal(x, y) for x, y in zip(a, b)))
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return states_equal({"": a}, {"": b})
     if set(a) != set(b):
         return False
     for k in a:
         va, vb = a[k], b[k]
-        if isinstance(va, np.ndarray) or isinstance(vb, np.ndarray):
+        if isinstance(va, (dict, list, tuple)) or isinstance(vb, (dict, list, tuple)):
+            if not states_equal(va, vb):
+                return False
+        elif isinstance(va, np.ndarray) or isinstance(vb, np.ndarray):
             va, vb = np.asarray(va), np.asarray(vb)
             if va.shape != vb.shape or va.dtype != vb.dtype or not np.array_equal(va, vb):
                 return False
@@ -164,27 +173,66 @@ def states_equal(a, b):
 
 # -- representation diagnostics, from the raw matrices ----------------------------
 
-def rankme_naive(Phi, centered=True, rtol=0.0):
-    """RankMe (Garrido et al. 2023): exp of the entropy of q_k = s_k / sum s, s the
-    singular values of the (centered) feature matrix, by SVD; singular values with
-    s^2 <= rtol s_1^2 count as 0."""
-    X = center_rows(Phi) if centered else np.asarray(Phi, dtype=np.float64)
-    s = np.linalg.svd(X, compute_uv=False)
+def rankme_naive(Phi, eps=1e-7):
+    """RankMe as published (Garrido et al. 2023, eq. 1): exp(-sum_k p_k log p_k) with
+    p_k = s_k / ||s||_1 + eps, s the min(n, p) singular values of the embedding matrix
+    AS GIVEN (not centered), by SVD; every singular value counts."""
+    s = np.linalg.svd(np.asarray(Phi, dtype=np.float64), compute_uv=False)
+    q = s / s.sum() + eps
+    return float(np.exp(-np.sum(q * np.log(q))))
+
+
+def rankme_centered_naive(Phi, rtol=0.0):
+    """The centered variant the package reported before: exp of the entropy of s_k / sum s,
+    s the singular values of the CENTERED matrix above the rank cut, no epsilon."""
+    s = np.linalg.svd(center_rows(Phi), compute_uv=False)
     s = s[s**2 > rtol * s[0] ** 2]
     q = s / s.sum()
     q = q[q > 0]
     return float(np.exp(-np.sum(q * np.log(q))))
 
 
-def alpha_req_naive(Phi, rtol):
-    """alpha-ReQ (Agrawal et al. 2022): minus the least-squares slope of log lambda_k
-    against log k, k = 1..K, lambda_k = s_k^2 of the centered matrix above the cut."""
+def alpha_req_naive(Phi, rtol=1e-10, first=11, last=100, weighted=True, floor=1e-2):
+    """alpha-ReQ as the authors' code fits it (Agrawal et al. 2022; reptrix.alpha.get_powerlaw):
+    lambda_k = s_k^2 of the centered matrix by SVD; weighted least squares (lstsq on rows
+    scaled by sqrt(w), w = 1/k) of log lambda_k on (-log k, 1) over k = first..last, clipped to
+    the eigenvalues above floor * rtol * lambda_1. Returns (alpha, R^2 as sklearn's r2_score of
+    log lambda against the fitted line over those k, their count)."""
     s = np.linalg.svd(center_rows(Phi), compute_uv=False)
     lam = s**2
-    lam = lam[lam > rtol * lam[0]]
     k = np.arange(1, lam.size + 1)
-    slope = np.polyfit(np.log(k), np.log(lam), 1)[0]
-    return float(-slope), int(lam.size)
+    top = lam.size if last is None else last
+    sel = (k >= first) & (k <= top) & (lam > floor * rtol * lam[0])
+    kk, y = k[sel].astype(np.float64), np.log(lam[sel])
+    if kk.size < 2:
+        return None, None, int(kk.size)
+    X = np.stack([-np.log(kk), np.ones_like(kk)], axis=1)
+    w = 1.0 / kk if weighted else np.ones_like(kk)
+    b = np.linalg.lstsq(X * np.sqrt(w)[:, None], y * np.sqrt(w), rcond=None)[0]
+    yhat = X @ b
+    r2 = 1.0 - np.sum((y - yhat) ** 2) / np.sum((y - y.mean()) ** 2)
+    return float(b[0]), float(r2), int(kk.size)
+
+
+def reptrix_powerlaw(eigen, first=11, last=100):
+    """reptrix.alpha.get_powerlaw's fit written out from its code (reptrix 0.1.0): trange =
+    np.arange(first - 1, last) indexes the eigenvalues; the normal equations solved with
+    weights 1 / k in float32; R^2 of log |eigen| against log ypred over its indices
+    trange[0] + 1 .. 99 (its `trange += 1` shifts the start: k = first + 1 .. 100). Returns
+    (alpha, ypred, fit_R2_100)."""
+    eigen = np.asarray(eigen, dtype=np.float64)
+    logss = np.log(np.abs(eigen))
+    trange = np.arange(first - 1, last)
+    y = logss[trange][:, None]
+    kr = trange + 1
+    x = np.stack([-np.log(kr), np.ones(kr.size)], axis=1)
+    w = (1.0 / kr.astype(np.float32))[:, None]
+    b = np.linalg.solve(x.T @ (x * w), (w * x).T @ y).ravel()
+    allk = np.arange(1, eigen.size + 1)
+    ypred = np.exp(-np.log(allk) * b[0] + b[1])
+    yt, yp = logss[kr[0]:100], np.log(np.abs(ypred))[kr[0]:100]
+    r2_100 = 1.0 - np.sum((yt - yp) ** 2) / np.sum((yt - yt.mean()) ** 2)
+    return float(b[0]), ypred, float(r2_100)
 
 
 def participation_ratio_naive(Phi):
@@ -246,3 +294,31 @@ def cka_debiased_naive(X, Y, center=True):
         X, Y = X - X.mean(0), Y - Y.mean(0)
     K, L = X @ X.T, Y @ Y.T
     return hsic_unbiased_naive(K, L) / np.sqrt(hsic_unbiased_naive(K, K) * hsic_unbiased_naive(L, L))
+
+
+def nc_script_naive(Phi, y, W, C=None):
+    """NC1, NC2 (equinorm, equiangle) and NC3 as the widely copied neural-collapse measurement
+    script computes them (Papyan, Han and Donoho's published code): class means mu_c; muG the
+    MEAN OF THE CLASS MEANS; M_ = mu_c - muG; Sw = sum_i (h_i - mu_c)(h_i - mu_c)^T / N;
+    Sb = M_^T M_ / C; NC1 = tr(Sw Sb^+) with Sb^+ over Sb's top C - 1 singular pairs (svds,
+    k = C - 1), NOT divided by C; equinorm = std(||M_c||, ddof=1) / mean; equiangle =
+    sum_{c != c'} |cos + 1 / (C - 1)| / (C (C - 1)); NC3 = || W / ||W||_F - M_ / ||M_||_F ||_F^2."""
+    Phi = np.asarray(Phi, dtype=np.float64)
+    classes = np.unique(y)
+    C = classes.size
+    means = np.stack([Phi[y == c].mean(axis=0) for c in classes])
+    M_ = means - means.mean(axis=0)
+    Sw = sum((Phi[y == c] - means[i]).T @ (Phi[y == c] - means[i]) for i, c in enumerate(classes)) / len(y)
+    Sb = M_.T @ M_ / C
+    U, sv, _ = np.linalg.svd(Sb)
+    inv_Sb = U[:, :C - 1] @ np.diag(1.0 / sv[:C - 1]) @ U[:, :C - 1].T
+    nc1 = float(np.trace(Sw @ inv_Sb))
+    norms = np.linalg.norm(M_, axis=1)
+    equinorm = float(np.std(norms, ddof=1) / norms.mean())
+    V = M_ / norms[:, None]
+    G = V @ V.T + 1.0 / (C - 1)
+    G -= np.diag(np.diag(G))
+    equiangle = float(np.abs(G).sum() / (C * (C - 1)))
+    Wc = np.asarray(W, dtype=np.float64)[classes]
+    nc3 = float(np.sum((Wc / np.linalg.norm(Wc) - M_ / np.linalg.norm(M_)) ** 2))
+    return {"nc1": nc1, "nc2_equinorm": equinorm, "nc2_equiangle": equiangle, "nc3": nc3}

@@ -35,7 +35,7 @@ def class_clusters(rng, n=900, p=12, K=5):
 
 def oracle(X, y, W, rtol=1e-10):
     equinorm, equiangle = nc2_naive(X, y)
-    return {"rankme": rankme_naive(X, rtol=rtol), "alpha_req": alpha_req_naive(X, rtol)[0],
+    return {"rankme": rankme_naive(X), "alpha_req": alpha_req_naive(X, rtol)[0],
             "participation_ratio": participation_ratio_naive(X), "nc2_equinorm": equinorm,
             "nc2_equiangle": equiangle, "nc3": nc3_naive(X, y, W)}
 
@@ -54,10 +54,10 @@ def test_fields_match_oracle_over_batch_splits(splits):
         m.update(X[idx], labels=y[idx])
     rep = m.compute(head=W)
     check(rep, oracle(X, y, W), 1e-9)
-    assert rep.alpha_req_range == (1, X.shape[1])
+    assert rep.alpha_req_range == (11, X.shape[1])  # the reference range k = 11..100, clipped to p
     d = rep.to_dict()
     assert all(d[name] == getattr(rep, name) for name in NAMES)
-    assert d["alpha_req_range"] == [1, X.shape[1]]
+    assert d["alpha_req_range"] == [11, X.shape[1]]
     assert "RankMe" in str(rep) and "NC3" in str(rep)
 
 
@@ -96,13 +96,15 @@ def test_spectrum_false_only_when_asked():
         m.compute(measures=("rankme", "rank_me"))
 
 
-def test_uncentered_rankme_follows_centered_option():
+def test_rankme_is_uncentered_whatever_centered_says():
     rng = np.random.default_rng(3)
     X, y, _ = class_clusters(rng)
     m = richness.Moments()
     m.update(X)
-    rep = m.compute(centered=False)
-    assert rep.rankme == pytest.approx(rankme_naive(X, centered=False), rel=1e-9)
+    for centered in (True, False):
+        rep = m.compute(centered=centered)
+        assert rep.rankme == pytest.approx(rankme_naive(X), rel=1e-9)
+        assert rep.alpha_req == pytest.approx(alpha_req_naive(X)[0], rel=1e-9)  # centered, as published
     assert rep.nc2_equinorm is None and rep.nc3 is None  # no labels
 
 
@@ -133,8 +135,8 @@ def test_isotropic_features_give_rankme_near_p():
     p = 16
     m = richness.Moments()
     m.update(rng.normal(size=(200_000, p)))
-    rep = m.compute()
-    assert p * 0.995 < rep.rankme <= p
+    rep = m.compute(measure_options={"alpha_req_range": (1, None)})
+    assert p * 0.995 < rep.rankme <= p * (1 + 1e-5)
     assert p * 0.99 < rep.participation_ratio <= p
     assert abs(rep.alpha_req) < 0.02
 
@@ -144,14 +146,18 @@ def test_exact_rank_equal_singular_values():
     n, p, r = 500, 20, 7
     Q = orthonormal_centered(rng, n, r)
     V, _ = np.linalg.qr(rng.normal(size=(p, r)))
-    X = 3.0 * Q @ V.T + 5.0  # singular values all 3 (centered), rank r
+    X = 3.0 * Q @ V.T  # singular values all 3 (centered, mean 0), rank r
     m = richness.Moments()
     m.update(X)
-    rep = m.compute()
-    assert rep.rankme == pytest.approx(r, rel=1e-9)
+    rep = m.compute(measure_options={"alpha_req_range": (1, None)})
+    # the p - r zero singular values add eps = 1e-7 each: p_k = 1/r + eps, r times, and eps, p - r times
+    q = np.r_[np.full(r, 1.0 / r), np.zeros(p - r)] + 1e-7
+    assert rep.rankme == pytest.approx(np.exp(-np.sum(q * np.log(q))), rel=1e-6)
+    assert rep.rankme == pytest.approx(r, rel=1e-4)
     assert rep.participation_ratio == pytest.approx(r, rel=1e-9)
     assert rep.alpha_req == pytest.approx(0.0, abs=1e-6)
     assert rep.alpha_req_range == (1, r)
+    assert m.compute().alpha_req is None  # the reference range starts at k = 11
 
 
 @pytest.mark.parametrize("alpha", [0.5, 1.0, 2.0])
@@ -164,8 +170,8 @@ def test_power_law_gives_its_exponent(alpha):
     m.update(X)
     rep = m.compute()
     assert rep.alpha_req == pytest.approx(alpha, rel=1e-8)
-    s = np.sqrt(lam)
-    q = s / s.sum()
+    s = np.sqrt(lam)  # mean 0: the uncentered singular values are these
+    q = s / s.sum() + 1e-7
     assert rep.rankme == pytest.approx(np.exp(-np.sum(q * np.log(q))), rel=1e-8)
 
 
@@ -226,7 +232,8 @@ def test_all_zero_spectrum_is_none_with_warning():
     out, warns = dg.spectral_report(np.zeros(5), 1e-10)
     assert out["rankme"] is None and out["alpha_req"] is None and out["participation_ratio"] is None
     assert warns and "all zero" in warns[0]
-    stacked = dg.spectral_values(np.array([[0.0, 0.0], [2.0, 1.0]]), 1e-10)
+    lam = np.array([[0.0, 0.0], [2.0, 1.0]])
+    stacked = dg.spectral_values(lam, 1e-10, lam_u=lam)
     assert np.isnan(stacked["rankme"][0]) and np.isfinite(stacked["rankme"][1])
     m = richness.Moments()
     m.update(np.ones((10, 3)))
@@ -241,7 +248,8 @@ def test_one_eigenvalue_leaves_alpha_undefined():
     m.update(X)
     rep = m.compute()
     assert rep.alpha_req is None and rep.alpha_req_range is None
-    assert rep.rankme == pytest.approx(1.0, rel=1e-6)
+    assert rep.rankme == pytest.approx(rankme_naive(X), rel=1e-6)
+    assert rep.rankme == pytest.approx(1.0, rel=1e-5)
     assert any("alpha-ReQ undefined" in w for w in rep.warnings)
 
 

@@ -51,7 +51,7 @@ class MLP(nn.Module):
 
 
 def spectral_oracle(H, rtol):
-    return {"rankme": rankme_naive(H, rtol=rtol), "alpha_req": alpha_req_naive(H, rtol)[0],
+    return {"rankme": rankme_naive(H), "alpha_req": alpha_req_naive(H, rtol)[0],
             "participation_ratio": participation_ratio_naive(H),
             "effective_dim": effective_dim_naive(spectrum_naive(H)[0])}
 
@@ -149,7 +149,10 @@ def test_features_only_monitor_matches_oracle(dtype, tol, every, window, bs):
         H = np.concatenate(seen[last - window:last])
         assert rec["n"] == H.shape[0] and rec["dlr"] is None and rec["nc1"] is None
         for name, v in spectral_oracle(H, rtol).items():
-            close(rec[name], v, tol)
+            if v is None:  # alpha-ReQ at n = 12: one centered eigenvalue in k = 11..100
+                assert rec[name] is None and name == "alpha_req" and H.shape[0] <= 12
+            else:
+                close(rec[name], v, tol)
 
 
 def test_features_only_monitor_without_labels_or_head_module():
@@ -167,7 +170,7 @@ def test_features_only_monitor_without_labels_or_head_module():
             opt.step()
             mon.step()
     assert len(mon.history) == 2
-    close(mon.history[1]["rankme"], rankme_naive(np.concatenate(seen[2:4]), rtol=1e-10), 1e-8)
+    close(mon.history[1]["rankme"], rankme_naive(np.concatenate(seen[2:4])), 1e-8)
 
 
 @pytest.mark.filterwarnings("ignore:richness.Monitor closed")
@@ -216,7 +219,7 @@ def test_lightning_callback_takes_layer():
     trainer.fit(module, loader)
     hist = cb.monitor.history
     assert len(hist) == 2 and hist[0]["dlr"] is None
-    close(hist[1]["rankme"], rankme_naive(np.concatenate(seen[2:4]), rtol=1e-10), 1e-8)
+    close(hist[1]["rankme"], rankme_naive(np.concatenate(seen[2:4])), 1e-8)
 
 
 def test_transformers_callback_takes_layer(tmp_path):
@@ -245,7 +248,7 @@ def test_transformers_callback_takes_layer(tmp_path):
     h.remove()
     hist = cb.monitor.history
     assert len(hist) == 2
-    close(hist[1]["rankme"], rankme_naive(np.concatenate(seen[2:4]), rtol=1e-5), 2e-3)
+    close(hist[1]["rankme"], rankme_naive(np.concatenate(seen[2:4])), 2e-3)
     logged = [e for e in trainer.state.log_history if "richness/rankme" in e]
     assert [e["richness/rankme"] for e in logged] == [r["rankme"] for r in hist]
 
@@ -264,7 +267,7 @@ def test_torchmetrics_measures():
                       features=torch.from_numpy(X[i:i + 100]))
     out = metric.compute()
     assert set(out) == {"dlr", "rankme", "alpha_req", "participation_ratio", "nc2_equinorm", "nc2_equiangle", "nc3"}
-    close(float(out["rankme"]), rankme_naive(X, rtol=1e-10), 1e-9)
+    close(float(out["rankme"]), rankme_naive(X), 1e-9)
     close(float(out["nc2_equiangle"]), nc2_naive(X, y)[1], 1e-9)
     close(float(out["nc3"]), nc3_naive(X, y, W), 1e-9)
     plain = DLR(head=torch.from_numpy(W))
@@ -283,9 +286,10 @@ def test_cli_text_and_json_carry_the_fields(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", features=X, outputs=X @ rng.normal(size=(6, 3)), labels=y)
     assert main(["eval", str(tmp_path / "d.npz"), "--json", "--no-progress"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    close(rep["rankme"], rankme_naive(X, rtol=1e-10), 1e-9)
+    close(rep["rankme"], rankme_naive(X), 1e-9)
     close(rep["nc2_equinorm"], nc2_naive(X, y)[0], 1e-9)
-    assert rep["alpha_req_range"] == [1, 6] and rep["nc3"] is None  # no head given
+    assert rep["alpha_req"] is None and rep["alpha_req_range"] is None  # p = 6: nothing in k = 11..100
+    assert rep["nc3"] is None  # no head given
     assert main(["eval", str(tmp_path / "d.npz"), "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "RankMe" in text and "alpha-ReQ" in text and "NC2 equinorm" in text

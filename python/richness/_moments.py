@@ -280,7 +280,7 @@ class Moments(Lockable):
 
     def compute(self, *, head: Any = None, test: Optional["Moments"] = None, rtol: Optional[float] = None,
                 centered: bool = True, uncertainty: bool = False, spectrum: bool = True,
-                measures: Any = None) -> Report:
+                measures: Any = None, measure_options: Optional[dict] = None) -> Report:
         """Finish a ``Report`` (float64); the state is not modified.
 
         Args:
@@ -300,6 +300,10 @@ class Moments(Lockable):
                 ``richness.finish.MEASURES``, or ``"all"``). Default: all with
                 the spectrum, none with ``spectrum=False`` (a spectral one
                 then adds the p x p eigenvalues, no eigenvectors).
+            measure_options: how those are computed where a user must match other
+                code (default: as published): ``{"alpha_req_range": (11, 100),
+                "alpha_req_weights": "1/k" or "uniform", "nc_convention": "paper"
+                or "papyan_script"}`` (docs/MATH.md, representation diagnostics).
             uncertainty: add ``dlr_stderr``, ``dlr_interval`` (95%) and the
                 bias-corrected ``dlr_jackknife`` from a delete-one-group
                 jackknife, and ``measures_stderr`` for the measures set; needs
@@ -314,7 +318,7 @@ class Moments(Lockable):
         if uncertainty and self._groups is None:
             raise ValueError("uncertainty=True needs the samples kept in groups: use Moments(groups=k), k >= 2")
         report = _finish.finish(self.device_state(), W=W, test=test_state, rtol=rtol, centered=centered,
-                                spectrum=spectrum, measures=measures)
+                                spectrum=spectrum, measures=measures, measure_options=measure_options)
         if uncertainty:
             set_measures = [name for name in _finish.MEASURES if getattr(report, name) is not None]
             if report.dlr is None and not set_measures:
@@ -322,7 +326,8 @@ class Moments(Lockable):
             loo = self._grouped().leave_one_out_states()
             if report.dlr is not None:
                 _finish.add_jackknife(report, loo, W)
-            _finish.add_measure_jackknife(report, loo, W, set_measures, centered)
+            _finish.add_measure_jackknife(report, loo, W, set_measures, centered,
+                                          _finish.check_options(measure_options))
         return report
 
     # -- persistence ----------------------------------------------------------

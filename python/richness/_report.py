@@ -42,16 +42,25 @@ class Report:
     dlr_stderr, dlr_interval, dlr_jackknife: delete-one-group jackknife standard
         error, 95% interval and bias-corrected DLR (``compute(uncertainty=True)``
         on a ``Moments(groups=k)``).
-    rankme: RankMe, exp of the entropy of the normalized singular values of
-        the centered feature matrix (Garrido et al. 2023); between 1 and the
-        rank. Uncentered with ``centered=False``.
-    alpha_req: alpha-ReQ, the decay exponent of the eigenvalues, slope of
-        log lambda_k = c - alpha log k over ``alpha_req_range`` = (1, K), K
-        the eigenvalues above the rank cut (Agrawal et al. 2022).
+    rankme: RankMe as published (Garrido et al. 2023, eq. 1): exp(-sum p_k
+        log p_k), p_k = s_k / sum s + 1e-7, s the min(n, p) singular values
+        of the feature matrix as given (NOT centered: the eigenvalues of
+        M + n mu mu^T), every one of them (no rank cut); whatever
+        ``centered`` says.
+    alpha_req: alpha-ReQ as the authors' code fits it (Agrawal et al. 2022;
+        ``reptrix``): log lambda_k = c - alpha log k by least squares weighted
+        by 1/k over ``alpha_req_range`` = (first, last k fitted), by default
+        k = 11..100 clipped to the centered eigenvalues present (above a
+        hundredth of the rank cut); ``compute(measure_options=...)`` changes
+        the range and weights.
+    alpha_req_r2: that fit's R^2 (unweighted, of log lambda_k, over the
+        fitted k; reptrix's definition).
     participation_ratio: (sum lambda)^2 / sum lambda^2.
-    nc2_equinorm, nc2_equiangle: NC2 of the centered class means (std / mean
-        of their norms; mean |cos + 1 / (C - 1)| over pairs): 0 at a simplex
-        ETF (Papyan et al. 2020). Need labels.
+    nc2_equinorm, nc2_equiangle: NC2 of the class means centered on the
+        sample mean (std / mean of their norms, ddof 0; mean |cos + 1 / (C - 1)|
+        over pairs): 0 at a simplex ETF (Papyan et al. 2020). Need labels.
+        ``measure_options={"nc_convention": "papyan_script"}``: NC1-NC3 as the
+        widely copied measurement script computes them (docs/MATH.md).
     nc3: || W / ||W|| - U / ||U|| ||_F^2, head against class means (labels and
         ``compute(head=...)``). These seven are computed from the spectrum
         and class sums already there; with ``spectrum=False`` only those asked
@@ -90,6 +99,7 @@ class Report:
     rankme: Optional[float] = None
     alpha_req: Optional[float] = None
     alpha_req_range: Optional[tuple] = None
+    alpha_req_r2: Optional[float] = None
     participation_ratio: Optional[float] = None
     nc2_equinorm: Optional[float] = None
     nc2_equiangle: Optional[float] = None

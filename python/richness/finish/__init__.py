@@ -19,7 +19,7 @@ import numpy as np
 
 from .._report import Report
 from ._xp import host, ns
-from .diagnostics import MEASURES, check_measures, measure_values
+from .diagnostics import MEASURES, check_measures, check_options, measure_values, nc1_script
 from .dlr import NumericFailureGuard, check_features, dlr_of_state, dlr_values, dlr_with_range, \
     function_moments, logits, span_of_grams
 from .isotropic import isotropic_dlr, reference
@@ -28,7 +28,7 @@ from .policy import GramRows, check_rtol, dlr_only, finish_gram_rows, nc1_report
 from .spectrum import curve, held_out, spectrum as feature_spectrum, task_moments
 from .uncertainty import add_jackknife, add_measure_jackknife
 
-__all__ = ["MEASURES", "GramRows", "check_measures", "measure_values", "add_jackknife",
+__all__ = ["MEASURES", "GramRows", "check_measures", "check_options", "measure_values", "add_jackknife",
            "add_measure_jackknife", "check_rtol", "dlr_of_state", "dlr_only", "dlr_values", "finish",
            "finish_gram_rows", "isotropic_dlr", "nc1_from_grams", "rtol_for", "span_of_grams", "too_few_samples"]
 
@@ -44,15 +44,19 @@ def _checked_rtol(st: dict, rtol: Optional[float]) -> float:
 
 def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = None,
            rtol: Optional[float] = None, centered: bool = True, spectrum: bool = True,
-           measures: Any = None) -> Report:
+           measures: Any = None, measure_options: Any = None) -> Report:
     """The report from a state dict (as ``Moments.state_dict()`` returns).
     ``spectrum=False`` skips the p x p eigendecomposition and everything built
     on it (eigenvalues, curves, held-out curves): DLR, its rank-cut range, the
     finite-sample reference and NC1 remain. O(p^2 C) instead of O(p^3).
     ``measures``: the representation diagnostics to compute (names from
     ``MEASURES``, or ``"all"``); default all of them with the spectrum, none
-    without (a spectral one then costs the p x p eigenvalues alone)."""
+    without (a spectral one then costs the p x p eigenvalues alone).
+    ``measure_options``: alpha-ReQ's range and weights, the neural-collapse
+    convention (``diagnostics.check_options``; default: as published)."""
     wanted = check_measures(measures)
+    asked = wanted is not None
+    options = check_options(measure_options)
     rtol = _checked_rtol(st, rtol)
     if test is not None and not spectrum:
         raise ValueError("held-out curves (test=) need the spectrum: drop spectrum=False")
@@ -69,10 +73,13 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
             wanted = MEASURES if spectrum else ()
         if wanted:
             rho = None if report.eigenvalues is None else ns(st["M"]).asarray(report.eigenvalues)
-            values, warnings = measure_values(st, W, rtol, wanted, lam=rho, centered=centered)
+            values, warnings = measure_values(st, W, rtol, wanted, lam=rho, centered=centered, options=options,
+                                              asked=asked)
             for name, v in values.items():
                 setattr(report, name, v)
             report.warnings += warnings
+        if options["nc_convention"] == "papyan_script" and report.nc1 is not None:
+            report.nc1 = nc1_script(st, rtol)  # the script's NC1, where the products resolve NC1 at all
         return report
 
 

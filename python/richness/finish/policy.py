@@ -103,7 +103,8 @@ class GramRows(NamedTuple):
     (k class columns) ``counts``, ``DDt`` = D D^T, ``DMD`` = D M D^T and
     ``invalid`` (samples outside the classes); ``eig`` the eigenvalues of
     G (descending; the nonzero spectrum of M) when the representation
-    diagnostics are asked for. Without outputs (a features-only Monitor)
+    diagnostics are asked for, ``eig_raw`` the min(n, p) largest of the
+    uncentered Gram X X^T's (RankMe's). Without outputs (a features-only Monitor)
     ``A`` and ``Q`` are None (c = 0). ``pack`` lays them side by side in one
     (steps, m) array (one copy to the host), ``unpack`` reads them back by
     name."""
@@ -116,16 +117,19 @@ class GramRows(NamedTuple):
     DMD: Any = None
     invalid: Any = None
     eig: Any = None
+    eig_raw: Any = None
 
     @staticmethod
-    def shapes(c: int, k: int, e: int = 0) -> dict:
+    def shapes(c: int, k: int, e: int = 0, r: int = 0) -> dict:
         """Each field's per-step shape, in packing order (labels only with k > 0,
-        the ``e`` eigenvalues only with e > 0)."""
+        the ``e`` and ``r`` eigenvalues only when those are > 0)."""
         out = {"norm_m": (), "A": (c, c), "Q": (c, c)}
         if k:
             out.update(counts=(k,), DDt=(k, k), DMD=(k, k), invalid=())
         if e:
             out["eig"] = (e,)
+        if r:
+            out["eig_raw"] = (r,)
         return out
 
     def pack(self) -> Any:
@@ -135,14 +139,15 @@ class GramRows(NamedTuple):
         return xp.cat(parts, dim=1) if xp is not np else np.concatenate(parts, axis=1)
 
     @classmethod
-    def unpack(cls, v: Any, c: int, k: int, e: int = 0) -> "GramRows":
+    def unpack(cls, v: Any, c: int, k: int, e: int = 0, r: int = 0) -> "GramRows":
         steps, pos, fields = v.shape[0], 0, {}
-        for name, shape in cls.shapes(c, k, e).items():
+        for name, shape in cls.shapes(c, k, e, r).items():
             size = int(np.prod(shape, dtype=np.int64))
             fields[name] = v[:, pos:pos + size].reshape((steps,) + shape)
             pos += size
         if pos != v.shape[1]:
-            raise ValueError(f"packed rows have {v.shape[1]} columns, the layout for c={c}, k={k}, e={e} has {pos}")
+            raise ValueError(f"packed rows have {v.shape[1]} columns, the layout for c={c}, k={k}, e={e}, r={r} "
+                             f"has {pos}")
         return cls(**fields)
 
 

@@ -60,7 +60,8 @@ def _replicates(report: Report, loo_states: list, value, what: str) -> Optional[
     return out
 
 
-def add_measure_jackknife(report: Report, loo_states: list, W, names: list, centered: bool = True) -> None:
+def add_measure_jackknife(report: Report, loo_states: list, W, names: list, centered: bool = True,
+                          options: Optional[dict] = None) -> None:
     """``report.measures_stderr``: the jackknife standard error of each named
     representation diagnostic over the leave-one-out states (one p x p
     eigenvalue decomposition per state for the spectral ones; the class-mean
@@ -68,7 +69,8 @@ def add_measure_jackknife(report: Report, loo_states: list, W, names: list, cent
     state has no standard error (None)."""
     if not names:
         return
-    values = [measure_values(st, W, report.rtol, tuple(names), centered=centered)[0] for st in loo_states]
+    values = [measure_values(st, W, report.rtol, tuple(names), centered=centered, options=options)[0]
+              for st in loo_states]
     out = {}
     for name in names:
         theta = [v[name] for v in values]
