@@ -402,7 +402,7 @@ def similarity(representations: Mapping[str, Any], *, precision: Optional[str] =
     arrays of the same rows, computed on the active scheduler.
 
     Args:
-        representations: name -> (n, width) floats, chunked along rows only,
+        representations: name (a string) -> (n, width) floats, chunked along rows only,
             every array with the first one's row chunks (at least one).
         precision, split_every, chunks_per_task: as for ``Similarity`` and
             ``moments``.
@@ -414,14 +414,14 @@ def similarity(representations: Mapping[str, Any], *, precision: Optional[str] =
     """
     import dask
 
-    from ._similarity import Similarity
+    from ._similarity import Similarity, check_names
 
     Similarity(precision=precision)  # the option is checked before any work
     per = _per_task(chunks_per_task)
     if not isinstance(representations, Mapping) or not representations:
         raise TypeError("representations must be a non-empty mapping name -> dask array, got "
                         f"{type(representations).__name__}")
-    names = [str(k) for k in representations]
+    names = check_names(representations, "similarity")  # the names Similarity.update takes, as given
     values = list(representations.values())
     arrays = _checked(values[0], {n: (x, (2,), "f") for n, x in zip(names[1:], values[1:])}, first=names[0])
     chunk = dask.delayed(_similarity_chunk, pure=True)

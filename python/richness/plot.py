@@ -315,17 +315,25 @@ def depth(layers: Union[Report, Mapping[str, Report]], prefix: "str | os.PathLik
 
 def similarity(report: Any, path: "str | os.PathLike", *, debiased: bool = False, values: Optional[bool] = None,
                title: Optional[str] = None) -> List[str]:
-    """A k x k heatmap of a ``SimilarityReport`` (``richness.similarity``,
-    ``Similarity.compute``): each axis labelled by model and layer (the
-    ``"model.layer"`` names, grouped by model with a line between models),
-    the values written in the cells when k <= 12 (``values`` forces it either
-    way), the estimator named in the title. Writes ``path.png`` and
-    ``path.svg`` and returns their paths."""
-    plt = _plt()
-    from ._similarity import SimilarityReport
+    """A heatmap of a ``SimilarityReport`` (``richness.similarity``,
+    ``Similarity.compute``) or of one model against another
+    (``SimilarityReport.between``, a ``SimilarityBlock``).
 
+    A report: k x k, each axis labelled by model and layer (the
+    ``"model.layer"`` names, grouped by model with a line between models). A
+    block: its rows' model down, its columns' model across, each axis named
+    by its model and ticked by layer. Names are drawn as written (never as
+    mathtext). The values are written in the cells when there are at most 12
+    rows and columns (``values`` forces it either way), the estimator named
+    in the title. Writes ``path.png`` and ``path.svg`` and returns their
+    paths."""
+    plt = _plt()
+    from ._similarity import SimilarityBlock, SimilarityReport
+
+    if isinstance(report, SimilarityBlock):
+        return _similarity_block(plt, report, path, debiased, values, title)
     if not isinstance(report, SimilarityReport):
-        raise TypeError(f"similarity expects a SimilarityReport, got {type(report).__name__}")
+        raise TypeError(f"similarity expects a SimilarityReport or SimilarityBlock, got {type(report).__name__}")
     mat = np.asarray(report.cka_debiased if debiased else report.cka, dtype=float)
     names = list(report.names)
     k = len(names)
@@ -335,7 +343,7 @@ def similarity(report: Any, path: "str | os.PathLike", *, debiased: bool = False
     fig, ax = plt.subplots(figsize=(size + 1.0, size))
     im = ax.imshow(mat, vmin=0.0, vmax=1.0, cmap="magma", interpolation="nearest")
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="CKA")
-    ticks = [f"{m}\n{ln}" if m else ln for m, ln in zip(models, layers)]
+    ticks = [escape_mathtext(f"{m}\n{ln}" if m else ln) for m, ln in zip(models, layers)]
     ax.set_xticks(range(k), ticks, rotation=90 if k > 6 else 0, fontsize=8)
     ax.set_yticks(range(k), [t.replace("\n", " / ") for t in ticks], fontsize=8)
     ax.set_xlabel("model / layer")
@@ -344,12 +352,44 @@ def similarity(report: Any, path: "str | os.PathLike", *, debiased: bool = False
         if models[i] != models[i - 1]:
             ax.axhline(i - 0.5, color="white", lw=1.5)
             ax.axvline(i - 0.5, color="white", lw=1.5)
-    if values if values is not None else k <= 12:
-        for i in range(k):
-            for j in range(k):
-                v = mat[i, j]
-                ax.text(j, i, "nan" if not np.isfinite(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
-                        color="black" if np.isfinite(v) and v > 0.6 else "white")
-    estimator = "debiased linear CKA (unbiased HSIC)" if debiased else "linear CKA (biased)"
-    ax.set_title(title or f"{estimator}, n = {report.n:,}")
+    _similarity_values(ax, mat, values)
+    ax.set_title(title or f"{_estimator(debiased)}, n = {report.n:,}")
+    return _save(fig, path)
+
+
+def _estimator(debiased: bool) -> str:
+    return "debiased linear CKA (unbiased HSIC)" if debiased else "linear CKA (biased)"
+
+
+def _similarity_values(ax: Any, mat: np.ndarray, values: Optional[bool]) -> None:
+    """The values written in the cells (by default when at most 12 rows and columns)."""
+    if not (values if values is not None else max(mat.shape) <= 12):
+        return
+    for i in range(mat.shape[0]):
+        for j in range(mat.shape[1]):
+            v = mat[i, j]
+            ax.text(j, i, "nan" if not np.isfinite(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
+                    color="black" if np.isfinite(v) and v > 0.6 else "white")
+
+
+def _similarity_block(plt: Any, block: Any, path: "str | os.PathLike", debiased: bool, values: Optional[bool],
+                      title: Optional[str]) -> List[str]:
+    """The heatmap of a ``SimilarityBlock``: rows (model ``row_label``) down,
+    columns (model ``col_label``) across, ticked by the names less the model's prefix."""
+    mat = np.asarray(block.cka_debiased if debiased else block.cka, dtype=float)
+
+    def short(names: List[str], label: str) -> List[str]:
+        return [escape_mathtext(nm[len(label) + 1:] if nm.startswith(label + ".") else nm) for nm in names]
+
+    h, w = mat.shape
+    fig, ax = plt.subplots(figsize=(max(3.5, 0.55 * w + 2.0) + 1.0, max(3.5, 0.55 * h + 2.0)))
+    im = ax.imshow(mat, vmin=0.0, vmax=1.0, cmap="magma", interpolation="nearest", aspect="auto")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="CKA")
+    ax.set_xticks(range(w), short(block.cols, block.col_label), rotation=90 if w > 6 else 0, fontsize=8)
+    ax.set_yticks(range(h), short(block.rows, block.row_label), fontsize=8)
+    ax.set_xlabel(f"{escape_mathtext(block.col_label)}: layer")
+    ax.set_ylabel(f"{escape_mathtext(block.row_label)}: layer")
+    _similarity_values(ax, mat, values)
+    ax.set_title(title or f"{_estimator(debiased)}, {escape_mathtext(block.row_label)} against "
+                          f"{escape_mathtext(block.col_label)}, n = {block.n:,}")
     return _save(fig, path)
