@@ -48,7 +48,7 @@ def test_defined_records_raise_no_undefined_warning():
         warnings.simplefilter("error")
         with richness.Monitor(model, layer="1", every=2, window=2) as mon:
             for _ in range(2):
-                model(torch.randn(40, 6, dtype=torch.float64)).sum().backward()
+                model(torch.randn(80, 6, dtype=torch.float64)).sum().backward()  # n = 160 = 10 p
                 mon.step()
     (rec,) = mon.history
     H = np.concatenate(seen)

@@ -238,7 +238,7 @@ def test_transformers_callback_takes_layer(tmp_path):
                                           learning_rate=0.01, report_to="none", use_cpu=True, save_strategy="no",
                                           logging_steps=1000, disable_tqdm=True, seed=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-    cb = RichnessCallback(trainer, layer="bert.encoder.layer.0", every=2, window=2)
+    cb = RichnessCallback(trainer, layer="bert.encoder.layer.0", layout="tokens", every=2, window=2)
     trainer.add_callback(cb)
     seen = []
     h = model.bert.encoder.layer[0].register_forward_hook(

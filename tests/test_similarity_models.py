@@ -73,8 +73,8 @@ def test_float32_models_and_per_model_inputs():
     flip = lambda b: b[0].flip(2).float()  # noqa: E731
     rep = richness.similarity(ms, batches, {"cnn": ["3"], "mlp": ["1"]}, inputs={"cnn": lambda b: b[0].float(),
                                                                                 "mlp": flip}, progress=False)
-    acts = own_hooks({"cnn": ms["cnn"]}, {"cnn": ["3"]}, [(x.float(), y) for x, y in batches], "mean")
-    acts |= own_hooks({"mlp": ms["mlp"]}, {"mlp": ["1"]}, [(x.flip(2).float(), y) for x, y in batches], "mean")
+    acts = own_hooks({"cnn": ms["cnn"]}, {"cnn": ["3"]}, [(x.float(), y) for x, y in batches], "flatten")
+    acts |= own_hooks({"mlp": ms["mlp"]}, {"mlp": ["1"]}, [(x.flip(2).float(), y) for x, y in batches], "flatten")
     a, b = acts["cnn.3"], acts["mlp.1"]
     assert rep.pair("cnn.3", "mlp.1").cka == pytest.approx(cka_naive(a, b), abs=2e-6)
     assert rep.pair("cnn.3", "mlp.1").cka_debiased == pytest.approx(cka_debiased_naive(a, b), abs=2e-6)

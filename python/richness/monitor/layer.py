@@ -3,7 +3,8 @@ layer's output, pooled into rows, with no head and no labels, for
 self-supervised training; and the measures a Monitor's records carry.
 
 The Monitor's hook on the layer pools its output (``pooled_output``,
-``torch.batches.pool_rows``: mean over spatial positions or tokens) and
+``torch.batches.layer_pooler``: mean over the positions of a feature map,
+1-D or 2-D, or the tokens of a sequence, as the layer's module lays it out) and
 records the rows as a head's input would be; the window and every=1 routes then add them without
 outputs or labels, and the records carry RankMe, alpha-ReQ, the effective
 dimension and the participation ratio of the layer's representation
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..finish.diagnostics import CLASS_MEANS, MEASURES, SPECTRAL, check_measures
-from ..torch.batches import POOLS, pool_rows
+from ..torch.batches import POOLS, layer_layouts, layer_pooler, pool_rows
 from ..torch.hooks import resolve_head
 
 # What a record carries besides step, mode, n, dlr, rank, nc1, effective_dim and time.
@@ -50,15 +51,24 @@ def resolve_layer(model: Any, layer: Any) -> tuple:
     return resolved
 
 
-def pooled_output(name: str, pool: str) -> Callable[[Any], Any]:
+def pooled_output(name: str, pool: str, module: Any = None, layout: Any = None,
+                  model: Any = None) -> Callable[[Any], Any]:
     """What the features-only Monitor records of its layer's output: its
-    pooled rows (``pool_rows``), detached, with no outputs. A layer whose
-    output is not a tensor (nor a tuple starting with one) raises a
-    ValueError naming it, from the forward that made it; an unknown ``pool``
-    raises one here."""
-    if pool not in POOLS:
-        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-    return lambda out: pool_rows(out, name, pool).detach()
+    pooled rows (``layer_pooler``: in the layout ``module``, ``model``'s
+    submodule ``name``, decides, else in
+    ``layout``, ``"tokens"`` or ``"channels"`` or a dict ``{name: layout}``),
+    detached, with no outputs. A layer whose output is not a tensor (nor a
+    tuple starting with one), or a 3-D one whose layout neither its module
+    nor ``layout`` gives, raises a ValueError naming it, from the forward
+    that made it; an unknown ``pool`` or ``layout``, or a layout that
+    contradicts the module's, raises one here."""
+    given = layer_layouts(layout, [(name,)], "Monitor")[0]
+    if module is None:
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        return lambda out: pool_rows(out, name, pool, layout=given).detach()
+    rows = layer_pooler(name, module, pool, given, model=model)
+    return lambda out: rows(out).detach()
 
 
 def layer_rows(pending: list) -> Optional[tuple]:

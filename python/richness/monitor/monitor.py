@@ -120,6 +120,11 @@ class Monitor:
         pool: how a layer's output becomes rows (``"mean"`` over spatial
             positions or tokens, ``"first"``/``"last"`` token, ``"flatten"``;
             ``richness.torch.batches.pool_rows``).
+        layout: how the layer's 3-D output is laid out where its module does
+            not say (a custom block): ``"tokens"`` (batch, tokens, width) or
+            ``"channels"`` (batch, channels, positions); convolutions, pooling
+            and normalisation of 1-D maps are channels, Linear, LayerNorm,
+            attention and transformer layers tokens (``module_layout``).
         measures: representation diagnostics to add to each record (names
             from ``richness.finish.MEASURES`` or ``"all"``): RankMe, alpha-ReQ
             and the participation ratio from the window's eigenvalues (or, at
@@ -181,7 +186,8 @@ class Monitor:
                  probe: Any = None, log: Any = None, precision: Optional[str] = None, tokens: Any = "all",
                  batch_fn: Optional[Callable] = None, rtol: Optional[float] = None, prefix: str = "richness",
                  distributed: bool = False, lag: Optional[int] = None, first_step: int = 1,
-                 layer: Any = None, pool: str = "mean", measures: Any = None, wide_head: str = "weights") -> None:
+                 layer: Any = None, pool: str = "mean", measures: Any = None, wide_head: str = "weights",
+                 layout: Any = None) -> None:
         torch = require_torch("richness.Monitor")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -201,6 +207,8 @@ class Monitor:
         if layer is not None and (head is not None or probe is not None):
             raise ValueError("layer= is the features-only Monitor (no head, no probe): drop head= and probe=, "
                              "or drop layer=")
+        if layout is not None and layer is None:
+            raise ValueError("layout= tells how the output of layer= is laid out: give layer= or drop layout=")
         self.measures = monitor_measures(measures, layer)
         self.wide_head = wide_head
         self.model = model
@@ -235,7 +243,8 @@ class Monitor:
         if self.probe is None:
             self._forwards = ModelForwards(model, self._commit)
             if self._layer is not None:
-                self._capture = HeadHook(TrainingCapture(self, pooled_output(self._layer_name, pool)), self._layer)
+                pooled = pooled_output(self._layer_name, pool, self._layer, layout, model)
+                self._capture = HeadHook(TrainingCapture(self, pooled), self._layer)
             else:
                 self._capture = HeadHook(TrainingCapture(self), self._head, model=model, found=self._head_found)
         # Restored by close(). One core worker below 2^30 multiply-adds (the

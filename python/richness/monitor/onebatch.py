@@ -71,6 +71,7 @@ class GroupMeta(NamedTuple):
     sample_space: bool     # more outputs than samples: n x n forms
     e: int                 # the eigenvalues of each step's Gram (n, or 0 when not asked for)
     p: int = 0             # the features of each step's batch
+    r: int = 0             # the uncentered Gram's eigenvalues kept for RankMe (min(n, p), or 0)
 
 
 class BatchGroup(StepBuffer):
@@ -81,12 +82,15 @@ class BatchGroup(StepBuffer):
     reduction (Python, kernel launches, cold caches after the training step)
     are paid once per group."""
 
-    def __init__(self, parts: Dict[str, Any], lag: int, classes: int, eig: bool = False) -> None:
+    def __init__(self, parts: Dict[str, Any], lag: int, classes: int, eig: bool = False,
+                 raw_eig: bool = False) -> None:
         super().__init__(parts, lag)
         self.lag = lag
         feats, outs = parts["features"], parts.get("outputs")  # no outputs: a features-only Monitor
         self.x, self.f, self.y = self.bufs["features"], self.bufs.get("outputs"), self.bufs.get("labels")
         self.eig = eig  # the Gram's eigenvalues too (representation diagnostics)
+        # and the uncentered Gram's (RankMe), the min(n, p) largest
+        self.raw = min(int(feats.shape[0]), int(feats.shape[1])) if eig and raw_eig else 0
         self.classes = classes
         # NC1 needs only the classes present in a batch, at most n of them: with
         # more classes than samples (ImageNet's 1,000 and a batch of 256) each
@@ -168,8 +172,9 @@ class BatchGroup(StepBuffer):
         # G's eigenvalues are M's nonzero ones (docs/MATH.md, representation diagnostics)
         # (in the product precision: below fp32's cut of 1e-5 lambda_1 they are cut anyway)
         eig = torch.linalg.eigvalsh(G).to(f64).flip(-1).clamp_(min=0.0) if self.eig else None
+        eig_raw = self._raw_eig(j, G, pdt) if self.raw else None
         if self.f is None:  # features only: a non-finite step is marked as below
-            return GramRows(torch.where(finite, norm_m, torch.nan), None, None, eig=eig).pack()
+            return GramRows(torch.where(finite, norm_m, torch.nan), None, None, eig=eig, eig_raw=eig_raw).pack()
         F64 = self.f[:j].to(f64, copy=True)
         Fc64 = F64.sub_(F64.mean(dim=1, keepdim=True))
         finite &= _to_unit_spread(Fc64)
@@ -192,7 +197,7 @@ class BatchGroup(StepBuffer):
         if not self.sample_space:
             c = int(Fc.shape[2])
             Q = W[:, :c, :c]
-        rows = GramRows(norm_m, A, Q, eig=eig)
+        rows = GramRows(norm_m, A, Q, eig=eig, eig_raw=eig_raw)
         if labels:
             off = 0 if self.sample_space else c
             E = H[:, :, off:]  # Xc D^T
@@ -228,6 +233,21 @@ class BatchGroup(StepBuffer):
         Xc = self._centered(j, pdt)
         torch.bmm(Xc, Xc.transpose(1, 2), out=G)
         return G, torch.linalg.vector_norm(G, dim=(1, 2)).to(torch.float64)  # a float32 G's own accuracy
+
+    def _raw_eig(self, j: int, G: Any, pdt: Any) -> Any:
+        """The min(n, p) largest eigenvalues (float64, descending, >= 0) of each
+        step's uncentered Gram X X^T (RankMe takes the embeddings as given),
+        from the centered one: X = Xc + 1 mu^T, so X X^T = G + v 1^T + 1 v^T +
+        ||mu||^2 1 1^T with v = Xc mu (O(n p) a step, no second n x n x p
+        product), mu and the sum in float64."""
+        import torch
+
+        f64 = torch.float64
+        mu = self.x[:j].mean(dim=1, dtype=f64)  # steps x p
+        Xc = self.centered[:j] if self.centered is not None and self._centered_ready else self._centered(j, pdt)
+        v = torch.bmm(Xc, mu.to(pdt)[:, :, None]).to(f64)  # steps x n x 1
+        U = G.to(f64) + v + v.transpose(1, 2) + (mu * mu).sum(dim=1)[:, None, None]
+        return torch.linalg.eigvalsh(U).flip(-1).clamp_(min=0.0)[:, :self.raw]
 
     def _labels(self, j: int, pdt: Any) -> tuple:
         """(valid, counts, Yn) of the first ``j`` steps: which labels lie in
@@ -287,9 +307,11 @@ class OneBatchRoute:
     rows)`` finishes and emits a reduced group's records (``GroupMeta``)."""
 
     def __init__(self, lag: Optional[int], precision: Optional[str], rtol: Optional[float],
-                 finish_records: Callable[[GroupMeta, np.ndarray], None], eig: bool = False) -> None:
+                 finish_records: Callable[[GroupMeta, np.ndarray], None], eig: bool = False,
+                 raw_eig: bool = False) -> None:
         self.lag, self.precision, self.rtol = lag, precision, check_rtol(rtol)
         self.eig = eig  # reduce the Grams' eigenvalues too (spectral representation diagnostics)
+        self.raw_eig = raw_eig  # and the uncentered Grams' (RankMe)
         self.finish_records = finish_records
         self.group: Optional[BatchGroup] = None
         self.inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
@@ -314,7 +336,7 @@ class OneBatchRoute:
                 self.classes = (head.out_features if isinstance(head, torch.nn.Linear)
                                 else int(labels.max()) + 1)  # one sync, on the first group only
             lag = self.lag if self.lag is not None else (16 if feats.device.type == "cpu" else 64)
-            g = self.group = BatchGroup(parts, lag, self.classes or 0, self.eig)
+            g = self.group = BatchGroup(parts, lag, self.classes or 0, self.eig, self.raw_eig)
         g.add(parts, meta)
 
     def due(self, step: int) -> bool:
@@ -342,7 +364,7 @@ class OneBatchRoute:
             n = int(x.shape[1])
             meta = GroupMeta(list(g.metas), n, n if g.sample_space else (0 if f is None else int(f.shape[2])),
                              g.label_cols if g.y is not None else 0, rtol, g.sample_space, n if g.eig else 0,
-                             int(x.shape[2]))
+                             int(x.shape[2]), g.raw)
         finally:
             g.clear()  # the buffers are reused by the next group (same stream: ordered)
         if packed.device.type == "cuda":
@@ -377,7 +399,7 @@ def finish_group(v: np.ndarray, meta: GroupMeta, measures: tuple = ()) -> tuple:
     active = None
     if meta.c > 0:  # the last column: each step's active features (BatchGroup.reduce)
         v, active = v[:, :-1], v[:, -1]
-    rows = GramRows.unpack(v, meta.c, meta.k, meta.e)
+    rows = GramRows.unpack(v, meta.c, meta.k, meta.e, meta.r)
     extra = measures_of_gram_rows(rows, meta.rtol, measures)
     if active is None:
         none = [None] * steps

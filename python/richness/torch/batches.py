@@ -7,7 +7,7 @@ sample. Shared by ``richness.evaluate`` and ``richness.Monitor``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 
 def split_batch(batch: Any, batch_fn: Optional[Callable] = None) -> Tuple[Any, Any, Any]:
@@ -268,64 +268,267 @@ POOLS = ("mean", "flatten", "first", "last")
 # k such layers holds a float64 (sum of widths)^2 matrix (8 GiB at 32,768).
 FLATTEN_LIMIT = 16_384
 
+# How a layer's output of three or more dimensions is laid out: where its
+# channels (the width of a row) are and where its positions (pixels, time
+# steps, tokens) are. "sequence" is torch's (tokens, batch, width) of modules
+# built with batch_first=False; callers name only the first two.
+LAYOUTS = ("tokens", "channels")
+_SHAPES = {"tokens": "(batch, tokens, width)", "channels": "(batch, channels, *positions)",
+           "sequence": "(tokens, batch, width) (batch_first=False)"}
+_SAME = "same"  # elementwise modules: the output is laid out as their input
 
-def pool_rows(act: Any, name: str, pool: str = "mean", n: Optional[int] = None) -> Any:
-    """A layer's output as one row per sample.
 
-    Layouts follow torchvision / timm and Hugging Face: 4-D and wider outputs
-    are ``(N, C, *spatial)`` feature maps (channels first, whatever the memory
-    format), 3-D outputs are ``(N, T, D)`` token sequences, 2-D outputs are
-    rows already. A tuple or list (Hugging Face blocks return ``(hidden, ...)``)
-    gives its first tensor.
+def _module_types() -> Tuple[tuple, tuple, tuple]:
+    """(channels-first, channels-last, layout-preserving) module classes of torch.nn."""
+    import inspect
 
-    ``pool``: ``"mean"`` averages feature maps over their spatial positions and
-    sequences over their tokens (the width is C or D); ``"flatten"`` keeps every
-    value (refused past ``FLATTEN_LIMIT`` columns, the message giving the
-    memory it would need); ``"first"`` / ``"last"`` take one token of a
-    sequence (a ViT's class token, a causal model's last position).
-    ``n``: the rows expected (the batch size), checked when given."""
+    import torch.nn as nn
+
+    mods = nn.modules
+
+    def named(module: Any, *names: str) -> list:
+        return [c for c in (getattr(module, n, None) for n in names) if c is not None]
+
+    channels = tuple(
+        named(mods.conv, "_ConvNd")  # Conv1d/2d/3d, ConvTranspose*, the Lazy ones
+        + named(mods.batchnorm, "_BatchNorm")  # BatchNorm1d on (N, C, L), SyncBatchNorm
+        + named(mods.instancenorm, "_InstanceNorm")
+        + named(nn, "GroupNorm", "LocalResponseNorm", "CrossMapLRN2d", "Upsample", "PixelShuffle",
+                "PixelUnshuffle", "ChannelShuffle", "Fold", "Unfold", "FractionalMaxPool2d", "FractionalMaxPool3d")
+        + named(mods.pooling, "_MaxPoolNd", "_AvgPoolNd", "_AdaptiveAvgPoolNd", "_AdaptiveMaxPoolNd", "_LPPoolNd",
+                "_MaxUnpoolNd")
+        + named(mods.padding, "_ConstantPadNd", "_ReflectionPadNd", "_ReplicationPadNd", "_CircularPadNd"))
+    tokens = tuple(named(nn, "Linear", "Bilinear", "Embedding", "EmbeddingBag", "LayerNorm", "RMSNorm"))
+    same = tuple([c for c in vars(mods.activation).values()
+                  if inspect.isclass(c) and issubclass(c, nn.Module) and c.__module__ == mods.activation.__name__
+                  and c is not nn.MultiheadAttention]
+                 + named(mods.dropout, "_DropoutNd") + [nn.Identity])
+    return channels, tokens, same
+
+
+_TYPES: Optional[Tuple[tuple, tuple, tuple]] = None
+
+
+def _batch_first(module: Any) -> Optional[bool]:
+    """``batch_first`` of torch's attention, recurrent and transformer modules (None for others)."""
+    import torch.nn as nn
+
+    if isinstance(module, (nn.MultiheadAttention, nn.RNNBase, nn.Transformer)):
+        return bool(module.batch_first)
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return bool(module.self_attn.batch_first)
+    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)):
+        return bool(module.layers[0].self_attn.batch_first) if len(module.layers) else None
+    return None
+
+
+def _own_layout(module: Any) -> Optional[str]:
+    global _TYPES
+    if _chains(module):  # its output is its last child's that says
+        for child in reversed(list(module)):
+            kind = _own_layout(child)
+            if kind != _SAME:
+                return kind
+        return _SAME
+    first = _batch_first(module)
+    if first is not None:
+        return "tokens" if first else "sequence"
+    if _TYPES is None:
+        _TYPES = _module_types()
+    channels, tokens, same = _TYPES
+    if isinstance(module, channels):
+        return "channels"
+    if isinstance(module, tokens):
+        return "tokens"
+    if isinstance(module, same):
+        return _SAME
+    return None
+
+
+def _chains(module: Any) -> bool:
+    """Whether ``module`` is an ``nn.Sequential`` that runs its children in a chain (its forward not overridden)."""
+    import torch.nn as nn
+
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+def _input_layout(model: Any, name: str, module: Any) -> Optional[str]:
+    """The layout of what ``module`` (``model``'s submodule ``name``) is given,
+    where a chaining ``nn.Sequential`` says: its previous child's output, or
+    the Sequential's own input."""
+    parent_name, _, child = name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name)
+    except AttributeError:
+        return None
+    if not _chains(parent) or parent._modules.get(child) is not module:
+        return None
+    children = list(parent._modules.items())
+    at = [k for k, _ in children].index(child)
+    for _, sibling in reversed(children[:at]):
+        kind = _own_layout(sibling)
+        if kind != _SAME:
+            return kind
+    return _input_layout(model, parent_name, parent) if parent_name else None
+
+
+def module_layout(module: Any, model: Any = None, name: Optional[str] = None) -> Optional[str]:
+    """How ``module`` lays out an output of three or more dimensions, or None
+    where the module does not say (a custom module, an elementwise one).
+
+    ``"channels"`` (N, C, *positions): convolutions and transposed ones,
+    batch, instance and group normalisation, pooling, padding, upsampling.
+    ``"tokens"`` (N, *positions, D): Linear, Embedding, LayerNorm, RMSNorm, and
+    torch's attention, recurrent and transformer modules built with
+    ``batch_first=True``; ``"sequence"`` (T, N, D) those built without it.
+    An ``nn.Sequential`` is laid out as its last child that says; activations,
+    dropout and Identity keep their input's layout, which ``model`` tells
+    where the module (its submodule ``name``) follows others in an
+    ``nn.Sequential``."""
+    kind = _own_layout(module)
+    if kind == _SAME:
+        kind = _input_layout(model, name, module) if model is not None and name else None
+    return None if kind == _SAME else kind
+
+
+def check_layout(layout: Any, what: str = "layout") -> None:
+    """ValueError unless ``layout`` is None or one of ``LAYOUTS``."""
+    if layout is not None and (not isinstance(layout, str) or layout not in LAYOUTS):
+        raise ValueError(f"{what} must be one of {LAYOUTS} or None, got {layout!r}")
+
+
+def layer_layouts(layout: Any, keys: Sequence[Sequence[str]], caller: str) -> List[Optional[str]]:
+    """The layout given for each layer: ``layout`` is None (the modules
+    decide), one of ``LAYOUTS`` for every layer, or a mapping from a layer's
+    name (any of its ``keys``) to one. A name that is no layer's, or a
+    layer named twice, is a ValueError."""
+    if layout is None or isinstance(layout, str):
+        check_layout(layout)
+        return [layout] * len(keys)
+    if not isinstance(layout, Mapping):
+        raise TypeError(f"{caller}: layout must be {LAYOUTS[0]!r}, {LAYOUTS[1]!r}, None or a dict layer -> layout, "
+                        f"got {type(layout).__name__}")
+    out: List[Optional[str]] = []
+    used: List[Any] = []
+    for ks in keys:
+        hits = [k for k in ks if k in layout]
+        if len(hits) > 1:
+            raise ValueError(f"{caller}: layout names one layer twice: {hits}")
+        value = layout[hits[0]] if hits else None
+        check_layout(value, f"{caller}: layout[{hits[0]!r}]" if hits else "layout")
+        out.append(value)
+        used.extend(hits)
+    unknown = [k for k in layout if k not in used]
+    if unknown:
+        names = [ks[0] for ks in keys]
+        raise ValueError(f"{caller}: layout names {unknown}, which are not among the layers {names}")
+    return out
+
+
+def layer_pooler(name: str, module: Any, pool: str, layout: Optional[str] = None, *, model: Any = None,
+                 path: Optional[str] = None) -> Callable[..., Any]:
+    """``rows(output, n=None)``: ``pool_rows`` of ``module``'s output in the
+    layout its module decides (``module_layout``, ``module`` being ``model``'s
+    submodule ``path``, by default ``name``), else in ``layout`` (what the
+    caller gave for this layer); a layout given that contradicts the
+    module's is a ValueError here, as is an unknown ``pool``."""
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    check_layout(layout)
+    kind = module_layout(module, model, name if path is None else path)
+    source = type(module).__name__
+    if layout is not None and kind is not None and layout != kind:
+        raise ValueError(f"layout={layout!r} for layer {name!r}, but its module ({source}) gives "
+                         f"{_SHAPES[kind]}: drop the layout for that layer")
+    resolved = kind if kind is not None else layout
+
+    def rows(act: Any, n: Optional[int] = None) -> Any:
+        return pool_rows(act, name, pool, n, layout=resolved, source=source)
+    return rows
+
+
+def pool_rows(act: Any, name: str, pool: str = "mean", n: Optional[int] = None, *, layout: Optional[str] = None,
+              source: str = "") -> Any:
+    """A layer's output as one row per sample.
+
+    2-D outputs are rows already. Outputs of three or more dimensions are read
+    in ``layout``: ``"channels"`` (N, C, *positions: a convolution's map,
+    whatever the memory format), ``"tokens"`` (N, *positions, D: a sequence of
+    tokens), ``"sequence"`` (T, N, D: torch's batch_first=False), or None
+    (the module does not say): 4-D and wider outputs are then read as
+    channels first (torchvision / timm), and a 3-D one, which is either, is a
+    ValueError asking for the layout (except with ``"flatten"``, which needs
+    none). ``layer_pooler`` gives the layout from the module. A tuple or list
+    (Hugging Face blocks return ``(hidden, ...)``, ``nn.MultiheadAttention``
+    ``(output, weights)``) gives its first tensor.
+
+    ``pool``: ``"mean"`` averages over the positions (the width is C or D);
+    ``"flatten"`` keeps every value (refused past ``FLATTEN_LIMIT`` columns,
+    the message giving the memory it would need); ``"first"`` / ``"last"``
+    take the first / last position of a 3-D output (a ViT's class token, a
+    causal model's last position). ``n``: the rows expected (the batch size),
+    checked when given. ``source`` names the module in messages."""
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    if layout is not None and layout not in _SHAPES:
+        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    what = f"layer {name!r}"
+    which = what + (f" ({source})" if source else "")
     if isinstance(act, (tuple, list)):
         if not act:
-            raise ValueError(f"layer {name!r} returned an empty {type(act).__name__}, not a tensor")
+            raise ValueError(f"{what} returned an empty {type(act).__name__}, not a tensor")
         act = act[0]
     if not hasattr(act, "ndim") or not hasattr(act, "shape"):
-        raise ValueError(f"layer {name!r} returned a {type(act).__name__}, not a tensor")
+        raise ValueError(f"{what} returned a {type(act).__name__}, not a tensor")
     if act.ndim < 2:
-        raise ValueError(f"layer {name!r} gave shape {tuple(act.shape)}: need (batch, width), "
+        raise ValueError(f"{what} gave shape {tuple(act.shape)}: need (batch, width), "
                          "(batch, tokens, width) or (batch, channels, *spatial)")
+    if layout == "sequence" and act.ndim == 3:
+        act, layout = act.transpose(0, 1), "tokens"
     if n is not None and act.shape[0] != n:
-        raise ValueError(f"layer {name!r} gave {act.shape[0]} rows but the batch has {n} samples")
+        raise ValueError(f"{what} gave {act.shape[0]} rows but the batch has {n} samples")
     rows = act.shape[0]
-    if pool in ("first", "last"):
-        if act.ndim != 3:
-            raise ValueError(f"pool={pool!r} takes a token of a (batch, tokens, width) output; layer {name!r} "
-                             f"gave shape {tuple(act.shape)}")
-        return act[:, 0 if pool == "first" else -1, :]
-    if pool == "flatten":
+    if pool == "flatten" and act.ndim > 2:
         width = 1
         for s in act.shape[1:]:
             width *= int(s)
         if width > FLATTEN_LIMIT:
-            raise ValueError(f"pool='flatten' gives layer {name!r} {width:,} columns (shape {tuple(act.shape)}), past "
-                             f"the limit of {FLATTEN_LIMIT:,}: its float64 covariance alone would need "
-                             f"{8 * width * width / 2**30:,.1f} GiB; use pool='mean'")
+            raise ValueError(f"pool='flatten' gives {which} {width:,} columns (shape {tuple(act.shape)}), past the "
+                             f"limit of {FLATTEN_LIMIT:,}: flattened, its float64 covariance alone would need "
+                             f"{8 * width * width / 2**30:,.1f} GiB; pool='mean' averages it over its positions "
+                             "instead (a smaller, different representation)")
         return act.reshape(rows, width)
-    if act.ndim == 3:
-        return act.mean(dim=1)
-    if act.ndim > 3:
-        return act.flatten(2).mean(dim=2)
-    return act
+    if act.ndim == 2:  # rows already (whatever the pool)
+        if pool in ("first", "last"):
+            raise ValueError(f"pool={pool!r} takes a position of a 3-D output; {what} gave shape "
+                             f"{tuple(act.shape)} (rows already)")
+        return act
+    if layout is None:
+        if act.ndim == 3:
+            raise ValueError(f"{which} gave a 3-D output of shape {tuple(act.shape)}, either (batch, tokens, width) "
+                             "or (batch, channels, positions), and its module does not say which: pass "
+                             f"layout='tokens' or layout='channels' (or layout={{{name!r}: ...}} for this layer "
+                             "alone)")
+        layout = "channels"
+    if pool in ("first", "last"):
+        if act.ndim != 3:
+            raise ValueError(f"pool={pool!r} takes a position of a 3-D output (batch, tokens, width) or (batch, "
+                             f"channels, positions); {what} gave shape {tuple(act.shape)}")
+        at = 0 if pool == "first" else -1
+        return act[:, at, :] if layout == "tokens" else act[:, :, at]
+    if layout == "tokens":
+        return act.mean(dim=1) if act.ndim == 3 else act.flatten(1, -2).mean(dim=1)
+    return act.flatten(2).mean(dim=2)
 
 
-def layer_rows(act: Any, n: int, name: str) -> Any:
+def layer_rows(act: Any, n: int, name: str, pooler: Optional[Callable[..., Any]] = None) -> Any:
     """A layer's output as one row per sample for ``evaluate(layers=...)``:
-    ``pool_rows`` with ``"mean"`` (feature maps over positions, sequences over
-    tokens). Layers are profiled per sample, so their batch size must match the
-    head's rows (2-D head inputs)."""
-    first = act[0] if isinstance(act, (tuple, list)) and act else act
-    if hasattr(first, "shape") and first.shape[0] != n:
-        raise ValueError(f"layer {name!r} gave {first.shape[0]} rows but the head saw {n} samples "
+    ``pooler(act)`` (``layer_pooler`` with ``"mean"``: feature maps over
+    positions, sequences over tokens), else ``pool_rows`` with ``"mean"``.
+    Layers are profiled per sample, so their rows must match the head's
+    (2-D head inputs)."""
+    rows = pooler(act) if pooler is not None else pool_rows(act, name, "mean")
+    if rows.shape[0] != n:
+        raise ValueError(f"layer {name!r} gave {rows.shape[0]} rows but the head saw {n} samples "
                          "(layer profiles need one head row per sample: 2-D head inputs)")
-    return pool_rows(act, name, "mean")
+    return rows

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 from .._moments import Moments
 from .._report import Report
 from .batches import (UNSHIFTED, TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs,
-                       labels_are_inputs, layer_rows, select_rows, shift_for_next_token, split_batch, to_device)
+                       labels_are_inputs, layer_layouts, layer_pooler, layer_rows, select_rows,
+                       shift_for_next_token, split_batch, to_device)
 from .hooks import HeadHook, Latest, pooled_rows, resolve_head, resolve_layers
 from .._optional import require_torch, require_tqdm
 from .threads import BlasThreads
@@ -73,19 +74,27 @@ def progress_bar(loader: Iterable, desc: str) -> Any:
 def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = None, precision: Optional[str] = None,
             progress: bool = True, batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all",
             desc: str = "richness", allow_empty: bool = False,
-            layers: Optional[Sequence] = None, shift_labels: bool = False) -> Tuple[Moments, Any]:
+            layers: Optional[Sequence] = None, shift_labels: bool = False,
+            layout: Union[None, str, Mapping[str, str]] = None) -> Tuple[Moments, Any]:
     """One pass over ``loader``: ``(Moments, head module)``. With an ``nn.Linear``
     head only features (and labels) are streamed: DLR then uses the head's
     weights (docs/MATH.md, linear-head shortcut); other heads stream their outputs.
     With ``layers``, the second item is ``(head module, {name: Moments})``: each
-    listed layer's activations streamed against the model's outputs."""
+    listed layer's activations streamed against the model's outputs, each
+    averaged over its positions in the layout its module decides or
+    ``layout`` gives (``layer_pooler``)."""
     torch = require_torch("richness.evaluate")
     check_tokens(tokens)
     resolved = resolve_head(model, head)
     dev = torch.device(device) if device is not None else model_device(model)
+    named_layers = resolve_layers(model, layers)
+    if layout is not None and not named_layers:
+        raise ValueError("evaluate: layout= tells how the outputs of layers= are laid out; give layers= or drop "
+                         "layout=")
+    given = layer_layouts(layout, [(name,) for name, _ in named_layers], "evaluate")
+    poolers = {name: layer_pooler(name, mod, "mean", g, model=model) for (name, mod), g in zip(named_layers, given)}
     bar = progress_bar(loader, desc) if progress else None
     moments = Moments(precision=precision)
-    named_layers = resolve_layers(model, layers)
     layer_moments = {name: Moments(precision=precision) for name, _ in named_layers}
     layer_io = [(name, Latest()) for name, _ in named_layers]
     layer_hooks = [HeadHook(io, mod) for (_, io), (_, mod) in zip(layer_io, named_layers)]
@@ -132,7 +141,7 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
                         raise ValueError(f"the head {type(head_mod).__name__} did not return a tensor")
                     moments.update(feats, outs, **lk)
                 for name, io in layer_io:
-                    act = layer_rows(io.take()[1], feats.shape[0], name)
+                    act = layer_rows(io.take()[1], feats.shape[0], name, poolers[name])
                     layer_moments[name].update(act, outs, **lk)
                 del feats, outs, lk
                 if bar is not None:
@@ -152,16 +161,17 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
     return moments, head_mod
 
 
-def merge_ranks(distributed: Optional[bool]) -> bool:
-    """``evaluate(distributed=...)``: None = whether a process group is initialised."""
+def merge_ranks(distributed: Optional[bool], caller: str = "evaluate") -> bool:
+    """``caller(distributed=...)`` (``evaluate``, ``similarity``): None = whether a
+    process group is initialised; messages name ``caller``."""
     if distributed is not None and not isinstance(distributed, bool):
-        raise TypeError(f"distributed must be True, False or None, got {type(distributed).__name__}")
-    torch = require_torch("richness.evaluate")
+        raise TypeError(f"{caller}: distributed must be True, False or None, got {type(distributed).__name__}")
+    torch = require_torch(f"richness.{caller}")
     initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed is None:
         return initialised
     if distributed and not initialised:
-        raise RuntimeError("evaluate(distributed=True) needs an initialised torch.distributed process group "
+        raise RuntimeError(f"{caller}(distributed=True) needs an initialised torch.distributed process group "
                            "(torch.distributed.init_process_group); the default distributed=None merges only "
                            "when there is one")
     return distributed
@@ -170,7 +180,8 @@ def merge_ranks(distributed: Optional[bool]) -> bool:
 def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Optional[Iterable] = None,
              device: Any = None, precision: Optional[str] = None, progress: bool = True,
              batch_fn: Optional[Callable] = None, tokens: TokensSpec = "all", distributed: Optional[bool] = None,
-             rtol: Optional[float] = None, layers: Optional[Sequence] = None, shift_labels: bool = False) -> Report:
+             rtol: Optional[float] = None, layers: Optional[Sequence] = None, shift_labels: bool = False,
+             layout: Union[None, str, Mapping[str, str]] = None) -> Report:
     """DLR, spectrum, curves and NC1 of ``model`` on the samples of ``loader``.
 
     Args:
@@ -209,16 +220,24 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
             measured, in the same pass, against the span of the model's outputs:
             ``report.layers`` maps each name to its Report (DLR by depth; the
             paper reports the strongest low-rank bias at the last layer).
-            Feature maps (batch, C, H, W) are averaged over positions.
+            Each output is averaged over its positions: feature maps
+            (batch, C, H, W) and the (batch, C, L) maps of 1-D convolutions
+            over positions, (batch, T, D) sequences over tokens, as the
+            layer's module decides (``richness.torch.batches.module_layout``).
+        layout: for a layer whose module does not say how its 3-D output is
+            laid out (a custom block): ``"tokens"`` (batch, tokens, width) or
+            ``"channels"`` (batch, channels, positions), for every layer or as
+            a dict layer name -> layout. Without it such a layer is a
+            ValueError naming it.
 
     Runs under ``torch.no_grad()``; hooks are removed on exit, also after an
     exception; the core's BLAS uses at most ``torch.get_num_threads()``
     threads (one for small batches; see ``BlasThreads``).
     """
-    distributed = merge_ranks(distributed)
+    distributed = merge_ranks(distributed, "evaluate")
     moments, head_mod = collect(model, loader, head=head, device=device, precision=precision, progress=progress,
                                 batch_fn=batch_fn, tokens=tokens, allow_empty=distributed, layers=layers,
-                                shift_labels=shift_labels)
+                                shift_labels=shift_labels, layout=layout)
     layer_moments = {}
     if layers:
         head_mod, layer_moments = head_mod

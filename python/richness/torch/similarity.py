@@ -2,10 +2,11 @@
 CKA between their layers.
 
 Forward hooks (``HeadHook``) on the named layers capture each output under
-``torch.no_grad()``; ``pool_rows`` turns it into one row per sample; every
-batch's rows go into one ``Similarity`` as ``"model.layer"``. No activation
-outlives its batch, and the hooks are removed when the pass ends (also after
-an error).
+``torch.no_grad()``, each model's in its own forward (a module shared by two
+models is captured once for each); ``layer_pooler`` turns it into one row per
+sample (flattened by default, as in the CKA literature); every batch's rows
+go into one ``Similarity`` as ``"model.layer"``. No activation outlives its
+batch, and the hooks are removed when the pass ends (also after an error).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from .._optional import require_torch
 from .._similarity import Similarity, SimilarityReport
-from .batches import batch_size_of, call_model, pool_rows, split_batch, to_device
+from .batches import batch_size_of, call_model, layer_layouts, layer_pooler, split_batch, to_device
 from .evaluate import merge_ranks, model_device, progress_bar, eval_mode
 from .hooks import HeadHook, resolve_layers
 
@@ -80,22 +81,35 @@ def _input_fns(inputs: Any, names: List[str]) -> Dict[str, Optional[Callable]]:
                     f"got {type(inputs).__name__}")
 
 
-def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], *, pool: str = "mean",
+def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], *, pool: str = "flatten",
+               layout: Union[None, str, Mapping[str, str]] = None,
                inputs: Union[None, Callable, Mapping[str, Callable]] = None, distributed: Optional[bool] = None,
                precision: Optional[str] = None, progress: bool = True) -> SimilarityReport:
     """Exact linear CKA between layers of one or more models over ``loader``.
 
     Args:
         models: a ``torch.nn.Module`` (named ``"model"``) or a dict name -> module.
+            Models may share modules: each model's layers are captured in its
+            own forward.
         loader: batches as ``evaluate`` reads them (a tensor, ``(x, y)``, or a dict
             of keyword arguments); labels are ignored.
         layers: dotted module names (or submodules), one list for every model or
             a dict model name -> list. A name that does not exist raises a
             ValueError listing the model's submodules.
         pool: how an output becomes one row per sample (``pool_rows``):
-            ``"mean"`` over positions / tokens, ``"flatten"`` (refused past the
-            width limit, with the memory it would need), ``"first"`` /
-            ``"last"`` token.
+            ``"flatten"`` (default: every value of a feature map or sequence
+            in one row, the representation of the CKA literature, Kornblith
+            et al. 2019, and of CKA libraries; refused past the width limit,
+            the message giving the memory it would need), ``"mean"`` over
+            positions / tokens (another quantity: the CKA of the averaged
+            maps), ``"first"`` / ``"last"`` position.
+        layout: how a 3-D output is laid out where its module does not say
+            (``module_layout``: convolutions, pooling and normalisation of 1-D
+            maps are ``(batch, channels, positions)``; Linear, Embedding,
+            LayerNorm, attention and transformer layers ``(batch, tokens,
+            width)``): ``"tokens"`` or ``"channels"`` for every layer, or a
+            dict layer name (or ``"model.layer"``) -> layout. Only ``"mean"``,
+            ``"first"`` and ``"last"`` need it.
         inputs: what each model is fed: None (every model gets the batch's
             inputs), a callable ``batch -> inputs`` for all models, or a dict
             model name -> callable (a ViT and a CNN at different resolutions).
@@ -109,7 +123,7 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
     ``torch.no_grad()``; every hook is removed on return or on error.
     """
     torch = require_torch("richness.similarity")
-    merge = merge_ranks(distributed)
+    merge = merge_ranks(distributed, "similarity")
     mods = _as_models(models)
     names = list(mods)
     per_model = _as_layers(layers, names)
@@ -118,38 +132,51 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
     order = [f"{n}.{ln}" for n in names for ln, _ in resolved[n]]
     if len(set(order)) != len(order):
         raise ValueError(f"similarity: a layer is named twice: {order}")
+    hooked = [(n, ln, mod) for n in names for ln, mod in resolved[n]]
+    given = layer_layouts(layout, [(ln, f"{n}.{ln}") for n, ln, _ in hooked], "similarity")
+    poolers = {f"{n}.{ln}": layer_pooler(f"{n}.{ln}", mod, pool, g, model=mods[n], path=ln)
+               for (n, ln, mod), g in zip(hooked, given)}
     sim = Similarity(precision=precision)
     captured: Dict[str, Any] = {}
-    state = {"n": 0}
+    widths: Dict[str, int] = {}
+    state: Dict[str, Any] = {"n": 0, "model": None}
 
-    def tap(key: str):
+    def tap(model_name: str, key: str):
         def fn(_inputs, out):
+            if state["model"] != model_name:  # a module shared with the model running now
+                return
             if key in captured:
-                raise ValueError(f"similarity: layer {key!r} ran twice in one forward pass (a shared module); "
-                                 "hook a module that runs once per sample")
-            captured[key] = pool_rows(out, key, pool, state["n"]).detach()
+                raise ValueError(f"similarity: layer {key!r} ran twice in one forward pass of model "
+                                 f"{model_name!r}; hook a module that runs once per sample")
+            captured[key] = poolers[key](out, state["n"]).detach()
         return fn
 
     hooks = []
+    batches = 0
     bar = progress_bar(loader, "richness similarity") if progress else None
     try:
-        for n in names:
-            for ln, mod in resolved[n]:
-                hooks.append(HeadHook(tap(f"{n}.{ln}"), mod))
+        for n, ln, mod in hooked:
+            hooks.append(HeadHook(tap(n, f"{n}.{ln}"), mod))
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for m in mods.values():
                 stack.enter_context(eval_mode(m))
             for batch in loader:
+                batches += 1
                 captured.clear()
                 for n in names:
                     feed = feeds[n]
                     x = feed(batch) if feed is not None else split_batch(batch)[0]
-                    state["n"] = batch_size_of(x)
-                    call_model(mods[n], to_device(x, model_device(mods[n])))
+                    state["n"], state["model"] = batch_size_of(x), n
+                    try:
+                        call_model(mods[n], to_device(x, model_device(mods[n])))
+                    finally:
+                        state["model"] = None
                 missing = [k for k in order if k not in captured]
                 if missing:
                     raise ValueError(f"similarity: layers {missing} did not run in the forward pass")
                 rows = {k: captured[k] for k in order}
+                if pool == "flatten":
+                    _check_widths(rows, widths)
                 dev = rows[order[0]].device
                 sim.update({k: v.to(dev) for k, v in rows.items()})
                 captured.clear()
@@ -163,4 +190,22 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
             bar.close()
     if merge:
         sim.all_reduce()
+        if sim.n == 0:
+            raise ValueError("similarity: the loaders of all ranks gave no samples")
+    elif batches == 0:
+        raise ValueError("similarity: the loader gave no batches")
+    elif sim.n == 0:
+        raise ValueError(f"similarity: the loader gave {batches} batches of no samples")
     return sim.compute()
+
+
+def _check_widths(rows: Dict[str, Any], widths: Dict[str, int]) -> None:
+    """A flattened layer whose width changes between batches (sequences padded
+    to each batch's length) is a ValueError naming it, before the update."""
+    for k, v in rows.items():
+        w = int(v.shape[1])
+        if widths.setdefault(k, w) != w:
+            raise ValueError(f"similarity: layer {k!r} flattened to {w:,} columns in this batch and "
+                             f"{widths[k]:,} before: pool='flatten' needs outputs of one shape in every batch "
+                             "(sequences padded to each batch's length are not); pool='mean' or pool='last' "
+                             "gives one width")
