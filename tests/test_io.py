@@ -70,7 +70,7 @@ def test_file_needs_no_pickle(tmp_path):
     with np.load(path, allow_pickle=False) as z:
         assert "meta" in z.files
         meta = json.loads(z["meta"].tobytes().decode())
-    assert meta["format"] == "richness.moments" and meta["version"] == 1
+    assert meta["format"] == "richness.moments" and meta["version"] == 2
     assert meta["n"] == 120
 
 
@@ -219,7 +219,7 @@ BAD_FILES = {
     "not a zip": (lambda raw: b"this is a text file, not a richness state\n" * 20, r"not a richness state"),
     "foreign npz": (foreign_npz, r"not a richness state \(no meta entry\)"),
     "pickled object array": (pickled_npz, r"not a richness state"),
-    "wrong version": (lambda raw: rewrite(raw, set_("version", 2)), r"unsupported state version 2"),
+    "wrong version": (lambda raw: rewrite(raw, set_("version", 3)), r"unsupported state version 3"),
     "wrong format": (lambda raw: rewrite(raw, set_("format", "other.tool")), r"not a richness state.*other\.tool"),
     "meta missing n": (lambda raw: rewrite(raw, drop("n")), r"missing entries: n"),
     "meta missing checksum": (lambda raw: rewrite(raw, drop("sha256")), r"missing entries: sha256"),

@@ -59,7 +59,7 @@ def assert_matches_reference(state):
         np.testing.assert_allclose(state[key], want[key], rtol=1e-12, atol=1e-12, err_msg=key)
 
 
-def with_field(monkeypatch, field, version=2):
+def with_field(monkeypatch, field, version=_statefile.VERSION + 1):
     """The schema with ``field`` appended and the format version bumped, as a
     release that adds a field would have it (Python lists only: the core keeps
     its own, so these tests stay at the loader)."""
@@ -101,11 +101,11 @@ def test_a_file_written_under_a_new_field_holds_it_and_records_the_new_version(m
         _state.checked(dict(st, Z=np.zeros(3)))
     with_field(monkeypatch, _state.Field("D", ("p", "c")))
     st["D"] = np.arange(6.0).reshape(3, 2)
-    _statefile.save_state(st, tmp_path / "v2.npz")
-    again = _state.checked(_statefile.load_state(tmp_path / "v2.npz"))
+    _statefile.save_state(st, tmp_path / "new_field.npz")
+    again = _state.checked(_statefile.load_state(tmp_path / "new_field.npz"))
     assert_matches_reference(again)
     assert np.array_equal(again["D"], st["D"])
-    assert json.loads(np.load(tmp_path / "v2.npz")["meta"].tobytes().decode())["version"] == 2
+    assert json.loads(np.load(tmp_path / "new_field.npz")["meta"].tobytes().decode())["version"] == _statefile.VERSION
 
 
 def test_a_torchmetrics_state_dict_from_before_a_field_is_refused_by_name(monkeypatch):
@@ -132,11 +132,11 @@ def with_version(raw, version):
 
 
 @pytest.mark.parametrize("version,pattern", [
-    (2, r"unsupported state version 2 \(written by a newer richness: update richness to read it\); this richness "
-        r"reads versions 1 to 1"),
-    (0, r"unsupported state version 0; this richness reads versions 1 to 1"),
-    ("1", r"unsupported state version '1'; this richness reads versions 1 to 1"),
-    (True, r"unsupported state version True; this richness reads versions 1 to 1"),
+    (3, r"unsupported state version 3 \(written by a newer richness: update richness to read it\); this richness "
+        r"reads versions 1 to 2"),
+    (0, r"unsupported state version 0; this richness reads versions 1 to 2"),
+    ("1", r"unsupported state version '1'; this richness reads versions 1 to 2"),
+    (True, r"unsupported state version True; this richness reads versions 1 to 2"),
 ])
 def test_a_file_from_a_newer_or_unknown_version_is_refused(tmp_path, version, pattern):
     path = tmp_path / "future.npz"

@@ -212,6 +212,7 @@ class GroupedBackend(Lockable):
         self.parts: List[CoreBackend] = [make() for _ in range(groups)]
         self.device = self.parts[0].device
         self._next = 0
+        self.seed = seed
         self._rng = None if seed is None else np.random.default_rng(seed)
         self._pending: Optional[int] = None
         # One update or merge at a time: the group rotation moves only after
@@ -241,15 +242,32 @@ class GroupedBackend(Lockable):
                 self._advance()
 
     def merge(self, other: Any) -> None:
+        """Another state: a grouped one of as many groups group by group (its
+        group i into group i: the groups stay k disjoint parts of the samples,
+        and the rotation does not move); any other whole into one group."""
         with self._lock:  # compatibility with the whole: Moments.merge checked it (_state.check_compatible)
+            if isinstance(other, GroupedBackend):
+                if len(other.parts) != len(self.parts):
+                    raise ValueError(f"cannot merge: this state keeps {len(self.parts)} groups, the other "
+                                     f"{len(other.parts)}")
+                parts = []
+                for mine, theirs in zip(self.parts, other.parts):  # on copies: a refused merge changes nothing
+                    part = mine.empty_like()
+                    part.from_state(mine.to_state())
+                    part.merge(theirs)
+                    parts.append(part)
+                self.parts = parts
+                return
             self.parts[self._pick()].merge(other)
             self._advance()
 
     def reset(self) -> None:
         for part in self.parts:
             part.reset()
-        self._next = 0
-        self._pending = None
+        if self._rng is None:  # in turn: from the first group again
+            self._next = 0
+            self._pending = None
+        # at random: the draws go on (a group already drawn for the next batch stays drawn)
 
     @property
     def n(self) -> int:
@@ -304,6 +322,30 @@ class GroupedBackend(Lockable):
             part.from_state(st)
             parts.append(part)
         self.parts = parts
+
+    def grouped_state(self) -> tuple:
+        """The state of all samples and the ``groups`` entry of a state dict
+        (``_state.GROUPS``), read together: the groups' states and where the
+        assignment stands (the group the next update goes to, and the random
+        generator's state after that group was drawn)."""
+        with self._lock:
+            nxt = self._pick()  # at random: drawn now rather than at the next update (the same draw)
+            entry = {"states": self.group_states(), "next": nxt,
+                     "seed": int(self.seed) if isinstance(self.seed, (int, np.integer)) else None,
+                     "rng": None if self._rng is None else self._rng.bit_generator.state}
+            return self.whole().to_state(), entry
+
+    def load_groups(self, entry: dict) -> None:
+        """Load a checked ``groups`` entry (``_state.checked_groups``): its
+        states, and the assignment where it stood."""
+        self.load_group_states(entry["states"])
+        self.seed = entry["seed"]
+        if entry["rng"] is None:
+            self._rng, self._next, self._pending = None, entry["next"], None
+        else:
+            rng = np.random.default_rng()
+            rng.bit_generator.state = entry["rng"]
+            self._rng, self._next, self._pending = rng, 0, entry["next"]
 
     def leave_one_out_states(self) -> List[dict]:
         """The k states without one group each, from prefix and suffix merges

@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import threading
+import warnings
 from typing import Any, Optional, cast
 
 import numpy as np
@@ -21,11 +22,8 @@ from ._report import Report
 # core checks the name and the block size when the device accumulator is made).
 _PRODUCT = re.compile(r"[a-z_]+(:[0-9]{1,9})?")
 
-# The largest Moments(groups=k). Each group is a whole state (its p x p Gram
-# alone is 8 p^2 bytes: 2 MiB at p = 512, so 1024 groups fill 2 GiB), and the
-# jackknife's standard error gains little past a few dozen groups; a larger
-# k is a typo or a unit mistake, refused before anything is allocated.
-MAX_GROUPS = 1024
+# The largest Moments(groups=k) (_state.MAX_GROUPS: also the bound of a saved file's groups).
+MAX_GROUPS = _state.MAX_GROUPS
 
 
 class Moments(Lockable):
@@ -221,9 +219,16 @@ class Moments(Lockable):
         """Add another state (Chan et al. pairwise merge; exact up to rounding)."""
         if not isinstance(other, Moments):
             raise TypeError(f"merge expects a Moments, got {type(other).__name__}")
+        if self._groups is not None and other._groups is not None and self._groups != other._groups:
+            raise ValueError(f"cannot merge: this Moments keeps {self._groups} groups, the other {other._groups} "
+                             "(group i merges into group i: merge Moments of the same groups=k)")
         _state.check_compatible([self._widths(), other._widths()])  # the rule of every merge, one wording
         if other._backend is None or other.n == 0:
             return
+        if self._groups is None and other._groups is not None:
+            _warn(f"merging a Moments(groups={other._groups}) into a Moments without groups: its samples are "
+                  "added, its groups are not kept (compute(uncertainty=True) needs them): to keep them, merge into a "
+                  f"Moments(groups={other._groups})")
         device = self._device if self._backend is not None else other._device
         self._backend_for(cast(str, device)).merge(other._backend)  # a Moments with a backend has a device
 
@@ -352,16 +357,42 @@ class Moments(Lockable):
         return backend.whole().export_into(arrays)
 
     def state_dict(self) -> dict:
-        """A float64 numpy copy of the state (symmetric matrices filled)."""
-        if self._backend is None:
-            return _state.empty(self.num_classes)
-        return self._backend.to_state()
+        """A float64 numpy copy of the state (symmetric matrices filled).
+
+        With ``groups=k`` it also holds the groups in one more entry,
+        ``"groups"``: ``{"states": [k state dicts], "next": the group the
+        next update goes to, "seed": group_seed, "rng": the random
+        generator's state (None for groups in turn)}``; the other entries are
+        the state of all samples, as without groups. ``load_state_dict`` of
+        a ``Moments`` of the same ``groups`` restores them, and the
+        assignment goes on as it would have."""
+        if self._groups is None:
+            return _state.empty(self.num_classes) if self._backend is None else self._backend.to_state()
+        if self._backend is None:  # no batch yet: k empty groups, the assignment at its start
+            seed = self._group_seed
+            entry = {"states": [_state.empty(self.num_classes) for _ in range(self._groups)], "next": 0,
+                     "seed": int(seed) if isinstance(seed, (int, np.integer)) else None, "rng": None}
+            if seed is not None:
+                rng = np.random.default_rng(seed)
+                entry["next"] = int(rng.integers(self._groups))  # the draw _pick makes (GroupedBackend)
+                entry["rng"] = rng.bit_generator.state
+            return dict(_state.empty(self.num_classes), **{_state.GROUPS: entry})
+        whole, entry = self._grouped().grouped_state()
+        whole[_state.GROUPS] = entry
+        return whole
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the state with ``state``. It is validated first (shapes,
         types, and the invariants every real state satisfies: class counts
         adding up to ``n``, class sums to ``n`` times the mean, no negative
-        variance); on error nothing changes."""
+        variance); on error nothing changes.
+
+        A state with ``"groups"`` (``state_dict`` of a ``Moments(groups=k)``)
+        loads into a ``Moments`` of the same ``groups=k`` only (a ValueError
+        naming both counts otherwise): its groups and the assignment of the
+        next updates are restored. A state without groups loads into a
+        ``Moments(groups=k)`` as one block in the first group (the jackknife
+        then needs later updates to fill the others)."""
         self._load(state, gram=True)
 
     def _load_own_state_dict(self, state: dict) -> None:
@@ -374,12 +405,29 @@ class Moments(Lockable):
         self._load(state, gram=False)
 
     def _load(self, state: dict, gram: bool) -> None:
+        entry = None
+        if isinstance(state, dict) and _state.GROUPS in state:
+            count = _state.group_count(state[_state.GROUPS])
+            if count != self._groups:
+                mine = "keeps none (groups=None)" if self._groups is None else f"keeps {self._groups}"
+                raise ValueError(f"the state holds {count} groups, this Moments {mine}: load it into a "
+                                 f"Moments(groups={count}), or drop its {_state.GROUPS!r} entry to load the state "
+                                 "of all its samples")
+            entry = state[_state.GROUPS]
+            state = {k: v for k, v in state.items() if k != _state.GROUPS}
         state = _state.checked(state, gram=gram)
         w = _state.widths_of(state)
         self._check_num_classes([state])
         device = self._device or "cpu"
         backend = self._new_backend(device)
-        backend.from_state(state)  # validates in the core; raises before anything changes
+        if entry is None:
+            backend.from_state(state)  # validates in the core; raises before anything changes
+        else:
+            groups = _state.checked_groups(entry, state, gram=gram)
+            grouped = cast(GroupedBackend, backend)
+            grouped.load_groups(groups)  # each group validated in the core
+            _state.check_groups_add_up(state, grouped.to_state())
+            self._group_seed = groups["seed"]
         self._backend = backend
         self._device = device
         self.num_classes = None if w["num_classes"] < 0 else w["num_classes"]
@@ -395,8 +443,10 @@ class Moments(Lockable):
         foreign files and files of a newer richness with a ValueError naming
         the file."""
         state = _statefile.load_state(path)
-        m = cls(device=device or "cpu")
         try:  # the archive is intact; its entries may still not form a valid state
+            entry = state.get(_state.GROUPS)
+            groups = None if entry is None else _state.group_count(entry)
+            m = cls(device=device or "cpu", groups=groups, group_seed=None if entry is None else entry["seed"])
             m.load_state_dict(state)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{os.fspath(path)}: not a valid richness state ({e})") from None
@@ -412,6 +462,12 @@ class Moments(Lockable):
             return "Moments(empty)"
         groups = "" if self._groups is None else f", groups={self._groups}"
         return f"Moments(n={self.n}, p={self._backend.widths()['p']}, device={self._device!r}{groups})"
+
+
+def _warn(msg: str) -> None:
+    from .torch.evaluate import RichnessWarning
+
+    warnings.warn(msg, RichnessWarning, stacklevel=3)
 
 
 def batch_precision(precision: Optional[str], batch: Batch) -> str:

@@ -131,6 +131,102 @@ def shape_of(field: Field, widths: Dict[str, int]) -> Tuple[int, ...]:
     return tuple(max(int(widths[a]), 0) for a in field.axes)
 
 
+# The largest Moments(groups=k). Each group is a whole state (its p x p Gram
+# alone is 8 p^2 bytes: 2 MiB at p = 512, so 1024 groups fill 2 GiB), and the
+# jackknife's standard error gains little past a few dozen groups; a larger
+# k is a typo or a unit mistake, refused before anything is allocated.
+MAX_GROUPS = 1024
+
+# The entry of a Moments(groups=k) state dict that holds its groups (beside
+# the state of all its samples, which every other reader of a state dict reads):
+#   {"states": [k state dicts], "next": the group the next update or merge goes
+#    to, "seed": the group_seed (an int) or None, "rng": None for groups in
+#    turn, else the state of the random generator that draws the groups}.
+GROUPS = "groups"
+GROUP_KEYS: Tuple[str, ...] = ("states", "next", "seed", "rng")
+
+
+def group_count(entry: object) -> int:
+    """The number of groups a ``groups`` entry holds (ValueError if it is not
+    a dict of ``GROUP_KEYS`` with a list of 2 to ``MAX_GROUPS`` states)."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"state entry {GROUPS!r} must be a dict, got {type(entry).__name__}")
+    if sorted(entry) != sorted(GROUP_KEYS):
+        raise ValueError(f"state entry {GROUPS!r} must have the keys {', '.join(GROUP_KEYS)}; it has "
+                         f"{', '.join(sorted(map(str, entry)))}")
+    states = entry["states"]
+    if not isinstance(states, (list, tuple)) or not 2 <= len(states) <= MAX_GROUPS:
+        raise ValueError(f"state entry {GROUPS!r} must hold a list of 2 to {MAX_GROUPS} group states, got "
+                         f"{len(states) if isinstance(states, (list, tuple)) else type(states).__name__}")
+    return len(states)
+
+
+def check_rng_state(rng: object) -> None:
+    """Raise unless ``rng`` is a state of numpy's default generator (PCG64)."""
+    try:
+        np.random.default_rng().bit_generator.state = rng  # type: ignore[assignment]  # checked by the setter
+    except (TypeError, ValueError, KeyError, OverflowError) as e:
+        raise ValueError(f"state entry {GROUPS!r}: 'rng' is not the state of numpy's default random "
+                         f"generator ({type(e).__name__}: {e})") from None
+
+
+def checked_groups(entry: object, whole: dict, *, gram: bool = True) -> dict:
+    """The ``groups`` entry of a Moments(groups=k) state dict, validated (each
+    group as ``checked``) against ``whole``, the state of all its samples
+    (``checked`` already): the groups hold the same widths, the same fixed
+    num_classes and, between them, ``n`` samples. That their merge equals the
+    whole is checked where they are merged (``check_groups_add_up``)."""
+    k = group_count(entry)
+    assert isinstance(entry, dict)
+    states = []
+    for i, st in enumerate(entry["states"]):
+        try:
+            states.append(checked(st, gram=gram))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"group {i} of {k}: {e}") from None
+    metas = [widths_of(s) for s in states]
+    check_compatible(metas + [widths_of(whole)])
+    nc = {m["num_classes"] for m in metas}
+    if nc != {whole["num_classes"]}:
+        raise ValueError(f"the groups fix num_classes {sorted(nc)}, the whole state {whole['num_classes']}")
+    total = sum(m["n"] for m in metas)
+    if total != whole["n"]:
+        raise ValueError(f"the groups hold {total} samples between them, the whole state n={whole['n']}")
+    nxt = entry["next"]
+    if isinstance(nxt, (bool, np.bool_)) or not isinstance(nxt, (int, np.integer)) or not 0 <= nxt < k:
+        raise ValueError(f"state entry {GROUPS!r}: 'next' must be a group index in [0, {k}), got {nxt!r}")
+    seed = entry["seed"]
+    if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer))
+                             or seed < 0):
+        raise ValueError(f"state entry {GROUPS!r}: 'seed' must be None or a non-negative integer, got {seed!r}")
+    rng = entry["rng"]
+    if rng is not None:
+        check_rng_state(rng)
+    return {"states": states, "next": int(nxt), "seed": None if seed is None else int(seed), "rng": rng}
+
+
+def check_groups_add_up(whole: dict, merged: dict) -> None:
+    """Raise unless ``merged`` (the merge of a state dict's groups) is its
+    ``whole`` state: the same widths and precision, equal class counts, and
+    every float within ``INVARIANT_RTOL`` of the field's magnitude (the two
+    are merges of the same groups; a whole edited apart from its groups, or
+    groups apart from their whole, is refused)."""
+    w, m = widths_of(whole), widths_of(merged)
+    if w != m or whole["precision"] != merged["precision"]:
+        raise ValueError(f"the groups merge to widths {m} in {merged['precision']}, but the whole state has "
+                         f"{w} in {whole['precision']}: they do not belong together")
+    for f in FIELDS:
+        a, b = np.asarray(whole[f.name]), np.asarray(merged[f.name])
+        if f.dtype == np.int64:
+            same = np.array_equal(a, b)
+        else:
+            scale = max(float(np.abs(a).max(initial=0.0)), float(np.abs(b).max(initial=0.0)))
+            same = bool(np.all(np.abs(a - b) <= INVARIANT_RTOL * scale))
+        if not same:
+            raise ValueError(f"state entry {f.name!r} is not the merge of the state's groups: the whole and "
+                             "its groups do not belong together")
+
+
 def empty(num_classes: Optional[int] = None) -> dict:
     """The state of a Moments that has seen nothing."""
     st: dict = {"n": 0, "p": -1, "c": -1, "t": -1, "k": -1,
@@ -203,6 +299,9 @@ def checked(state: dict, *, gram: bool = True) -> dict:
     if missing:
         raise ValueError(f"state is missing entries: {', '.join(missing)}")
     extra = sorted(str(k) for k in state if k not in SCALARS + FIELD_NAMES)
+    if extra == [GROUPS]:
+        raise ValueError(f"state has a {GROUPS!r} entry: it is the state dict of a Moments(groups=k), which only "
+                         "Moments.load_state_dict reads (drop the entry for the state of all its samples)")
     if extra:
         raise ValueError(f"state has unknown entries: {', '.join(extra)}")
     w = widths_of(state)

@@ -9,6 +9,12 @@ Versions: a file records the ``VERSION`` that wrote it. A file of a newer
 version is refused, naming both versions; members the schema does not know
 are refused, never ignored. An older file loads when it holds every field of
 the schema; a field it predates is refused by name.
+
+Version 2 adds the groups of a ``Moments(groups=k)``: ``meta["groups"]``
+holds the assignment (``next``, ``seed``, ``rng``) and each group's scalar
+fields (``states``), and each group's arrays are members named
+``group{i}.{field}``. A file without groups (every version-1 file) is the
+state alone, read as before.
 """
 
 from __future__ import annotations
@@ -22,17 +28,17 @@ import stat
 import tempfile
 import time
 import zipfile
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from ._bounded_io import check_memory, npz_members, open_regular, read_member
-from ._state import FIELDS, SCALARS, shape_of, widths_of
+from ._state import FIELDS, MAX_GROUPS, SCALARS, shape_of, widths_of
 from ._state import FLOAT_FIELDS as FLOATS
 from ._state import INT_FIELDS as INTS
 
 FORMAT = "richness.moments"
-VERSION = 1  # bumped by every change of the schema (docs/ARCHITECTURE.md, "Adding things")
+VERSION = 2  # bumped by every change of the schema (docs/ARCHITECTURE.md, "Adding things"); 2: groups
 
 
 def _digest(arrays: dict, scalars: dict, extra: Optional[dict] = None) -> str:
@@ -52,22 +58,77 @@ def _digest(arrays: dict, scalars: dict, extra: Optional[dict] = None) -> str:
     return h.hexdigest()
 
 
+class Member(NamedTuple):
+    """A further array of a layout: its shape and dtype (a plain shape tuple means float64)."""
+
+    shape: Tuple[int, ...]
+    dtype: type
+
+
 class Layout(NamedTuple):
     """A kind of saved state: the Moments layout (its fields and scalars) plus
-    ``extra`` metadata keys (covered by the checksum) and ``members``, further
-    arrays whose shapes follow from the metadata and widths."""
+    ``extra`` metadata keys (covered by the checksum), ``optional`` ones (the
+    same, where present) and ``members``, further arrays whose shapes (a
+    ``Member`` where the dtype is not float64) follow from the metadata and
+    widths."""
 
     format: str
     version: int
     noun: str
     writer: str
     extra: Tuple[str, ...] = ()
-    members: Callable[[dict, Dict[str, int]], Dict[str, Tuple[int, ...]]] = lambda meta, widths: {}
+    members: Callable[[dict, Dict[str, int]], Dict[str, Any]] = lambda meta, widths: {}
+    optional: Tuple[str, ...] = ()
+
+
+GROUPS = "groups"
+
+
+def _group_member(i: int, name: str) -> str:
+    return f"group{i}.{name}"
+
+
+def _group_members(meta: dict, widths: Dict[str, int]) -> Dict[str, Any]:
+    """The members of a file's groups (``meta["groups"]``; none without it),
+    from each group's widths."""
+    if GROUPS not in meta:
+        return {}
+    entry = meta[GROUPS]
+    if not isinstance(entry, dict) or sorted(entry) != ["next", "rng", "seed", "states"]:
+        raise ValueError("its groups entry is not a dict of next, rng, seed and states")
+    states = entry["states"]
+    if not isinstance(states, list) or not 2 <= len(states) <= MAX_GROUPS:
+        raise ValueError(f"its groups entry holds {len(states) if isinstance(states, list) else 'no list of'} "
+                         f"states, not 2 to {MAX_GROUPS}")
+    out = {}
+    for i, st in enumerate(states):
+        if not isinstance(st, dict) or sorted(st) != sorted(SCALARS):
+            raise ValueError(f"group {i}'s entry does not hold the scalars {', '.join(SCALARS)}")
+        w = widths_of(st)
+        for f in FIELDS:
+            out[_group_member(i, f.name)] = Member(shape_of(f, w), f.dtype)
+    return out
+
+
+def _nest_groups(state: dict) -> dict:
+    """A read file's flat entries as a state dict: the groups' members and
+    scalars gathered into the ``groups`` entry (``_state.GROUPS``)."""
+    if GROUPS not in state:
+        return state
+    entry = state[GROUPS]
+    states = []
+    for i, scalars in enumerate(entry["states"]):
+        st = dict(scalars)
+        for f in FIELDS:
+            st[f.name] = state.pop(_group_member(i, f.name))
+        states.append(st)
+    state[GROUPS] = {"states": states, "next": entry["next"], "seed": entry["seed"], "rng": entry["rng"]}
+    return state
 
 
 def moments_layout() -> Layout:
     """The layout of ``Moments.save`` files at this module's current version."""
-    return Layout(FORMAT, VERSION, "richness state", "Moments.save")
+    return Layout(FORMAT, VERSION, "richness state", "Moments.save", members=_group_members, optional=(GROUPS,))
 
 
 def _umask() -> int:
@@ -160,8 +221,15 @@ def save_state(state: dict, path: "os.PathLike | str") -> None:
     provably stale). A file saved over keeps its permission bits; a new file
     gets the ones ``open`` would give it under the umask."""
     arrays = {k: np.asarray(state[k]) for k in FLOATS + INTS}
-    meta = {"format": FORMAT, "version": VERSION, **{k: state[k] for k in SCALARS},
-            "sha256": _digest(arrays, state)}
+    extra = {}
+    if GROUPS in state:  # a Moments(groups=k): each group's arrays, its scalars and the assignment in meta
+        entry = state[GROUPS]
+        for i, st in enumerate(entry["states"]):
+            arrays.update({_group_member(i, k): np.asarray(st[k]) for k in FLOATS + INTS})
+        extra[GROUPS] = {"next": entry["next"], "seed": entry["seed"], "rng": entry["rng"],
+                         "states": [{k: st[k] for k in SCALARS} for st in entry["states"]]}
+    meta = {"format": FORMAT, "version": VERSION, **{k: state[k] for k in SCALARS}, **extra,
+            "sha256": _digest(arrays, state, extra)}
     write_archive(path, meta, arrays)
 
 
@@ -288,6 +356,7 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged, layout: Layout) ->
         more = layout.members(meta, widths)
     except (TypeError, ValueError) as e:
         raise bad(f"not a valid {noun} ({e})") from None
+    more = {k: v if isinstance(v, Member) else Member(tuple(v), np.float64) for k, v in more.items()}
     missing = sorted(set(more) - set(members))
     if missing:
         raise bad(f"missing entries: {', '.join(missing)}")
@@ -302,20 +371,21 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged, layout: Layout) ->
                       f"give {want})")
         if head.dtype != np.dtype(f.dtype):
             raise bad(f"entry {f.name} has dtype {head.dtype}, expected {np.dtype(f.dtype)}")
-    for name, want in more.items():
+    for name, (want, dtype) in more.items():
         head = members[name].header
-        if head.shape != want or head.dtype != np.float64:
+        if head.shape != want or head.dtype != np.dtype(dtype):
             raise bad(f"not a valid {noun} (entry {name} has shape {head.shape} and dtype {head.dtype}, the file's "
-                      f"widths give {want} float64)")
-    check_memory(state_bytes(widths), f"{path}: the state at p={widths['p']}")
+                      f"widths give {want} {np.dtype(dtype)})")
+    further = sum(int(np.prod(m.shape, dtype=object)) * np.dtype(m.dtype).itemsize for m in more.values())
+    check_memory(state_bytes(widths) + further, f"{path}: the state at p={widths['p']}")
     try:
         data = {k: read_member(zf, m) for k, m in members.items() if k != "meta"}  # in the order written
     except damaged as e:
         raise bad(f"not a {noun}, or truncated or corrupted ({e})") from None
-    kept = {k: meta[k] for k in layout.extra}
+    kept = {k: meta[k] for k in layout.extra + layout.optional if k in meta}
     if _digest(data, meta, kept) != meta["sha256"]:
         raise bad("checksum mismatch: the file is corrupted")
     state = {k: meta[k] for k in SCALARS}
     state.update(data)
     state.update(kept)
-    return state
+    return _nest_groups(state) if layout.format == FORMAT else state
