@@ -42,8 +42,11 @@ class Moments(Lockable):
         groups: keep the samples in ``groups`` sub-states (k >= 2), so that
             ``compute(uncertainty=True)`` gives a delete-one-group jackknife
             standard error at the cost of k merges, never a second pass. Each
-            ``update`` (and each ``merge``) goes whole to one group: in turn, or
-            at random when ``group_seed`` is given. Costs k times the memory
+            ``update`` (and each ``merge`` of a state without groups) goes whole
+            to one group: in turn, or at random when ``group_seed`` is given; a
+            ``Moments`` of the same ``groups=k`` merges group i into group i.
+            ``save``, ``state_dict`` and copies keep the groups and where the
+            assignment stands. Costs k times the memory
             (k float64 states of ``8 (p^2 + pC + C^2 + ...)`` bytes once filled);
             at most ``MAX_GROUPS`` (1024).
         group_seed: seed for the random assignment of updates to groups.
@@ -216,7 +219,11 @@ class Moments(Lockable):
         return None
 
     def merge(self, other: "Moments") -> None:
-        """Add another state (Chan et al. pairwise merge; exact up to rounding)."""
+        """Add another state (Chan et al. pairwise merge; exact up to rounding).
+        With ``groups=k``: another ``Moments(groups=k)`` group by group, one
+        without groups into one group; other group counts are refused. A
+        grouped state merged into one without groups adds its samples and
+        warns that its groups are not kept."""
         if not isinstance(other, Moments):
             raise TypeError(f"merge expects a Moments, got {type(other).__name__}")
         if self._groups is not None and other._groups is not None and self._groups != other._groups:
