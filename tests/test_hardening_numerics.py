@@ -120,7 +120,7 @@ def test_one_batch_route_records_before_a_bad_step_reach_the_log(tmp_path):
     assert [r["dlr"] is None for r in lines] == [i == 12 for i in range(20)]
 
 
-# -- NC1 near collapse: float32 products resolve it to their floor, and say so below it ----
+# -- NC1 near collapse: float32 products resolve it to 10%, or say so ----
 
 @pytest.mark.parametrize("K,p,n,bs", [(4, 16, 400, 400), (10, 64, 2000, 500), (3, 8, 300, 300)])
 @pytest.mark.parametrize("spread,mean", [(1e-6, 0.0), (1e-4, 0.0), (1e-3, 0.0), (1e-2, 0.0), (1e-3, 1e6),
@@ -143,7 +143,8 @@ def test_nc1_near_collapse_float32_is_right_or_flagged(K, p, n, bs, spread, mean
         if flagged:
             assert dtype is np.float32 and want < 1.5e-4 and "fp32 products" in flagged[0]
         else:
-            assert rep.nc1 == pytest.approx(want, rel=1e-2 if dtype is np.float32 else 1e-4)
+            # unflagged: within 10% (the caveat's criterion, docs/MATH.md, NC1)
+            assert rep.nc1 == pytest.approx(want, rel=1e-1 if dtype is np.float32 else 1e-4)
     if spread <= 1e-4:  # deep in collapse: float32 products must say so
         m = richness.Moments()
         m.update(X, labels=y)

@@ -18,11 +18,10 @@ def nc1_reliable(precision: str) -> bool:
     return precision_mode(precision).resolves_nc1
 
 
-def _nc1_of_grams(DDt, DMD, counts, n, rtol: float) -> tuple:
-    """(nc1, defined, scale) of ``nc1_from_grams``; ``scale`` is NC1 with
-    Sigma_W replaced by the total spread M / n along each direction (about
-    (K - 1) / K): a relative rounding error e of the products leaves about
-    e * scale in NC1 (``nc1_floor``)."""
+def _nc1_of_grams(DDt, DMD, counts, n, rtol: float, DdD=None) -> tuple:
+    """(nc1, defined, rounding) of ``nc1_from_grams``; with ``DdD`` =
+    D diag(M) D^T, ``rounding`` is NC1's rounding scale (``nc1_with_scale``),
+    else None."""
     xp = ns(DDt)
     s, U = eigh_desc((DDt + xp.swapaxes(DDt, -1, -2)) / 2)
     keep = kept(s, rtol)
@@ -34,8 +33,11 @@ def _nc1_of_grams(DDt, DMD, counts, n, rtol: float) -> tuple:
     K = f64((counts > 0).sum(axis=-1))
     kk = xp.clip(K, 1.0, None)
     value = xp.where(keep, vwv / (safe / kk[..., None]), 0.0).sum(axis=-1) / kk
-    scale = xp.where(keep, (vmv / n) / (safe / kk[..., None]), 0.0).sum(axis=-1) / kk
-    return xp.clip(value, 0.0, None), (K >= 2) & keep[..., 0], scale
+    rounding = None
+    if DdD is not None:  # v^T diag(M) v = u^T D diag(M) D^T u / s
+        vdv = xp.einsum("...ij,...ij->...j", DdD @ U, U) / safe
+        rounding = xp.where(keep, (vdv / n) / (safe / kk[..., None]), 0.0).sum(axis=-1) / kk
+    return xp.clip(value, 0.0, None), (K >= 2) & keep[..., 0], rounding
 
 
 def nc1_from_grams(DDt, DMD, counts, n, rtol: float) -> tuple:
@@ -50,15 +52,17 @@ def nc1_from_grams(DDt, DMD, counts, n, rtol: float) -> tuple:
 
 
 def nc1_from_class_means(D, counts, n: float, M, rtol: float) -> tuple:
-    """(NC1 or None, its rounding scale, see ``_nc1_of_grams``) of one state
+    """(NC1 or None, its rounding scale, see ``nc1_with_scale``) of one state
     from the centered class means D (K x p, classes present), their counts, n
     and M. With K <= p from the K x K Grams (an SVD of D cost 3-9x more), else
     from the p x p between-class scatter."""
     xp = ns(D)
     K, p = D.shape
+    diag = xp.diagonal(M)
     if K <= p:
-        value, defined, scale = _nc1_of_grams(D @ D.T, (D @ M) @ D.T, counts, n, rtol)
-        return (float(value) if bool(defined) else None), float(scale)
+        value, defined, rounding = _nc1_of_grams(D @ D.T, (D @ M) @ D.T, counts, n, rtol,
+                                                 DdD=(D * diag[None, :]) @ D.T)
+        return (float(value) if bool(defined) else None), float(rounding)
     s, V = eigh_desc(D.T @ D)
     keep = s > rtol * s[0]
     if not bool(keep.any()):
@@ -67,27 +71,50 @@ def nc1_from_class_means(D, counts, n: float, M, rtol: float) -> tuple:
     dv = D @ Vt.T
     vmv = xp.einsum("ij,ij->i", Vt @ M, Vt)
     vwv = (vmv - (counts[:, None] * dv * dv).sum(axis=0)) / n
-    scale = float(xp.sum((vmv / n) / (s[keep] / K))) / K
-    return max(float(xp.sum(vwv / (s[keep] / K))) / K, 0.0), scale
+    rounding = float(xp.sum((((Vt * Vt) @ diag) / n) / (s[keep] / K))) / K
+    return max(float(xp.sum(vwv / (s[keep] / K))) / K, 0.0), rounding
 
 
-# The relative rounding of one product's entries, by product precision. NC1
-# is a difference of nearly equal matrices near collapse: errors of fp32
-# products of float32 inputs measured up to 0.06 of 64 eps times NC1's scale,
-# and 100% or more below it; 1024 eps times the scale is where NC1 is good to
-# about 1% (docs/MATH.md, NC1).
+# The relative rounding of one product's entries, by product precision.
 PRODUCT_EPS = {"fp64": float(np.finfo(np.float64).eps), "fp32": float(np.finfo(np.float32).eps)}
 
+# NC1's rounding error in units of eps times its rounding scale (``nc1_with_scale``).
+# Only M comes from the products (the class means are float64 sums), and
+# Sigma_W is M less the between-class scatter, so near collapse NC1 keeps
+# M's rounding whole. An entry of M carries an error of about eps
+# sqrt(M_jj M_ll) of random sign, so along a direction v of Sigma_B the error
+# of v^T M v is about eps v^T diag(M) v: not eps v^T M v, which is p / K times
+# larger for class means spread over the features, because the errors of
+# the p^2 entries average out along such a v. Float32 inputs, fp32 products
+# on the CPU against fp64 products of the same inputs, 650 random states (2
+# to 12 classes, p = 4 to 64, 500 to 16000 samples in batches of 256 rows to
+# all of them, class means along the axes or spread out): |error| / (eps
+# scale) had median 0.25, 99th percentile 1.9 and maximum 2.7 where NC1 was
+# resolved, so 4 bounds it. Inputs whose float32 values repeat within a class
+# (a mean 1e3 or more times the within-class spread, features cast from
+# bfloat16) round coherently: up to 6.1 was measured there, so a value
+# given without a warning may be off by up to about 15% rather than 10%
+# (docs/MATH.md, NC1).
+NC1_ROUNDING = 4.0
 
-def nc1_floor(precision: str, scale: float) -> float:
-    """The smallest NC1 that products of ``precision`` give to about 1%, for a
-    state whose NC1 rounding scale is ``scale`` (``nc1_from_class_means``)."""
-    return 1024.0 * PRODUCT_EPS.get(precision, 1.0) * scale
+# NC1 is reported without a caveat while its rounding bound is at most this
+# fraction of it.
+NC1_RESOLVED = 0.1
+
+
+def nc1_error(precision: str, rounding: float) -> float:
+    """A bound on the rounding error of NC1 from products of ``precision``, for
+    a state whose rounding scale is ``rounding`` (``nc1_with_scale``)."""
+    return NC1_ROUNDING * PRODUCT_EPS.get(precision, 1.0) * rounding
 
 
 def nc1_with_scale(st: dict, rtol: float) -> tuple:
     """(NC1 = tr(Sigma_W Sigma_B^+) / K or None, its rounding scale) (Papyan et
-    al. 2020; docs/MATH.md, NC1); the classes present only."""
+    al. 2020; docs/MATH.md, NC1); the classes present only. The rounding
+    scale is sum_i (v_i^T diag(M) v_i / n) / lambda_i / K over the kept
+    eigenpairs (lambda_i, v_i) of Sigma_B: NC1 with the within-class spread
+    along v_i replaced by the total spread of the features that v_i weighs
+    (``NC1_ROUNDING``)."""
     if st["k"] <= 0:
         return None, 0.0
     counts = f64(st["class_counts"])

@@ -17,7 +17,7 @@ import numpy as np
 
 from ._xp import ns
 from .dlr import default_rtol, dlr_of_state, dlr_values, span_of_grams
-from .nc1 import nc1_floor, nc1_from_grams, nc1_reliable, nc1_with_scale
+from .nc1 import NC1_RESOLVED, nc1_error, nc1_from_grams, nc1_reliable, nc1_with_scale
 
 
 def check_rtol(rtol: Optional[float]) -> Optional[float]:
@@ -46,18 +46,21 @@ def too_few_samples(n: int) -> Optional[str]:
 
 def nc1_reported(st: dict, rtol: float) -> tuple:
     """(NC1 or None, warning or None): NC1 only with labels, and only from
-    products that resolve within-class spread (``nc1_reliable``)."""
+    products that resolve within-class spread (``nc1_reliable``); a value
+    whose rounding bound (``nc1_error``) passes ``NC1_RESOLVED`` of it is
+    given with a warning."""
     if st["k"] <= 0:
         return None, None
     if not nc1_reliable(st["precision"]):
         return None, f"NC1 not reported: {st['precision']} products cannot resolve within-class spread"
-    value, scale = nc1_with_scale(st, rtol)
-    floor = nc1_floor(st["precision"], scale)
-    if value is not None and value < floor:
-        return value, (f"NC1 = {value:.3g} is below {floor:.1g}, the smallest value {st['precision']} products "
-                       "give to 1% here (the within-class spread is near their rounding level): the true NC1 is "
-                       f"below about {floor:.1g}, this value may be off by 100% or more; float64 inputs or "
-                       "precision='fp64' resolve it")
+    value, rounding = nc1_with_scale(st, rtol)
+    error = nc1_error(st["precision"], rounding)
+    if value is not None and error > NC1_RESOLVED * value:
+        remedy = "" if st["precision"] == "fp64" else "; float64 inputs or precision='fp64' resolve it"
+        return value, (f"NC1 = {value:.3g} may be off by more than {NC1_RESOLVED:.0%}: {st['precision']} products "
+                       f"leave a rounding error of up to about {error:.1g} in it here (the within-class spread is "
+                       f"near their rounding level; NC1 is resolved to {NC1_RESOLVED:.0%} above about "
+                       f"{error / NC1_RESOLVED:.1g}){remedy}")
     return value, None
 
 
