@@ -84,6 +84,23 @@ def test_cka_does_not_depend_on_the_scale(scale):
     assert richness.cka(x, y, debiased=True) == pytest.approx(debiased_ref(x, y), rel=1e-9)
 
 
+@pytest.mark.parametrize("scale", [1e38, 1e-42, 1e-60])
+def test_the_finish_scales_before_squaring(scale, monkeypatch):
+    import richness._similarity as sim
+
+    monkeypatch.setattr(sim, "_SAFE_LOG2", 10 ** 6, raising=False)  # a state held at the given scale
+    data = {k: v * scale for k, v in reps(15).items()}
+    s = stream(data, (45,))
+    st = s.state_dict()
+    assert (st["scale"] == 1.0).all()
+    del st["scale"]  # as a state written before scales were kept
+    t = Similarity()
+    t.load_state_dict(st)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        close(t.compute(), data)
+
+
 def test_representations_at_different_scales_in_one_state():
     data = reps(2)
     data = {"r0": data["r0"] * 1e38, "r1": data["r1"] * 1e-42, "r2": data["r2"]}
@@ -183,6 +200,15 @@ def test_all_reduce_of_ranks_at_different_scales(tmp_path):
         assert res["n"] == 80
         np.testing.assert_allclose(res["cka"], b, rtol=1e-9)
         np.testing.assert_allclose(res["deb"], d, rtol=1e-9)
+
+
+def test_a_later_batch_too_small_for_the_state_names_the_representations():
+    data = reps(16)
+    s = stream({k: v[:50] for k, v in data.items()}, ())
+    n = s.n
+    with pytest.raises(ValueError, match=r"representations \['r0', 'r1', 'r2'\] vary by at most [0-9.]+e-2[0-9]{2}"):
+        s.update({k: v[50:] * 1e-250 for k, v in data.items()})
+    assert s.n == n
 
 
 # -- names ----------------------------------------------------------------------------------------------------

@@ -336,9 +336,15 @@ class Similarity:
             raise ValueError(too_large)
         try:
             self._moments.update(joint)  # validated by the core; on error nothing changed
-        except ValueError as e:
+        except ValueError as e:  # the core names the joint batch "features": say which representation
             if "too large" in str(e) or "overflow" in str(e) or "non-finite" in str(e):
                 raise ValueError(_too_large(names, xs, joint, force=True)) from None
+            if "vary by at most" in str(e):
+                spread = max(_range(x) for x in xs)
+                raise ValueError(f"update: the representations {names} vary by at most {spread:.3g} (as given), "
+                                 "too little at the scale this state holds them (fixed by its first batch): their "
+                                 "squares underflow; rescale them alike in every batch; the batch was not added") \
+                    from None
             raise
         if self._names is None:
             self._names, self._widths, self._shift, self._scale = names, widths, shift, scale
@@ -601,9 +607,10 @@ def _too_large(names: List[str], xs: List[Any], joint: Any, force: bool = False)
     magnitude as given; "" when every norm column is finite (unless ``force``:
     then the one of largest squared norm is named)."""
     k = len(xs)
-    worst = [_largest(joint[:, joint.shape[1] - k + r]) for r in range(k)]
-    if not force and all(math.isfinite(w) for w in worst):
+    tail = joint[:, joint.shape[1] - k:]
+    if not force and math.isfinite(_largest(tail)):  # one check (one device sync) for the usual batch
         return ""
+    worst = [_largest(tail[:, r]) for r in range(k)]
     r = int(np.argmax(worst))
     x = xs[r]
     mag = _largest(x)
@@ -611,6 +618,13 @@ def _too_large(names: List[str], xs: List[Any], joint: Any, force: bool = False)
     return (f"update: representation {names[r]!r} is too large: its largest magnitude {mag:.3g} gives squared row "
             f"norms past {kind} at the scale this state holds it (fixed by its first batch); rescale it alike in "
             "every batch; the batch was not added")
+
+
+def _range(x: Any) -> float:
+    """The largest column range (max - min) of a batch, in float64."""
+    if _is_torch(x):
+        return float((x.amax(dim=0) - x.amin(dim=0)).max())
+    return float((x.max(axis=0).astype(np.float64) - x.min(axis=0)).max())
 
 
 def _largest(col: Any) -> float:
