@@ -15,16 +15,26 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import richness  # noqa: E402
-from reference import dlr_naive, nc1_naive  # noqa: E402
+from richness.finish import rtol_for  # noqa: E402
+from richness.finish.isotropic import isotropic_dlr  # noqa: E402
+from reference import center_rows, dlr_naive, nc1_naive  # noqa: E402
 from test_monitor import train_with_monitor  # noqa: E402
 from tiny_models import make  # noqa: E402
 
 EVERY, WINDOW, STEPS, BS = 2, 2, 4, 40
 
 
-def train(log):
+def isotropic_reference(H, F, rtol):
+    """DLR of isotropic features at H's n, its active features (float64 variance above rtol
+    times the largest) and the logits' rank at the cut rtol."""
+    var = center_rows(H).var(axis=0)
+    return isotropic_dlr(H.shape[0], int((var > rtol * var.max()).sum()), dlr_naive(H, F, rtol)[1])
+
+
+def train(log, iso=None):
     """STEPS SGD steps under a Monitor(every=2, window=2) sending to ``log``; the oracle's
-    DLR and NC1 of each window, from the head's input and output grabbed by a hook."""
+    DLR and NC1 of each window, from the head's input and output grabbed by a hook (and in
+    ``iso`` by step, its isotropic reference at the float32 products' cut)."""
     window, want = [], {}
 
     def check(step, HF, yb, rec, model):
@@ -32,6 +42,8 @@ def train(log):
         if step % EVERY == 0:
             H, F, labels = (np.concatenate([w[i] for w in window[-WINDOW:]]) for i in range(3))
             want[step] = (dlr_naive(H, F)[0], nc1_naive(H, labels), H.shape[0])
+            if iso is not None:
+                iso[step] = isotropic_reference(H, F, rtol_for("fp32"))
 
     *_, mon = train_with_monitor({"every": EVERY, "window": WINDOW, "log": log}, steps=STEPS, bs=BS, seed=3,
                                  record_window=check)
@@ -80,7 +92,8 @@ def test_wandb_offline_run_receives_the_records(tmp_path, monkeypatch, how):
         # the training loop's own values at its own step count must not push ours out of order
         for s in range(10):
             run.log({"loss": 1.0 / (s + 1)})
-        want = train("wandb" if how == "active run" else run)
+        iso = {}
+        want = train("wandb" if how == "active run" else run, iso)
         summary = dict(run.summary)
     finally:
         run.finish()
@@ -92,6 +105,8 @@ def test_wandb_offline_run_receives_the_records(tmp_path, monkeypatch, how):
         assert abs(r["richness/dlr"] - dlr) < 1e-5  # float32 products
         assert abs(r["richness/nc1"] - nc1) < 1e-3 * nc1
         assert r["richness/n"] == n
+        assert abs(r["richness/dlr_isotropic"] - iso[r["richness/step"]]) < 1e-12
+        assert abs(r["richness/dlr_normalized"] - dlr / iso[r["richness/step"]]) < 1e-5 / iso[r["richness/step"]]
     last = want[max(want)]
     assert abs(summary["richness/dlr"] - last[0]) < 1e-5
 
@@ -113,10 +128,13 @@ def test_mlflow_file_store_receives_the_records(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(uri)
     try:
         mlflow.set_experiment("richness-test")
+        iso = {}
         with mlflow.start_run() as run:
-            want = train(["mlflow", str(tmp_path / "log.jsonl")])
+            want = train(["mlflow", str(tmp_path / "log.jsonl")], iso)
         client = MlflowClient(tracking_uri=uri)
         dlr = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "richness/dlr")}
+        ref = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "richness/dlr_isotropic")}
+        rel = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "richness/dlr_normalized")}
         nc1 = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "richness/nc1")}
         n = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "richness/n")}
     finally:
@@ -126,6 +144,7 @@ def test_mlflow_file_store_receives_the_records(tmp_path, monkeypatch):
         assert abs(dlr[step] - d) < 1e-5  # float32 products
         assert abs(nc1[step] - c) < 1e-3 * c
         assert n[step] == size
+        assert abs(ref[step] - iso[step]) < 1e-12 and abs(rel[step] - d / iso[step]) < 1e-5 / iso[step]
     # the other sink of the list got the same records
     logged = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [r["dlr"] for r in logged] == [dlr[r["step"]] for r in logged]

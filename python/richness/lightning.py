@@ -55,8 +55,9 @@ class RichnessCallback(Callback):
         labels: batch -> labels (integer classes or float targets) of a
             training batch, or None for no labels. Default: the second entry
             of an ``(inputs, labels)`` batch.
-        prefix: logged names are ``f"{prefix}/dlr"``, ``/nc1``,
-            ``/effective_dim``, ``/rank``, ``/n``.
+        prefix: logged names are ``f"{prefix}/dlr"``, ``/dlr_isotropic``,
+            ``/dlr_normalized``, ``/nc1``, ``/effective_dim``, ``/rank``, ``/n``
+            (and the ``measures`` asked for).
         log: further Monitor sinks (paths, callables, writers).
         distributed: merge the ranks' windows at each emission (the Monitor's
             ``distributed``); default: when the trainer runs on more than one

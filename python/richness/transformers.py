@@ -92,8 +92,9 @@ class RichnessCallback(TrainerCallback):
         shift_labels: causal-LM labels (position i labelled with token i + 1).
             Default: for the model classes the Trainer shifts (its causal-LM
             mapping); False warns when the labels equal the input_ids.
-        prefix: logged names are ``f"{prefix}/dlr"``, ``/nc1``,
-            ``/effective_dim``, ``/rank``, ``/n``.
+        prefix: logged names are ``f"{prefix}/dlr"``, ``/dlr_isotropic``,
+            ``/dlr_normalized``, ``/nc1``, ``/effective_dim``, ``/rank``, ``/n``
+            (and the ``measures`` asked for).
         log: further Monitor sinks (paths, callables, writers, "wandb", "mlflow").
         distributed: merge the ranks' windows at each emission; default: when
             the Trainer runs on more than one process.

@@ -586,7 +586,9 @@ class Monitor:
             self._head = head
         try:
             rep = moments.compute(head=head if isinstance(head, torch.nn.Linear) else None, rtol=self.rtol)
-        except ValueError:
+        except ValueError as e:
+            warnings.warn(f"richness.Monitor: step {self._step_label()}: the probe set's DLR is undefined ({e}); "
+                          "its record has dlr, rank and nc1 None", RichnessWarning, stacklevel=4)
             return self._record(moments.n, None, None, None, {}, None, "probe")
         extra = {name: getattr(rep, name) for name in RECORD_MEASURES}  # the full report has them all
         if rep.eigenvalues is not None:
