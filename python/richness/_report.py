@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 import numpy as np
+
+# How to read DLR against its isotropic reference: printed under it by ``str(report)`` (and so by
+# ``richness eval``); docs/READING_DLR.md says more.
+HOW_TO_READ = ("how to read: DLR/iso near 1 = as lazy as isotropic (random) features at this n, p and rank; "
+               "near 0 = rich (docs/READING_DLR.md)")
 
 
 @dataclass(repr=False)
@@ -35,6 +40,8 @@ class Report:
     dlr_rtol_range: DLR with rtol / 10 and rtol * 10 (how much the rank cut matters).
     active_features: features whose variance exceeds rtol times the largest
         (dead units excluded): the p of the finite-sample reference.
+    p: number of features; num_outputs: number of learned functions C (output
+        columns, or the head's rows); None without outputs or a head.
     dlr_isotropic: DLR that isotropic features of the same n, number of active
         features and logit rank would give (the lazy end at this n, p, C).
     dlr_normalized: dlr / dlr_isotropic: about 1 for lazy (isotropic-like),
@@ -69,7 +76,14 @@ class Report:
         of each of those measures that is set, by name.
     layers: ``evaluate(..., layers=[...])``: layer name -> Report of that layer's
         activations against the model's outputs (DLR by depth).
-    warnings: plain-language caveats (finite n, rank cut, NC1 precision).
+    warnings: plain-language caveats (finite n, rank cut, NC1 precision), each
+        naming what to do. ``richness.evaluate`` and ``compute(uncertainty=True)``
+        also issue theirs as a ``RichnessWarning``; ``str(report)`` then counts
+        those instead of repeating them, and prints the others in full.
+
+    ``str(report)`` (``print``, IPython and Jupyter) is the readable summary:
+    DLR beside its isotropic reference and their ratio, how to read them, the
+    sizes and the measures that are set; ``repr`` lists every field.
     """
 
     dlr: Optional[float]
@@ -91,6 +105,8 @@ class Report:
     centered: bool = True
     dlr_rtol_range: Optional[tuple] = None
     active_features: Optional[int] = None
+    p: Optional[int] = None
+    num_outputs: Optional[int] = None
     dlr_isotropic: Optional[float] = None
     dlr_normalized: Optional[float] = None
     dlr_stderr: Optional[float] = None
@@ -135,22 +151,123 @@ class Report:
                 return "{" + ", ".join(f"{k!r}: Report(dlr={getattr(x, 'dlr', x)!r}, ...)" for k, x in v.items()) + "}"
             return repr(v)
 
-        return "Report(" + ", ".join(f"{f.name}={short(getattr(self, f.name))}" for f in fields(self)) + ")"
+        names = [f.name for f in fields(self)]  # DLR first, beside its isotropic reference and their ratio
+        first = [name for name in ("dlr", "dlr_isotropic", "dlr_normalized") if name in names]
+        names = first + [name for name in names if name not in first]
+        return "Report(" + ", ".join(f"{name}={short(getattr(self, name))}" for name in names) + ")"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        """IPython and Jupyter show a Report as ``print`` does."""
+        printer.text("Report(...)" if cycle else str(self))
+
+    def _mark_issued(self, messages: Iterable[str]) -> None:
+        """Record that these texts of ``warnings`` were also issued as a
+        ``RichnessWarning``: ``str(report)`` counts them instead of repeating
+        them (not a field: ``to_dict`` and equality are unchanged)."""
+        self.__dict__.setdefault("_issued", set()).update(messages)
 
     def __str__(self) -> str:
-        def fmt(v):
-            return "n/a" if v is None else f"{v:.4f}"
-
-        lines = [f"DLR {fmt(self.dlr)}  (0 = rich, 1 = lazy)   rank {self.rank}   n {self.n}",
-                 f"NC1 {fmt(self.nc1)}   effective dim {fmt(self.effective_dim)}   "
-                 f"feature rank {self.feature_rank}   precision {self.precision}   rtol {self.rtol:g}"]
+        lines = [f"DLR {_fmt(self.dlr)}  (0 = rich, 1 = lazy)   rank {self.rank}   n {self.n}"]
+        lines += reference_lines(self)
+        lines.append("   ".join(self._size_parts() + [
+            f"NC1 {_fmt(self.nc1)}", f"effective dim {_fmt(self.effective_dim)}", f"feature rank {self.feature_rank}",
+            f"precision {self.precision}", f"rtol {self.rtol:g}"]))
+        if self.dlr_stderr is not None:
+            lines.append(self._jackknife_line())
         lines += self._measure_lines()
-        lines += [f"warning: {w}" for w in self.warnings]
+        lines += self._layer_lines()
+        lines += self._warning_lines()
         return "\n".join(lines)
+
+    def _size_parts(self) -> List[str]:
+        """p (with the active features the reference uses) and C, where known."""
+        parts = []
+        if self.p is not None:
+            active = "" if self.active_features is None else f" ({self.active_features} active)"
+            parts.append(f"p {self.p}{active}")
+        elif self.active_features is not None:
+            parts.append(f"active features {self.active_features}")
+        if self.num_outputs is not None:
+            parts.append(f"C {self.num_outputs}")
+        return parts
+
+    def _jackknife_line(self) -> str:
+        parts = [f"DLR stderr {self.dlr_stderr:.4f}"]
+        if self.dlr_interval is not None:
+            lo, hi = self.dlr_interval
+            parts.append(f"95% interval {lo:.4f} .. {hi:.4f}")
+        if self.dlr_jackknife is not None:
+            parts.append(f"bias-corrected {self.dlr_jackknife:.4f}")
+        return "   ".join(parts) + "   (jackknife)"
+
+    def _layer_lines(self) -> List[str]:
+        """One line per layer of ``layers``: its DLR beside its own isotropic reference."""
+        out = []
+        for name, rep in (self.layers or {}).items():
+            if not isinstance(rep, Report):
+                continue
+            text = f"layer {name!r}: DLR {_fmt(rep.dlr)}"
+            if rep.dlr is not None and rep.dlr_isotropic is not None:
+                text += f"   isotropic reference {rep.dlr_isotropic:.4f}   DLR/iso {_ratio(rep.dlr_normalized)}"
+            text += f"   rank {rep.rank}"
+            if rep.p is not None:
+                text += f"   p {rep.p}"
+            if rep.warnings:
+                count = len(rep.warnings)
+                text += f"   ({count} warning{'s' if count > 1 else ''}: report.layers[{name!r}].warnings)"
+            out.append(text)
+        return out
+
+    def _warning_lines(self) -> List[str]:
+        """Each warning not issued as a ``RichnessWarning`` in full; those that were, counted (the
+        user has seen them once already)."""
+        issued = self.__dict__.get("_issued", ())
+        lines = [f"warning: {w}" for w in self.warnings if w not in issued]
+        count = sum(1 for w in self.warnings if w in issued)
+        if count:
+            lines.append(f"warnings: {count} {'more ' if lines else ''}already issued as RichnessWarning "
+                         "(texts in report.warnings)")
+        return lines
 
     def _measure_lines(self) -> List[str]:
         """One text line of the representation diagnostics that are set (none when all are None)."""
-        names = (("RankMe", "rankme"), ("alpha-ReQ", "alpha_req"), ("participation ratio", "participation_ratio"),
-                 ("NC2 equinorm", "nc2_equinorm"), ("NC2 equiangle", "nc2_equiangle"), ("NC3", "nc3"))
-        parts = [f"{label} {getattr(self, name):.4f}" for label, name in names if getattr(self, name) is not None]
+        names = (("RankMe", "rankme"), ("RankMe centered", "rankme_centered"), ("alpha-ReQ", "alpha_req"),
+                 ("participation ratio", "participation_ratio"), ("NC2 equinorm", "nc2_equinorm"),
+                 ("NC2 equiangle", "nc2_equiangle"), ("NC3", "nc3"))
+        stderr = self.measures_stderr or {}
+        parts = []
+        for label, name in names:
+            value = getattr(self, name, None)  # a measure this Report may not carry
+            if value is None:
+                continue
+            text = f"{label} {value:.4f}"
+            if stderr.get(name) is not None:
+                text += f" +- {stderr[name]:.4f}"
+            if name == "alpha_req":
+                fit = []
+                if self.alpha_req_range is not None:
+                    fit.append(f"k {self.alpha_req_range[0]}..{self.alpha_req_range[1]}")
+                r2 = getattr(self, "alpha_req_r2", None)
+                if r2 is not None:
+                    fit.append(f"R^2 {r2:.3f}")
+                text += f" ({', '.join(fit)})" if fit else ""
+            parts.append(text)
         return ["   ".join(parts)] if parts else []
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.4f}"
+
+
+def _ratio(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def reference_lines(report: Report) -> List[str]:
+    """DLR's isotropic reference and their ratio, and how to read them: the
+    lazy end DLR is read against, isotropic features of the same n, active
+    features and logit rank (a fully lazy random network at small n has DLR
+    well below 1). No lines without DLR."""
+    if report.dlr is None or report.dlr_isotropic is None:
+        return []
+    return [f"isotropic reference {report.dlr_isotropic:.4f}   DLR/iso {_ratio(report.dlr_normalized)}", HOW_TO_READ]

@@ -169,8 +169,7 @@ def eval_cmd(args: argparse.Namespace) -> int:
         for w in rep.warnings:  # stdout is JSON for a program; the caveats also go where a person looks
             log.warning("warning: %s", w)
     else:
-        print(rep)
-        _print_reference(rep)
+        print(rep)  # DLR beside its isotropic reference and how to read them: Report.__str__, the one wording
         _print_curves(rep)
         sys.stdout.flush()
     for path, state in ((args.save, m), (args.save_test, test)):
@@ -214,17 +213,6 @@ def _check_saves(args: argparse.Namespace, inputs: list) -> None:
         for src in inputs:
             if _same_file(path, src):
                 raise UserError(f"{opt} {path}: is an input file ({src}); saving would overwrite it")
-
-
-def _print_reference(rep) -> None:
-    """DLR beside the lazy end it is read against: isotropic features of the same n, active
-    features and logit rank (a fully lazy random network at small n prints DLR well below 1)."""
-    if rep.dlr is None or rep.dlr_isotropic is None:
-        return
-    ratio = "n/a" if rep.dlr_normalized is None else f"{rep.dlr_normalized:.3f}"
-    print(f"isotropic reference {rep.dlr_isotropic:.4f}   DLR/iso {ratio}")  # DLR itself is on the report's line
-    print("how to read: DLR/iso near 1 = as lazy as isotropic (random) features at this n, p and rank; "
-          "near 0 = rich (docs/READING_DLR.md)")
 
 
 def _print_curves(rep) -> None:

@@ -116,5 +116,6 @@ def _report(st: dict, W, test: Optional[dict], rtol: float, centered: bool, spec
         quality=host(quality), utilization=host(utilization), test_quality=host(test_quality),
         test_utilization=host(test_utilization), test_eigenfunction_norms=host(test_norms),
         feature_rank=None if spec is None else spec.rank, rtol=float(rtol), precision=precision,
-        centered=centered, dlr_rtol_range=dlr_range, active_features=p_active, dlr_isotropic=dlr_iso,
+        centered=centered, dlr_rtol_range=dlr_range, active_features=p_active, dlr_isotropic=dlr_iso, p=p,
+        num_outputs=None if fn is None else (int(W.shape[0]) if W is not None else int(st["c"])),
         dlr_normalized=dlr_norm, warnings=warnings)

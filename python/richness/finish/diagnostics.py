@@ -15,7 +15,7 @@ where a value is undefined, which the callers turn into None and a warning.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import numpy as np
 
@@ -37,7 +37,8 @@ ALPHA_REQ_FEW = 20
 # of 1e-5), so that the real eigenvalues the rank cut drops still count.
 ALPHA_REQ_FLOOR = 1e-2
 NC_CONVENTIONS = ("paper", "papyan_script")
-DEFAULT_OPTIONS = {"alpha_req_range": ALPHA_REQ_RANGE, "alpha_req_weights": "1/k", "nc_convention": "paper"}
+DEFAULT_OPTIONS: Dict[str, Any] = {"alpha_req_range": ALPHA_REQ_RANGE, "alpha_req_weights": "1/k",
+                                   "nc_convention": "paper"}
 
 
 def check_options(options: Any) -> dict:

@@ -176,7 +176,9 @@ def dlr_with_range(fn: Functions, M, norm_m: float, rtol: float) -> tuple:
     warning = None
     if dropped_near or logit_eig[rank - 1] < 10 * cut:
         warning = (f"a logit eigenvalue lies within a decade of the rank cut (rtol={rtol:g}): DLR moves "
-                   f"from {dlr_range[0]:.4f} to {dlr_range[1]:.4f} over rtol x 0.1 .. x 10; see logit_eigenvalues")
+                   f"from {dlr_range[0]:.4f} to {dlr_range[1]:.4f} over rtol x 0.1 .. x 10: quote that range "
+                   "(dlr_rtol_range) with DLR, or pass an rtol that falls in a gap of logit_eigenvalues "
+                   "(docs/READING_DLR.md)")
     return dlr, rank, logit_eig, dlr_range, warning
 
 

@@ -52,7 +52,8 @@ def nc1_reported(st: dict, rtol: float) -> tuple:
     if st["k"] <= 0:
         return None, None
     if not nc1_reliable(st["precision"]):
-        return None, f"NC1 not reported: {st['precision']} products cannot resolve within-class spread"
+        return None, (f"NC1 not reported: {st['precision']} products cannot resolve within-class spread; "
+                      "precision='fp32' or 'fp64' measures it")
     value, rounding = nc1_with_scale(st, rtol)
     error = nc1_error(st["precision"], rounding)
     if value is not None and error > NC1_RESOLVED * value:

@@ -53,9 +53,11 @@ def _replicates(report: Report, loo_states: list, value, what: str) -> Optional[
         except ValueError as e:
             left = report.n - int(st["n"])
             message = (f"no error bars for {what}: with group {i} of {len(loo_states)} ({left} samples) left out, "
-                       f"{e}; the estimate from all samples is given without them")
+                       f"{e}; the estimate from all samples is given without them (fewer, larger groups, a smaller "
+                       "Moments(groups=k), may give them)")
             report.warnings.append(message)
             warnings.warn(message, RichnessWarning, stacklevel=4)
+            report._mark_issued([message])  # print(report) counts it instead of repeating it
             return None
     return out
 

@@ -263,4 +263,5 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
     # a returned report's caveats are easy to miss: also through warnings (RichnessWarning)
     for msg in report.warnings:
         warnings.warn(msg, RichnessWarning, stacklevel=2)
+    report._mark_issued(report.warnings)  # print(report) then counts them instead of repeating them
     return report
