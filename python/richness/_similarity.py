@@ -81,22 +81,20 @@ class Pair(NamedTuple):
 
 
 def _table(rows: List[str], cols: List[str], mats: List[Tuple[str, np.ndarray]]) -> List[str]:
-    """Lines of a readable table: the row and column names, each matrix with
-    its caption, rows labelled [i] and columns [j] (the legend above them)."""
-    same = rows == cols
+    """Lines of a readable table: each matrix with its caption, every row
+    labelled ``[i] name``, the columns ``[j]`` (the rows' numbers when the
+    columns are the rows, else listed with their names first)."""
     lines = []
-    if same:
-        lines += [f"  [{i}] {nm}" for i, nm in enumerate(rows)]
-    else:
-        lines += ["  rows:"] + [f"    [{i}] {nm}" for i, nm in enumerate(rows)]
-        lines += ["  columns:"] + [f"    [{j}] {nm}" for j, nm in enumerate(cols)]
-    lab = max(len(f"[{i}]") for i in range(len(rows)))
+    if rows != cols:
+        lines += ["  columns: " + ", ".join(f"[{j}] {nm}" for j, nm in enumerate(cols))]
+    labels = [f"[{i}] {nm}" for i, nm in enumerate(rows)]
+    lab = max(len(t) for t in labels)
     for caption, mat in mats:
         lines.append(f"  {caption}:")
         lines.append("    " + " " * lab + "".join(f"{f'[{j}]':>9}" for j in range(len(cols))))
         for i in range(len(rows)):
-            lines.append(f"    {f'[{i}]':<{lab}}" + "".join(f"{v:9.4f}" if math.isfinite(v) else f"{'nan':>9}"
-                                                       for v in np.asarray(mat[i], dtype=float)))
+            lines.append(f"    {labels[i]:<{lab}}" + "".join(f"{v:9.4f}" if math.isfinite(v) else f"{'nan':>9}"
+                                                          for v in np.asarray(mat[i], dtype=float)))
     return lines
 
 
