@@ -30,7 +30,7 @@ class _CsvSink:
 
     def __init__(self, path: str) -> None:
         new = not os.path.exists(path) or os.path.getsize(path) == 0
-        fields = FIELDS
+        fields: tuple = FIELDS
         if not new:
             try:
                 with open(path, newline="") as f:
