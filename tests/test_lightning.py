@@ -81,6 +81,7 @@ def test_monitor_warns_once_when_its_head_never_runs():
     assert mon.history == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a head that runs: no warning
+        warnings.filterwarnings("ignore", message=r".*rows for p = \d+ features")  # but the small window's
         with richness.Monitor(net, head="fc", every=2, window=1) as mon:
             sgd_train(net, mon, batches(steps=4))
     assert len(mon.history) == 2

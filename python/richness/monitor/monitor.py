@@ -15,7 +15,9 @@ from the n x n Gram of each batch (``monitor/onebatch.py``). Probe mode
 The only host synchronisation is at emission (finishing the state); ``update``
 never calls ``.item()`` or copies to the host (on a GPU the CUDA backend runs
 on the caller's stream). Boolean token masks are the exception: indexing with
-them syncs.
+them syncs; and so does, on a GPU, each flush of a window whose steps do not
+fit its buffer at once (32 MiB): the device's checks of the flushed rows are
+read then, so that a step they refuse is left out by itself.
 
 This module wires the parts: the head's hook (``torch/hooks.py``, calling
 ``monitor/capture.py``), the step buffers (``monitor/capture.py``),

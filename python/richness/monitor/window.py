@@ -38,7 +38,10 @@ class WindowRoute:
     of range) is left out of the window, and the window's other steps are
     added as they would have been without it: ``refused`` lists ``(step,
     reason)`` for the caller to report. The Moments keep nothing of a
-    refused batch."""
+    refused batch. On a GPU the device checks a batch and refuses it at the
+    next synchronising call: each flush reads that verdict at once (a sync;
+    at emission the one that finishing needs anyway), while the rows are
+    still in the buffer."""
 
     def __init__(self, precision: Optional[str], window: int) -> None:
         self.precision = precision
