@@ -72,14 +72,18 @@ def check(m, nchunks):
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(tmp_path_factory):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this file
+    # dask's scratch folders (the workers', the locks') in pytest's temporary tree, not a
+    # dask-scratch-space left in the system's
+    scratch = dask.config.set({"temporary-directory": str(tmp_path_factory.mktemp("dask"))})
     cluster = distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None,
                                        silence_logs=40)
     c = distributed.Client(cluster)
     yield c
     c.close()
     cluster.close()
+    scratch.__exit__(None, None, None)
     cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 

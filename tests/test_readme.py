@@ -15,6 +15,7 @@ import importlib.util
 import os
 import re
 import sys
+import tempfile
 import warnings
 
 import numpy as np
@@ -83,11 +84,16 @@ def run_section(i: int) -> tuple:
 
 
 @pytest.fixture
-def trackers_offline(tmp_path, monkeypatch):
+def trackers_offline(tmp_path, tmp_path_factory, monkeypatch):
     """The examples as pasted: no environment variable the README does not show
     (those of the trackers are cleared; W&B runs offline and MLflow's store is a
     temporary folder because the README says so), in a folder of their own."""
     monkeypatch.chdir(tmp_path)  # the examples write state.npz, richness.jsonl, depth.png here
+    # and their temporary folders (tempfile.mkdtemp: the trackers' runs, the Trainer's output, the
+    # shards; the LocalCluster's dask-scratch-space) in pytest's temporary tree, which pytest removes
+    scratch = str(tmp_path_factory.mktemp("readme-tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", scratch)
+    monkeypatch.setenv("TMPDIR", scratch)  # the LocalCluster's worker processes
     for name in list(os.environ):
         if name.startswith(("WANDB_", "MLFLOW_")):
             monkeypatch.delenv(name)
