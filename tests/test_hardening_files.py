@@ -114,13 +114,13 @@ def test_raw_reads_give_the_array(tmp_path, kind):
     """Chunks read by offset equal the array the file holds, in any order of ranges."""
     X = features(n=1000, p=7, seed=1)
     _, spec, want = _write(kind, tmp_path, X)
-    f = ArrayFile(spec)
-    assert f.shape == want.shape
-    for a, b in ((0, 1000 if kind != "pt_slice" else 999), (0, 1), (500, 733), (998, 999), (3, 400), (0, 0)):
-        got = f.chunk(a, b)
-        assert got.shape == want[a:b].shape
-        assert np.array_equal(got, want[a:b])
-        f.release(b)
+    with ArrayFile(spec) as f:
+        assert f.shape == want.shape
+        for a, b in ((0, 1000 if kind != "pt_slice" else 999), (0, 1), (500, 733), (998, 999), (3, 400), (0, 0)):
+            got = f.chunk(a, b)
+            assert got.shape == want[a:b].shape
+            assert np.array_equal(got, want[a:b])
+            f.release(b)
 
 
 def test_transposed_pt_file_gives_the_oracle_dlr(tmp_path, capsys):
@@ -149,19 +149,19 @@ def test_big_endian_pt_file_is_read_in_its_byte_order(tmp_path):
                 data = np.frombuffer(data, "<f8").astype(">f8").tobytes()
             zout.writestr(info, data)
     assert np.array_equal(torch.load(tmp_path / "be.pt", weights_only=True).numpy(), X)  # the file is right
-    f = ArrayFile(str(tmp_path / "be.pt"))
-    assert np.array_equal(f.chunk(0, 300), X) and np.array_equal(f.chunk(17, 99), X[17:99])
+    with ArrayFile(str(tmp_path / "be.pt")) as f:
+        assert np.array_equal(f.chunk(0, 300), X) and np.array_equal(f.chunk(17, 99), X[17:99])
 
 
 def test_file_truncated_inside_one_read(tmp_path, monkeypatch):
     """Truncated between the size check and the read: the short read is the same one-line error."""
     path, spec, _ = _write("npy", tmp_path, features(n=1000))
-    f = ArrayFile(spec)
-    f.chunk(0, 100)
-    os.truncate(path, os.path.getsize(path) - 800)
-    monkeypatch.setattr(type(f._reader), "_check_size", lambda self, a, b: None)
-    with pytest.raises(UserError, match=r"x\.npy: the file is shorter than its header promises \(truncated"):
-        f.chunk(900, 1000)
+    with ArrayFile(spec) as f:
+        f.chunk(0, 100)
+        os.truncate(path, os.path.getsize(path) - 800)
+        monkeypatch.setattr(type(f._reader), "_check_size", lambda self, a, b: None)
+        with pytest.raises(UserError, match=r"x\.npy: the file is shorter than its header promises \(truncated"):
+            f.chunk(900, 1000)
 
 
 def test_file_already_truncated_when_opened(tmp_path, capsys):

@@ -28,13 +28,18 @@ def _not_regular(path: str, mode: int) -> ValueError:
     return ValueError(f"{path}: not a regular file ({kind}); give a file on disk")
 
 
-def check_regular(path: str) -> int:
-    """The size of ``path``, which must be a regular file (symlinks to one are
-    fine): a device, pipe or socket could be endless or block for ever."""
+def stat_regular(path: str) -> os.stat_result:
+    """``os.stat`` of ``path``, which must be a regular file (symlinks to one
+    are fine): a device, pipe or socket could be endless or block for ever."""
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
         raise _not_regular(path, st.st_mode)
-    return st.st_size
+    return st
+
+
+def check_regular(path: str) -> int:
+    """The size of ``path``, which must be a regular file (``stat_regular``)."""
+    return stat_regular(path).st_size
 
 
 def open_regular(path: str) -> BinaryIO:

@@ -8,7 +8,10 @@ without a traceback. Progress and notes go to the ``richness`` logger
 The parser and the reporting of errors are here; the commands are in
 :mod:`richness.cli.commands` (eval, plot, info), :mod:`richness.cli.merge` and
 :mod:`richness.cli.demo`, the file readers in :mod:`richness.cli.readers`, sharded
-inputs (globs, directories) in :mod:`richness.cli.shards`. They are imported when the
+inputs (globs, directories) in :mod:`richness.cli.shards`, and the rules every command
+applies to the files it names (a file written is never an input and replaces an existing
+one only with ``--force``; an input reached twice is refused; a file changed between its
+check and its read is an error) in :mod:`richness.cli.files`. They are imported when the
 parser is built, so that they can raise :class:`UserError` from this module.
 """
 
@@ -103,8 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bundle (any but .npy) with arrays named features, outputs, labels, targets "
                                    "supplies them all. Parquet: one sample per row, vectors as list columns. "
                                    "Every array "
-                                   "argument also takes a quoted glob or a directory (its files, of one format): "
-                                   "shards read in sorted order and paired by position across the arguments.")
+                                   "argument also takes a quoted glob or a directory (its files, of one format; "
+                                   "names starting with _ or . skipped): shards read in sorted order and paired by "
+                                   "position across the arguments, each file once. A file changed between the "
+                                   "first check and its read is an error.")
     e.add_argument("features", help="features (samples x p): FILE or FILE:KEY, a bundle, or shards ('DIR/*.npy', DIR)")
     e.add_argument("--outputs", help="outputs / logits (samples x C)")
     e.add_argument("--labels", help="integer class labels (samples,)")
@@ -123,18 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--chunk", type=_integer(1, INT64_MAX, "a positive number of rows"), default=8192,
                    help="rows per chunk (default 8192)")
     e.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    e.add_argument("--save", help="write the training state (.npz) for `richness plot` or later merges")
+    e.add_argument("--save", help="write the training state (.npz) for `richness plot` or later merges (a new "
+                                  "file, not an input; --force replaces an existing one)")
     e.add_argument("--save-test", help="write the held-out state (.npz)")
+    e.add_argument("--force", action="store_true", help="replace an existing --save / --save-test file")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=commands.eval_cmd)
 
     mg = sub.add_parser("merge", help="merge saved states into one (exact: the state of all their samples)",
                         description="Merge states saved by `richness eval --save` or Moments.save (e.g. one per "
                                     "shard or machine). Every input is validated first; OUT is written atomically, "
-                                    "and not at all when any input is refused.")
-    mg.add_argument("out", metavar="OUT", help="the merged state (.npz)")
-    mg.add_argument("inputs", metavar="IN", nargs="+", help="saved states: files, quoted globs or directories")
+                                    "and not at all when any input is refused. OUT comes first, is never one of "
+                                    "the inputs, and an existing OUT is replaced only with --force.")
+    mg.add_argument("out", metavar="OUT", help="the merged state (.npz): a new file (--force replaces one)")
+    mg.add_argument("inputs", metavar="IN", nargs="+", help="saved states: files, quoted globs or directories "
+                                                            "(each file once)")
     mg.add_argument("--json", action="store_true", help="print the merged state's report as one JSON object")
+    mg.add_argument("--head", help="linear head weights W (C x p) for the report's DLR when the states hold no "
+                                   "outputs (as `richness eval --head`)")
+    mg.add_argument("--force", action="store_true", help="replace an existing OUT")
     mg.set_defaults(func=merge.merge_cmd)
 
     pl = sub.add_parser("plot", help="curves from a saved state, or DLR over steps from a Monitor log")
@@ -143,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--head", help="linear head weights (C x p) when the state has no outputs")
     pl.add_argument("-o", "--output", help="output prefix (writes PREFIX.png and PREFIX.svg)")
     pl.add_argument("--title", help="the figure's title (default: the file name and its DLR)")
+    pl.add_argument("--force", action="store_true", help="replace existing PREFIX.png / PREFIX.svg")
     pl.set_defaults(func=commands.plot_cmd)
 
     from . import cka

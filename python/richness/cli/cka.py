@@ -6,32 +6,39 @@ import argparse
 import json
 import sys
 import warnings
-from typing import List
+from typing import Dict, List
 
 import numpy as np
 
 from .. import _bounded_io
 from . import UserError
 from .commands import _CHUNK_BYTES, _bar
-from .readers import ArrayFile
+from .files import Seen, check_targets, distinct
+from .readers import ArrayFile, split_spec
 from .shards import expand
 
 
 def _open(spec: str) -> ArrayFile:
     f = ArrayFile(spec)
-    f.check_float("a representation")
-    if len(f.shape) != 2:
-        raise UserError(f"{f.label}: a representation must be 2-D (samples, width), got shape {f.shape}")
-    if f.shape[1] == 0:
-        raise UserError(f"{f.label}: width 0: a representation needs at least one column")
+    try:
+        f.check_float("a representation")
+        if len(f.shape) != 2:
+            raise UserError(f"{f.label}: a representation must be 2-D (samples, width), got shape {f.shape}")
+        if f.shape[1] == 0:
+            raise UserError(f"{f.label}: width 0: a representation needs at least one column")
+    except BaseException:
+        f.close()
+        raise
     return f
 
 
 def _shards(specs: list) -> list:
     """Each representation's shards (``shards.expand``: a file, a quoted glob or a
     directory), as lists of one length: shard i of every representation holds
-    the same samples."""
+    the same samples. A file reached twice within one argument is refused."""
     lists = [expand(spec) for spec in specs]
+    for spec, files in zip(specs, lists):
+        distinct([split_spec(f)[0] for f in files], spec)
     counts = {spec: len(files) for spec, files in zip(specs, lists)}
     if len(set(counts.values())) > 1:
         raise UserError("the representations come in different numbers of files (shards are paired by "
@@ -39,30 +46,52 @@ def _shards(specs: list) -> list:
     return lists
 
 
+def _distinct_arrays(files: List[ArrayFile]) -> None:
+    """Refuse one array (the same file, the same key once resolved) given as two representations."""
+    seen: Dict[tuple, str] = {}
+    for f in files:
+        which = (f.seen().facts["file"], f.key)  # the file as opened (links followed)
+        if which in seen:
+            raise UserError(f"{f.label}: the same representation as {seen[which]} (one file and array given "
+                            "twice); give each representation once")
+        seen[which] = f.label
+
+
 def cka_cmd(args: argparse.Namespace) -> int:
     from .._similarity import Similarity
 
-    if len(set(args.inputs)) != len(args.inputs):
-        raise UserError(f"the same representation is given twice: {args.inputs}")
+    if len(args.inputs) < 2:
+        raise UserError(f"{args.inputs[0]}: one representation; CKA compares at least two "
+                        "(richness cka REPR REPR [REPR ...])")
     lists = _shards(args.inputs)
+    check_targets([("--save", args.save)], [split_spec(f)[0] for files in lists for f in files], force=args.force)
     # Every shard is opened and checked before any data is read: the same
     # widths as shard 1, the same rows across the representations of a shard.
     shards: List[list] = []
+    seen: List[List[Seen]] = []  # each file as the scan saw it: the read finds the same
     for i in range(len(lists[0])):
-        files = [_open(files[i]) for files in lists]
-        rows = {f.label: f.rows for f in files}
-        if len(set(rows.values())) > 1:
-            raise UserError(f"the representations hold different numbers of samples: {rows}")
-        if shards:
-            for f, (label, _, width, _) in zip(files, shards[0]):
-                if f.shape[1] != width:
-                    raise UserError(f"{f.label}: width {f.shape[1]}, but shard 1 ({label}) has width {width}")
-        shards.append([(f.label, f.rows, f.shape[1], f.row_bytes()) for f in files])
-        for f in files:  # reopened when read: thousands of shards need no descriptors meanwhile
-            f.close()
+        files = []
+        try:
+            for spec in (rep[i] for rep in lists):
+                files.append(_open(spec))
+            _distinct_arrays(files)
+            rows = {f.label: f.rows for f in files}
+            if len(set(rows.values())) > 1:
+                raise UserError(f"the representations hold different numbers of samples: {rows}")
+            if shards:
+                for f, (label, _, width, _) in zip(files, shards[0]):
+                    if f.shape[1] != width:
+                        raise UserError(f"{f.label}: width {f.shape[1]}, but shard 1 ({label}) has width {width}")
+            shards.append([(f.label, f.rows, f.shape[1], f.row_bytes()) for f in files])
+            seen.append([f.seen() for f in files])
+        finally:
+            for f in files:  # reopened when read: thousands of shards need no descriptors meanwhile
+                f.close()
     first = shards[0]
     names = [label if len(files) == 1 else spec for (label, *_), files, spec in zip(first, lists, args.inputs)]
     n = sum(shard[0][1] for shard in shards)
+    if n == 0:
+        raise UserError(f"{', '.join(names)}: the representations hold no samples (0 rows); nothing to compare")
     P = sum(width for _, _, width, _ in first) + len(first)
     chunk = max(1, min(args.chunk, _CHUNK_BYTES // max(sum(nbytes for *_, nbytes in first), 1)))
     _bounded_io.check_memory(8.0 * P * P * 3 + chunk * 8.0 * P, f"the joint state of width {P}")
@@ -70,22 +99,17 @@ def cka_cmd(args: argparse.Namespace) -> int:
     bar = _bar(n, not args.no_progress, "richness cka")
     try:
         for i in range(len(shards)):
-            files = [_open(files[i]) for files in lists]
-            count = files[0].rows
-            for a in range(0, count, chunk):
-                b = min(a + chunk, count)
-                batch = {name: f.chunk(a, b) for name, f in zip(names, files)}
-                try:
-                    s.update(batch)
-                except (ValueError, TypeError) as e:
-                    where = files[0].label if len(shards) > 1 else ""
-                    raise UserError(f"{where + ': ' if where else ''}rows {a}..{b - 1}: {e}") from None
+            files = []
+            try:
+                for spec, before in zip((rep[i] for rep in lists), seen[i]):
+                    files.append(_open(spec))
+                    before.check(files[-1].seen(), files[-1].label)  # the file the scan checked
+                _read_shard(s, files, names, chunk, bar, len(shards) > 1)
+                for f in files:  # and not rewritten while it was read
+                    f.check_unchanged()
+            finally:
                 for f in files:
-                    f.release(b)
-                if bar is not None:
-                    bar.update(b - a)
-            for f in files:
-                f.close()
+                    f.close()
     finally:
         if bar is not None:
             bar.close()
@@ -119,17 +143,36 @@ def cka_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_shard(s, files: List[ArrayFile], names: List[str], chunk: int, bar, sharded: bool) -> None:
+    count = files[0].rows
+    for a in range(0, count, chunk):
+        b = min(a + chunk, count)
+        batch = {name: f.chunk(a, b) for name, f in zip(names, files)}
+        try:
+            s.update(batch)
+        except (ValueError, TypeError) as e:
+            where = files[0].label if sharded else ""
+            raise UserError(f"{where + ': ' if where else ''}rows {a}..{b - 1}: {e}") from None
+        for f in files:
+            f.release(b)
+        if bar is not None:
+            bar.update(b - a)
+
+
 def add_parser(sub) -> None:
     from . import INT64_MAX, _integer
 
     c = sub.add_parser("cka", help="exact linear CKA between representations of the same samples",
                        description="Each argument is one representation (samples x width) of the same samples, "
-                                   "FILE or FILE:KEY in any format `richness eval` reads, streamed in chunks. "
-                                   "Prints the k x k CKA matrix (exact over all samples, any n).")
-    c.add_argument("inputs", nargs="+", metavar="REPR", help="representations (at least two)")
+                                   "FILE or FILE:KEY in any format `richness eval` reads, or shards (a quoted "
+                                   "glob or a directory), streamed in chunks. Prints the k x k CKA matrix (exact "
+                                   "over all samples, any n).")
+    c.add_argument("inputs", nargs="+", metavar="REPR", help="representations (at least two, each once)")
     c.add_argument("--debiased", action="store_true", help="print the debiased (unbiased HSIC) estimator")
     c.add_argument("--json", action="store_true", help="print the report (names, cka, cka_debiased, n, widths)")
-    c.add_argument("--save", help="write the similarity state (.npz), mergeable with Similarity.load/merge")
+    c.add_argument("--save", help="write the similarity state (.npz), mergeable with Similarity.load/merge (a new "
+                                  "file, not an input; --force replaces an existing one)")
+    c.add_argument("--force", action="store_true", help="replace an existing --save file")
     c.add_argument("--precision", choices=["fp64", "fp32"], default=None,
                    help="precision of the products (default: fp64 for float64 files, else fp32)")
     c.add_argument("--chunk", type=_integer(1, INT64_MAX, "a positive number of rows"), default=8192,

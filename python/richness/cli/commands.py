@@ -13,6 +13,7 @@ from typing import Optional
 from .. import _bounded_io, _statefile
 from .._optional import pip_extra
 from . import UserError
+from .files import check_targets
 from .readers import head_weights, split_spec
 from .shards import Layout, Shard, Shards, scan
 
@@ -75,9 +76,10 @@ def _stream(shards: Shards, layout: Layout, *, chunk: int, precision: Optional[s
     bar = _bar(layout.rows, progress, desc)
     try:
         for i in range(len(shards)):
-            shard = shards.open(i)
+            shard = shards.open(i)  # checked against what the scan saw
             try:
                 _stream_shard(m, shard, chunk, bar)
+                shards.check_unchanged(shard)  # and not rewritten while it was read
             finally:
                 shard.close()
     finally:
@@ -118,17 +120,22 @@ def _stream_shard(m, shard: Shard, chunk: int, bar) -> None:
 def eval_cmd(args: argparse.Namespace) -> int:
     _check_eval_args(args)
     train = Shards(args.features, args.outputs, args.labels, args.targets)
-    layout = scan(train, _check_shard, args.features)
     test_shards = None
     if args.test_features is not None:
+        test_shards = Shards(args.test_features, args.test_outputs, args.test_labels, args.test_targets,
+                             names=("--test-features", "--test-outputs", "--test-labels", "--test-targets"))
+    # the files to write, checked against every input before anything is read
+    inputs = train.files() + (test_shards.files() if test_shards is not None else [])
+    if args.head is not None:
+        inputs.append(split_spec(args.head)[0])
+    check_targets([("--save", args.save), ("--save-test", args.save_test)], inputs, force=args.force)
+    layout = scan(train, _check_shard, args.features)
+    if test_shards is not None:
         for given, what in ((args.test_outputs, "outputs"), (args.test_labels, "labels"),
                             (args.test_targets, "targets")):
             if given is not None and what not in layout.streams:
                 raise UserError(f"--test-{what} {given}: the training set has no {what} (give --{what})")
-        test_shards = Shards(args.test_features, args.test_outputs, args.test_labels, args.test_targets,
-                             names=("--test-features", "--test-outputs", "--test-labels", "--test-targets"),
-                             streams=layout.streams)
-    _check_saves(args, train.files() + (test_shards.files() if test_shards is not None else []))
+        test_shards.streams = layout.streams  # a held-out bundle supplies only the training set's streams
     for what in layout.streams:
         log.info("%s: %s", what, layout.described[what])
     W = head_weights(args.head)
@@ -183,36 +190,12 @@ def eval_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _same_file(a: str, b: str) -> bool:
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)  # hard links
-    except OSError:
-        return False
-
-
 def _check_eval_args(args: argparse.Namespace) -> None:
     """Refuse what would silently do something else than asked, before any data is read."""
     if args.test_features is None:
         for opt in ("test_outputs", "test_labels", "test_targets"):
             if getattr(args, opt) is not None:
                 raise UserError(f"--{opt.replace('_', '-')} needs --test-features")
-    if args.save and args.save_test and _same_file(args.save, args.save_test):
-        raise UserError(f"--save and --save-test name the same file ({args.save}); the held-out state would "
-                        "overwrite the training state")
-
-
-def _check_saves(args: argparse.Namespace, inputs: list) -> None:
-    """Refuse a --save / --save-test that names one of the input files (every shard's)."""
-    if args.head is not None:
-        inputs = inputs + [split_spec(args.head)[0]]
-    for opt, path in (("--save", args.save), ("--save-test", args.save_test)):
-        if not path:
-            continue
-        for src in inputs:
-            if _same_file(path, src):
-                raise UserError(f"{opt} {path}: is an input file ({src}); saving would overwrite it")
 
 
 def _print_curves(rep) -> None:
@@ -241,6 +224,9 @@ def plot_cmd(args: argparse.Namespace) -> int:
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):  # as --save: nothing creates folders on the user's behalf
         raise UserError(f"{out}: cannot write the plots (No such file or directory)")
+    prefix = out[:-4] if out.endswith((".png", ".svg")) else out  # as plot writes them
+    inputs = [path] + [p for p in (args.test, args.head and split_spec(args.head)[0]) if p]
+    check_targets([("", prefix + ".png"), ("", prefix + ".svg")], inputs, force=args.force)
     low = path.lower()
     name = plot.escape_mathtext(os.path.basename(path))  # a file name is shown as written, never as mathtext
     try:

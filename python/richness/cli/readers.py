@@ -14,6 +14,7 @@ import numpy as np
 from .. import _bounded_io
 from .._optional import pip_extra
 from . import UserError, reason
+from .files import Seen
 from .raw import RawRows, c_strides, mapped_file_offset, safetensors_offset
 
 
@@ -75,9 +76,10 @@ class ArrayFile:
         if os.path.isdir(path):
             raise UserError(f"{path}: is a directory, expected a {_SUFFIXES} file")
         try:
-            size = _bounded_io.check_regular(path)
+            self.stat = _bounded_io.stat_regular(path)  # before any byte is read: what the checks saw
         except (OSError, ValueError) as e:
             raise UserError(reason(e) if str(e).startswith(path) else f"{path}: {reason(e)}") from None
+        size = self.stat.st_size
         if size == 0:
             raise UserError(f"{path}: empty file (0 bytes)")
         self.bf16 = False
@@ -103,15 +105,16 @@ class ArrayFile:
                 self._open_parquet(path)
             else:
                 raise UserError(f"{path}: unknown file type; use {_SUFFIXES}")
-        except UserError:
+            if not all(isinstance(s, int) and s >= 0 for s in self.shape):
+                raise UserError(f"{self.label}: the file gives an impossible shape {self.shape}")
+            if len(self.shape) not in (1, 2):
+                raise UserError(f"{self.label}: expected a 1-D or 2-D array, got shape {self.shape}")
+        except BaseException as e:
+            self.close()  # a refused file keeps no descriptor open
+            if isinstance(e, _UNREADABLE):
+                msg = reason(e)
+                raise UserError(msg if msg.startswith(path) else f"{self.label}: cannot read ({msg})") from None
             raise
-        except _UNREADABLE as e:
-            msg = reason(e)
-            raise UserError(msg if msg.startswith(path) else f"{self.label}: cannot read ({msg})") from None
-        if not all(isinstance(s, int) and s >= 0 for s in self.shape):
-            raise UserError(f"{self.label}: the file gives an impossible shape {self.shape}")
-        if len(self.shape) not in (1, 2):
-            raise UserError(f"{self.label}: expected a 1-D or 2-D array, got shape {self.shape}")
 
     def _pick(self, names: List[str], noun: str) -> str:
         """The key asked for (or the default, or the only array) among ``names``."""
@@ -261,21 +264,12 @@ class ArrayFile:
 
     def _open_hdf5(self, path: str) -> None:
         h5py = _optional("h5py", "h5py", ".h5", "h5py")
-        f = h5py.File(path, "r")
+        f = self._keep = h5py.File(path, "r")  # closed by close(), also when the file is refused
         names: List[str] = []
         f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
-        try:
-            ds = f[self._pick(names, "dataset")]
-        except UserError:
-            f.close()
-            raise
-        try:
-            self._check_dataset(ds)
-        except UserError:
-            f.close()
-            raise
+        ds = f[self._pick(names, "dataset")]
+        self._check_dataset(ds)
         self.shape, self.dtype = tuple(int(s) for s in ds.shape), ds.dtype
-        self._keep = f
         self._reader = lambda a, b: ds[a:b]  # h5py reads only the slice
 
     def _check_dataset(self, ds) -> None:
@@ -294,7 +288,7 @@ class ArrayFile:
     def _open_parquet(self, path: str) -> None:
         pa = _optional("pyarrow", "pyarrow", ".parquet", "pyarrow")
         pq = _optional("pyarrow.parquet", "pyarrow", ".parquet", "pyarrow")
-        pf = pq.ParquetFile(path)
+        pf = self._keep = pq.ParquetFile(path)  # closed by close(), also when the file is refused
         key = self._pick(list(pf.schema_arrow.names), "column")
         md = pf.metadata
         chunks = [md.row_group(g).column(c) for g in range(md.num_row_groups) for c in range(md.num_columns)]
@@ -355,9 +349,23 @@ class ArrayFile:
         if isinstance(self._reader, RawRows):
             self._reader.close()
         self.array, self._reader = None, None
-        if self._keep is not None:
-            self._keep.close()
-            self._keep = None
+        keep, self._keep = self._keep, None
+        if keep is not None and hasattr(keep, "close"):  # an old pyarrow's ParquetFile has no close()
+            keep.close()
+
+    def __enter__(self) -> "ArrayFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def seen(self) -> Seen:
+        """The file as opened: identity, size, modification time, the array's key, shape and dtype."""
+        return Seen(self.path, self.stat, key=self.key, shape=self.shape, dtype=str(self.dtype), bf16=self.bf16)
+
+    def check_unchanged(self) -> None:
+        """Refuse a file changed since it was opened (rewritten while it was read)."""
+        self.seen().check_now(self.label)
 
     def release(self, b: int) -> None:
         """The rows before ``b`` will not be read again (raw data: dropped from the page cache)."""
@@ -486,11 +494,15 @@ def head_weights(spec: Optional[str]):
     if spec is None:
         return None
     f = ArrayFile(spec)
-    f.check_float("head weights")
-    if len(f.shape) != 2:
-        raise UserError(f"{f.label}: head weights must be 2-D (outputs, features), got shape {f.shape}")
-    _bounded_io.check_memory(2 * 8 * f.rows * f.shape[1], f"{f.label}: the head weights (read whole, as float64)")
-    return np.array(f.chunk(0, f.rows), dtype=np.float64)
+    try:
+        f.check_float("head weights")
+        if len(f.shape) != 2:
+            raise UserError(f"{f.label}: head weights must be 2-D (outputs, features), got shape {f.shape}")
+        _bounded_io.check_memory(2 * 8 * f.rows * f.shape[1],
+                                 f"{f.label}: the head weights (read whole, as float64)")
+        return np.array(f.chunk(0, f.rows), dtype=np.float64)
+    finally:
+        f.close()
 
 
 def width(f: ArrayFile) -> int:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Dict, List, NamedTuple, Optional, Sequence, cast, overload
+from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, cast, overload
 
 from . import UserError
+from .files import Seen, distinct
 from .readers import ArrayFile, open_or_bundle, split_spec, width
 
 STREAMS = ("features", "outputs", "labels", "targets")
@@ -29,6 +30,25 @@ def _format(path: str) -> str:
     return _FORMAT.get(ext, ext or "(no suffix)")
 
 
+# Names a directory or a glob of shards skips (as pyarrow's datasets do).
+_HIDDEN = ("_", ".")
+
+
+def _hidden(pattern: str, match: str) -> bool:
+    """Whether ``match`` of a glob ``pattern`` lies under a name starting with
+    ``_`` or ``.`` below the pattern's literal folder that the pattern does not
+    spell out itself (glob already skips dot names for ``*``)."""
+    parts = pattern.split(os.sep)
+    root = 0
+    while root < len(parts) - 1 and not glob.has_magic(parts[root]):
+        root += 1
+    pat = parts[root:]
+    got = match.split(os.sep)[root:]
+    if len(pat) != len(got):  # '**' matched several folders: none of its own may be hidden
+        return any(g.startswith(_HIDDEN) for g in got) and not any(p.startswith(_HIDDEN) for p in pat)
+    return any(g.startswith(_HIDDEN) and not p.startswith(_HIDDEN) for p, g in zip(pat, got))
+
+
 @overload
 def expand(spec: str) -> List[str]: ...
 @overload
@@ -38,14 +58,16 @@ def expand(spec: Optional[str]) -> Optional[List[str]]: ...
 def expand(spec: Optional[str]) -> Optional[List[str]]:
     """The files an argument names, as reader specs (``FILE`` or ``FILE:KEY``):
     itself when it is a file, else the sorted files a glob matches or a
-    directory holds (regular files not starting with a dot, all of one
-    format). An empty match is an error."""
+    directory holds (regular files, all of one format). Names starting with
+    ``_`` or ``.`` are skipped, as pyarrow's datasets skip them (``_SUCCESS``
+    markers, ``_temporary`` folders, hidden files), unless the glob spells such
+    a name out. An empty match is an error."""
     if spec is None:
         return None
     path, key = split_spec(spec)
     suffix = "" if key is None else f":{key}"
     if os.path.isdir(path):
-        names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+        names = sorted(n for n in os.listdir(path) if not n.startswith(_HIDDEN))
         files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
         if not files:
             raise UserError(f"{path}: a directory with no files (a directory of shards holds their files)")
@@ -57,9 +79,10 @@ def expand(spec: Optional[str]) -> Optional[List[str]]:
             raise UserError(f"{path}: holds files of several formats ({os.path.basename(a)}, "
                             f"{os.path.basename(b)}); a directory of shards holds one format (or give a glob)")
     elif glob.has_magic(path) and not os.path.exists(path):
-        files = sorted(f for f in glob.glob(path, recursive=True) if not os.path.isdir(f))
+        files = sorted(f for f in glob.glob(path, recursive=True) if not os.path.isdir(f) and not _hidden(path, f))
         if not files:
-            raise UserError(f"{path}: no file matches")
+            raise UserError(f"{path}: no file matches (names starting with _ or . are skipped unless the "
+                            "pattern spells them out)")
     else:
         return [spec]
     return [f + suffix for f in files]
@@ -96,6 +119,11 @@ class Shards:
         self.names = dict(zip(STREAMS, names))
         self.specs: Dict[str, Optional[List[str]]] = {s: expand(given[s]) for s in STREAMS}
         self.streams = tuple(streams)
+        for s in STREAMS:  # a shard reached twice (a link, another spelling) would count twice
+            distinct([split_spec(spec)[0] for spec in self.specs[s] or []], f"{self.names[s]} {given[s]}")
+        # what each file was when first opened (the scan): a later open must find the same
+        self._seen: Dict[Tuple[int, str], Seen] = {}
+        self._opened: Set[int] = set()
         feats = self.specs["features"]
         assert feats is not None
         for s in STREAMS[1:]:
@@ -126,10 +154,29 @@ class Shards:
             for s in STREAMS[1:]:
                 spec = self.specs[s]
                 rest.append(open_or_bundle(spec[i] if spec else None, bundle if s in self.streams else None, s))
+            shard = Shard(feats, *rest)
+            first = i not in self._opened
+            for s, f in zip(STREAMS, shard):
+                if first:
+                    if f is not None:
+                        self._seen[i, s] = f.seen()
+                    continue
+                before = self._seen.get((i, s))
+                if (before is None) != (f is None):
+                    raise UserError(f"{feats.label}: {'no longer holds' if f is None else 'holds'} {s} now, "
+                                    "unlike when it was first read; is another process still writing it?")
+                if before is not None and f is not None:
+                    before.check(f.seen(), f.label)
+            self._opened.add(i)
         except BaseException:
             Shard(feats, *rest, *([None] * (3 - len(rest)))).close()
             raise
-        return Shard(feats, *rest)
+        return shard
+
+    def check_unchanged(self, shard: Shard) -> None:
+        """Refuse a shard whose files changed while they were read."""
+        for f in shard.files():
+            f.check_unchanged()
 
 
 class Layout(NamedTuple):
