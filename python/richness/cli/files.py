@@ -117,8 +117,9 @@ class Seen:
 
     def check(self, now: "Seen", label: Optional[str] = None) -> None:
         """Refuse ``now`` when it is not what was seen: one line naming the file and what changed."""
-        changed = [f"{k} {self.facts[k]} -> {now.facts.get(k)}" if k in ("size", "shape", "rows") else k
-                   for k in self.facts if now.facts.get(k) != self.facts[k]]
+        words = {"file": "another file (device and inode) under that name", "modified": "modification time"}
+        changed = [f"{k} {self.facts[k]} -> {now.facts.get(k)}" if k in ("size", "shape", "key", "dtype")
+                   else words.get(k, k) for k in self.facts if now.facts.get(k) != self.facts[k]]
         if changed:
             raise UserError(f"{label or self.path}: changed since it was first read ({', '.join(changed)}); "
                             "is another process still writing it? Run again once it is complete")
