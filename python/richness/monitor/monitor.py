@@ -229,7 +229,8 @@ class Monitor:
         self._pending: list = []
         self.lag = lag
         self._one_batch = OneBatchRoute(lag, precision, rtol, self._finish_records,
-                                        eig=any(m in SPECTRAL for m in self.measures))
+                                        eig=any(m in SPECTRAL for m in self.measures),
+                                        raw_eig="rankme" in self.measures)
         self._deferred = False  # this step's window went to the one-batch route
         self._window_labels: Optional[bool] = None
         self._capturing = self._is_window_step(1)
@@ -513,8 +514,9 @@ class Monitor:
             return
         self._undefined_warned = True
         reasons = "; ".join(why) if why else (
-            "an all-zero spectrum (constant features), fewer than two eigenvalues above the rank cut for "
-            "alpha_req, fewer than two classes for NC2, or no linear head's weights for nc3")
+            "an all-zero spectrum (constant features), fewer than two eigenvalues in alpha-ReQ's range "
+            "(k = 11..100), fewer than two classes for NC2, "
+            "or no linear head's weights for nc3")
         warnings.warn(f"richness.Monitor: {', '.join(missing)} undefined at step {rec['step']}, recorded as None "
                       f"({reasons}); later such records are not warned about", UserWarning, stacklevel=4)
 
