@@ -100,7 +100,7 @@ def test_one_batch_route_non_finite_step_is_its_own_record(value):
             assert r["dlr"] == pytest.approx(d, abs=2e-5)
     flagged = [m for m in messages if "NaN or Inf" in m]
     assert (flagged == ["richness.Monitor: the head's input or output had NaN or Inf values at step(s) 4: their "
-                        "records have dlr, rank and nc1 None"]) == (value != 1e30)
+                        "records have n 0 and dlr, rank and nc1 None"]) == (value != 1e30)
 
 
 def test_one_batch_route_records_before_a_bad_step_reach_the_log(tmp_path):
