@@ -109,7 +109,10 @@ def test_torchrun_with_accelerate_merges_by_default(tmp_path):
                         f"--master_port={free_port()}", str(script)], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    ranks = [json.load(open(f"{out}.{i}")) for i in range(2)]
+    ranks = []
+    for i in range(2):
+        with open(f"{out}.{i}") as f:
+            ranks.append(json.load(f))
     model, X, y = model_and_rows()
     dlr, nc1 = oracle(model, X, y)
     for res in ranks:

@@ -424,6 +424,7 @@ def test_saved_state_survives_kill_between_saves(tmp_path):
     time.sleep(0.4)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    proc.stdout.close()
     m = richness.Moments.load(path)  # still valid: the old state or a complete new one
     assert m.n in (50, 2000)
     if m.n == 50:
@@ -486,8 +487,10 @@ def test_a_state_larger_than_memory_is_refused_with_its_size(tmp_path):
     np.savez_compressed(path, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
                         **{k: state[k] for k in richness._state.FIELD_NAMES})
     assert path.stat().st_size < 2_000_000
+    # one BLAS thread: each thread's buffers would count against the child's 100 MB margin
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", STATE_TOO_LARGE, str(path)], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env=env)
     assert out.stdout.strip().startswith(f"{path}: the state at p=5000 needs 2e+08 bytes; this process has "), \
         out.stdout + out.stderr
 

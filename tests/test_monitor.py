@@ -94,7 +94,8 @@ def test_monitor_every_step_and_no_pending_references(tmp_path):
     assert lines == mon.history
     import csv
 
-    rows = list(csv.DictReader(open(csv_path)))
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
     assert [float(r["dlr"]) for r in rows] == [r["dlr"] for r in mon.history]
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5]
     assert ("richness/dlr", mon.history[2]["dlr"], 3) in writer.calls

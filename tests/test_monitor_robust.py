@@ -305,8 +305,10 @@ def test_every_sink_writes_the_reference(tmp_path):
     hist, _ = run(model, data, every=2, window=2,
                   log=[str(tmp_path / "m.csv"), str(tmp_path / "m.jsonl"), writer, seen.append])
     assert len(hist) == 2 and all(r["dlr_isotropic"] is not None for r in hist)
-    rows = list(csv.DictReader(open(tmp_path / "m.csv")))
-    lines = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    with open(tmp_path / "m.csv") as f:
+        rows = list(csv.DictReader(f))
+    with open(tmp_path / "m.jsonl") as f:
+        lines = [json.loads(line) for line in f]
     for rec, row, line, got in zip(hist, rows, lines, seen):
         for key in ("dlr_isotropic", "dlr_normalized"):
             assert float(row[key]) == rec[key] and line[key] == rec[key] and got[key] == rec[key]
@@ -321,7 +323,8 @@ def test_csv_begun_with_fewer_fields_keeps_its_columns(tmp_path):
     path = tmp_path / "old.csv"
     path.write_text("step,mode,n,dlr,rank,nc1,effective_dim,time\n1,window,10,0.5,2,,,0.1\n")
     run(Net(8), batches(2, 30, 8), every=2, window=2, log=str(path))
-    rows = list(csv.DictReader(open(path)))
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
     assert len(rows) == 2 and list(rows[1]) == ["step", "mode", "n", "dlr", "rank", "nc1", "effective_dim", "time"]
     assert None not in rows[1] and rows[1]["step"] == "2"
     assert [r["step"] for r in richness.plot.read_log(path)] == [1.0, 2.0]

@@ -28,7 +28,8 @@ def named_extras():
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
-                text = open(path, encoding="utf-8").read()
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
                 for pattern in patterns:
                     for extra in re.findall(pattern, text):
                         found.setdefault(extra, os.path.relpath(path, PACKAGE))

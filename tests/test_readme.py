@@ -31,7 +31,8 @@ NEEDS = re.compile(r"#\s*needs:\s*([A-Za-z_]+(?:\.[A-Za-z_]+)*)")
 
 
 def python_blocks():
-    text = open(README, encoding="utf-8").read()
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 

@@ -140,7 +140,8 @@ def with_version(raw, version):
 ])
 def test_a_file_from_a_newer_or_unknown_version_is_refused(tmp_path, version, pattern):
     path = tmp_path / "future.npz"
-    path.write_bytes(with_version(open(FIXTURE, "rb").read(), version))
+    with open(FIXTURE, "rb") as f:
+        path.write_bytes(with_version(f.read(), version))
     assert zipfile.is_zipfile(path)
     with pytest.raises(ValueError, match=pattern):
         richness.Moments.load(path)

@@ -196,7 +196,8 @@ def test_all_reduce_of_ranks_at_different_scales(tmp_path):
     data = {k: v * 1e-90 for k, v in reps(21, n=80, offset=700.0).items()}
     b, d = refs(data)
     for i in range(2):
-        res = json.load(open(f"{out}.{i}"))
+        with open(f"{out}.{i}") as f:
+            res = json.load(f)
         assert res["n"] == 80
         np.testing.assert_allclose(res["cka"], b, rtol=1e-9)
         np.testing.assert_allclose(res["deb"], d, rtol=1e-9)

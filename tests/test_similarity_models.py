@@ -150,7 +150,8 @@ def test_all_reduce_two_ranks(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     b, d = oracle(reps(21, n=80, offset=500.0))
     for i in range(2):
-        res = json.load(open(f"{out}.{i}"))
+        with open(f"{out}.{i}") as f:
+            res = json.load(f)
         assert res["n"] == 80
         np.testing.assert_allclose(res["cka"], b, rtol=1e-9)
         np.testing.assert_allclose(res["deb"], d, rtol=1e-9)
@@ -165,7 +166,8 @@ def test_plot_similarity(tmp_path):
     rep = richness.similarity(ms, loader(), {"cnn": ["1", "3"], "mlp": ["1"]}, progress=False)
     paths = richness.plot.similarity(rep, tmp_path / "heat", debiased=True)
     assert all(os.path.getsize(p) > 1000 for p in paths)
-    svg = open(paths[1]).read()
+    with open(paths[1]) as f:
+        svg = f.read()
     assert "debiased" in svg and "cnn" in svg and "mlp" in svg
     assert f"{rep.cka_debiased[0, 2]:.2f}" in svg
     with pytest.raises(TypeError, match="SimilarityReport"):

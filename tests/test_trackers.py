@@ -57,7 +57,8 @@ def wandb_history(run_dir):
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = glob.glob(f"{run_dir}/wandb/offline-run-*/run-*.wandb")
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     assert data[:4] == b":W&B"
     pos, block, buf, rows = 7, 32768, b"", []
     while pos + 7 <= len(data):
@@ -146,7 +147,8 @@ def test_mlflow_file_store_receives_the_records(tmp_path, monkeypatch):
         assert n[step] == size
         assert abs(ref[step] - iso[step]) < 1e-12 and abs(rel[step] - d / iso[step]) < 1e-5 / iso[step]
     # the other sink of the list got the same records
-    logged = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    with open(tmp_path / "log.jsonl") as f:
+        logged = [json.loads(line) for line in f]
     assert [r["dlr"] for r in logged] == [dlr[r["step"]] for r in logged]
 
 
