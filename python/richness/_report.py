@@ -231,7 +231,7 @@ class Report:
 
     def _measure_lines(self) -> List[str]:
         """One text line of the representation diagnostics that are set (none when all are None)."""
-        names = (("RankMe", "rankme"), ("RankMe centered", "rankme_centered"), ("alpha-ReQ", "alpha_req"),
+        names = (("RankMe", "rankme"), ("alpha-ReQ", "alpha_req"),
                  ("participation ratio", "participation_ratio"), ("NC2 equinorm", "nc2_equinorm"),
                  ("NC2 equiangle", "nc2_equiangle"), ("NC3", "nc3"))
         stderr = self.measures_stderr or {}
