@@ -30,3 +30,27 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+
+def torchrun(tmp_path, template, nproc=2, timeout=300):
+    """Run ``template`` (a script formatted with ``tests``, this folder, and
+    ``out``, the prefix of the files ``out.RANK`` it writes one JSON document
+    to per rank) under ``torch.distributed.run`` with ``nproc`` processes of
+    one thread each on a free port; the ranks' documents, in rank order."""
+    import json
+    import subprocess
+
+    out = str(tmp_path / "rank")
+    script = tmp_path / "run.py"
+    script.write_text(template.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                        f"--master_port={free_port()}", str(script)], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = []
+    for i in range(nproc):
+        with open(f"{out}.{i}") as f:
+            ranks.append(json.load(f))
+    return ranks

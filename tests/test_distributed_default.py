@@ -8,20 +8,15 @@ are checked against the float64 n x n oracle on activations computed here.
 ``torch.distributed`` process group.)
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import richness  # noqa: E402
 from reference import dlr_naive, nc1_naive  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import torchrun  # noqa: E402
 
 N, P, C = 96, 6, 3
 
@@ -101,18 +96,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_torchrun_with_accelerate_merges_by_default(tmp_path):
     pytest.importorskip("accelerate")
-    out = str(tmp_path / "rank")
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", str(script)], capture_output=True, text=True,
-                       timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ranks = []
-    for i in range(2):
-        with open(f"{out}.{i}") as f:
-            ranks.append(json.load(f))
+    ranks = torchrun(tmp_path, SCRIPT)
     model, X, y = model_and_rows()
     dlr, nc1 = oracle(model, X, y)
     for res in ranks:

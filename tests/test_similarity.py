@@ -32,7 +32,8 @@ def oracle(data):
     return b, d
 
 
-def stream(data, cuts, **kw):
+def stream(data, cuts=(), **kw):
+    """A Similarity updated with ``data`` in batches cut at the rows ``cuts``."""
     s = Similarity(**kw)
     edges = [0, *cuts, len(next(iter(data.values())))]
     for a, b in zip(edges[:-1], edges[1:]):

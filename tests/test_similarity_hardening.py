@@ -12,6 +12,7 @@ import pytest
 
 import richness
 from richness import Similarity
+from test_similarity import stream
 
 
 def biased_ref(x, y):
@@ -53,14 +54,6 @@ def refs(data):
     b = np.array([[biased_ref(data[a], data[c]) for c in names] for a in names])
     d = np.array([[debiased_ref(data[a], data[c]) for c in names] for a in names])
     return b, d
-
-
-def stream(data, cuts=(), **kw):
-    s = Similarity(**kw)
-    edges = [0, *cuts, len(next(iter(data.values())))]
-    for a, b in zip(edges[:-1], edges[1:]):
-        s.update({k: v[a:b] for k, v in data.items()})
-    return s
 
 
 def close(report, data, rtol=1e-9, atol=1e-11):
@@ -177,27 +170,12 @@ os._exit(0)
 
 def test_all_reduce_of_ranks_at_different_scales(tmp_path):
     pytest.importorskip("torch.distributed")
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
+    from conftest import torchrun
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    out = str(tmp_path / "rank")
-    script = tmp_path / "run.py"
-    script.write_text(DIST.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={port}", str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = torchrun(tmp_path, DIST)
     data = {k: v * 1e-90 for k, v in reps(21, n=80, offset=700.0).items()}
     b, d = refs(data)
-    for i in range(2):
-        with open(f"{out}.{i}") as f:
-            res = json.load(f)
+    for res in ranks:
         assert res["n"] == 80
         np.testing.assert_allclose(res["cka"], b, rtol=1e-9)
         np.testing.assert_allclose(res["deb"], d, rtol=1e-9)

@@ -130,28 +130,12 @@ os._exit(0)
 
 
 def test_all_reduce_two_ranks(tmp_path):
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-
+    from conftest import torchrun
     from test_similarity import oracle, reps
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    out = str(tmp_path / "rank")
-    script = tmp_path / "run.py"
-    script.write_text(DIST.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={port}", str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = torchrun(tmp_path, DIST)
     b, d = oracle(reps(21, n=80, offset=500.0))
-    for i in range(2):
-        with open(f"{out}.{i}") as f:
-            res = json.load(f)
+    for res in ranks:
         assert res["n"] == 80
         np.testing.assert_allclose(res["cka"], b, rtol=1e-9)
         np.testing.assert_allclose(res["deb"], d, rtol=1e-9)
