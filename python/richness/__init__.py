@@ -37,7 +37,8 @@ if _typing.TYPE_CHECKING:
     from ._report import Report
     from ._similarity import Similarity, SimilarityReport, cka
     from .monitor import Monitor
-    from .torch.evaluate import RichnessWarning, evaluate
+    from ._warnings import RichnessWarning
+    from .torch.evaluate import evaluate
     from .torch.similarity import similarity
 
 # The public names load on first use (PEP 562): `import richness.finish` then
@@ -45,7 +46,7 @@ if _typing.TYPE_CHECKING:
 # clear ImportError (``_native``) when first used there.
 _PUBLIC = {"blas_info": "._native", "Moments": "._moments", "dlr": "._moments", "Report": "._report",
            "Similarity": "._similarity", "SimilarityReport": "._similarity", "cka": "._similarity",
-           "Monitor": ".monitor", "RichnessWarning": ".torch.evaluate", "evaluate": ".torch.evaluate",
+           "Monitor": ".monitor", "RichnessWarning": "._warnings", "evaluate": ".torch.evaluate",
            "similarity": ".torch.similarity"}
 
 

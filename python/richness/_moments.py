@@ -16,6 +16,7 @@ from . import _adapt, _state, _statefile
 from . import finish as _finish
 from ._backend import Backend, Batch, CoreBackend, GroupedBackend, Lockable
 from ._report import Report
+from ._warnings import RichnessWarning
 
 
 # ``cuda_product``: an algorithm's name, optionally with ":block" (the CUDA
@@ -472,8 +473,6 @@ class Moments(Lockable):
 
 
 def _warn(msg: str) -> None:
-    from .torch.evaluate import RichnessWarning
-
     warnings.warn(msg, RichnessWarning, stacklevel=3)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _adapt, _state, _statefile
 from ._moments import Moments
+from ._warnings import RichnessWarning
 
 __all__ = ["Similarity", "SimilarityReport", "SimilarityBlock", "EmptySimilarityError", "cka", "FORMAT"]
 
@@ -55,8 +56,6 @@ class EmptySimilarityError(ValueError):
 
 
 def _warn(msg: str, stacklevel: int = 3) -> None:
-    from .torch.evaluate import RichnessWarning
-
     warnings.warn(msg, RichnessWarning, stacklevel=stacklevel)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from . import _bounded_io
 from ._optional import pip_extra
 from ._report import Report
+from ._warnings import RichnessWarning
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
@@ -167,8 +168,6 @@ def escape_mathtext(text: str) -> str:
 def _dlr_outside(steps: np.ndarray, dlr: np.ndarray, given: np.ndarray, where: str) -> str:
     """A note on the recorded (``given``) DLR values that are NaN or outside [0, 1]
     (none of them a DLR), also warned about (RichnessWarning); "" when there are none."""
-    from .torch.evaluate import RichnessWarning
-
     nan = given & np.isnan(dlr)
     out = given & ~nan & ((dlr < 0) | (dlr > 1))
     parts = []

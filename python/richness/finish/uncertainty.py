@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 
 from .._report import Report
+from .._warnings import RichnessWarning
 from .diagnostics import measure_values
 from .dlr import dlr_of_state
 
@@ -44,8 +45,6 @@ def _replicates(report: Report, loo_states: list, value, what: str) -> Optional[
     bar; the estimate from all samples stands. The warning names the group
     (numbered from 0 in the order the groups are filled) and the reason; it
     goes to ``report.warnings`` and is issued as a ``RichnessWarning``."""
-    from ..torch.evaluate import RichnessWarning  # that module imports torch only when it runs a model
-
     out = []
     for i, st in enumerate(loo_states):
         try:

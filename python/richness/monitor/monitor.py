@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from ..torch.batches import check_tokens
-from ..torch.evaluate import RichnessWarning, collect
+from ..torch.evaluate import collect
 from ..torch.hooks import HeadHook, resolve_head
 from .capture import ModelForwards, TrainingCapture, probe_batches, step_rows
 from .onebatch import BatchGroup, GroupMeta, OneBatchRoute, StepMeta, finish_group
@@ -46,6 +46,7 @@ from .._optional import require_torch
 from ..finish.diagnostics import SPECTRAL
 from ..finish.isotropic import SAMPLES_PER_FEATURE, undersampled
 from ..torch.threads import BlasThreads
+from .._warnings import RichnessWarning
 
 
 def _num(v: Any) -> Optional[float]:

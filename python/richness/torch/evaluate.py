@@ -9,66 +9,28 @@ pass; ``evaluate`` finishes it into a ``Report``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 from .._moments import Moments
 from .._report import Report
+from .._warnings import RichnessWarning
 from .batches import (UNSHIFTED, TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs,
                        labels_are_inputs, layer_layouts, layer_pooler, layer_rows, select_rows,
                        shift_for_next_token, split_batch, to_device)
+from .common import eval_mode, merge_ranks, model_device, progress_bar
 from .hooks import HeadHook, Latest, pooled_rows, resolve_head, resolve_layers
-from .._optional import require_torch, require_tqdm
+from .._optional import require_torch
 from .threads import BlasThreads
 
 log = logging.getLogger("richness")
-
-
-class RichnessWarning(UserWarning):
-    """A caveat of a report (finite n, rank cut, NC1 precision), also in ``report.warnings``."""
-
-
-def model_device(model: Any) -> Any:
-    import torch
-
-    for p in model.parameters():
-        return p.device
-    for b in model.buffers():
-        return b.device
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def eval_mode(model: Any):
-    """Eval mode for the duration; every module's own training flag restored after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, t in modes:
-            m.training = t
 
 
 def _is_linear(mod: Any) -> bool:
     import torch.nn as nn
 
     return isinstance(mod, nn.Linear)
-
-
-def progress_bar(loader: Iterable, desc: str) -> Any:
-    """A tqdm bar in samples, its total the loader's dataset length when it has one."""
-    total = None
-    ds = getattr(loader, "dataset", None)
-    if ds is not None:
-        try:
-            total = len(ds)
-        except TypeError:
-            total = None
-    return require_tqdm("richness.evaluate")(total=total, unit="sample", unit_scale=True, desc=desc,
-                                              dynamic_ncols=True, leave=False)
 
 
 def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = None, precision: Optional[str] = None,
@@ -159,22 +121,6 @@ def collect(model: Any, loader: Iterable, *, head: Any = None, device: Any = Non
     if named_layers:
         return moments, (head_mod, layer_moments)
     return moments, head_mod
-
-
-def merge_ranks(distributed: Optional[bool], caller: str = "evaluate") -> bool:
-    """``caller(distributed=...)`` (``evaluate``, ``similarity``): None = whether a
-    process group is initialised; messages name ``caller``."""
-    if distributed is not None and not isinstance(distributed, bool):
-        raise TypeError(f"{caller}: distributed must be True, False or None, got {type(distributed).__name__}")
-    torch = require_torch(f"richness.{caller}")
-    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed is None:
-        return initialised
-    if distributed and not initialised:
-        raise RuntimeError(f"{caller}(distributed=True) needs an initialised torch.distributed process group "
-                           "(torch.distributed.init_process_group); the default distributed=None merges only "
-                           "when there is one")
-    return distributed
 
 
 def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Optional[Iterable] = None,

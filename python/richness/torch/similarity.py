@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from .._optional import require_torch
 from .._similarity import Similarity, SimilarityReport
 from .batches import batch_size_of, call_model, layer_layouts, layer_pooler, split_batch, to_device
-from .evaluate import merge_ranks, model_device, progress_bar, eval_mode
+from .common import eval_mode, merge_ranks, model_device, progress_bar
 from .hooks import HeadHook, resolve_layers
 
 
