@@ -4,7 +4,8 @@ A child process blocks ``richness._core`` and ``richness._cuda`` before any
 richness import (``sys.modules[name] = None`` makes every import of them fail).
 There ``import richness`` and ``import richness.finish`` must work, the
 finishing math given explicit cuts must compute DLR, NC1 and the spectral
-measures of a real state (streamed here by ``richness.Moments``), and what
+measures of a real state (streamed here by ``richness.Moments``) and both CKA
+estimators of a joint state formed in numpy, and what
 needs the core's precision table or accumulators must raise one clear
 ImportError.
 """
@@ -16,7 +17,8 @@ import sys
 import numpy as np
 
 import richness
-from reference import center_rows, dlr_naive, nc1_naive, participation_ratio_naive, rankme_naive
+from reference import (center_rows, cka_debiased_naive, cka_naive, dlr_naive, nc1_naive, participation_ratio_naive,
+                       rankme_naive)
 
 RTOL = 1e-10
 MESSAGE = ("richness: the precision table and the accumulators come from the compiled core richness._core, "
@@ -31,6 +33,7 @@ import numpy as np
 
 import richness
 import richness.finish as finish
+from richness.finish.cka import cka_matrices
 from richness.finish.diagnostics import eigenvalues_of_state, spectral_values
 from richness.finish.dlr import dlr_values, span_of_grams
 from richness.finish.nc1 import nc1_with_scale
@@ -55,6 +58,14 @@ out["nc1"] = float(nc1_with_scale(st, rtol)[0])
 spec = spectral_values(eigenvalues_of_state(st), rtol,
                       lam_u=eigenvalues_of_state(st, centered=False)[:min(int(st["n"]), int(st["p"]))])
 out["rankme"], out["participation_ratio"] = float(spec["rankme"]), float(spec["participation_ratio"])
+
+# CKA of Phi and F from their joint co-moments in a Similarity's layout: both blocks, then each one's
+# squared norms about its first row
+J = np.hstack([Phi, F, ((Phi - Phi[0]) ** 2).sum(axis=1, keepdims=True), ((F - F[0]) ** 2).sum(axis=1, keepdims=True)])
+Jc = J - J.mean(axis=0)
+biased, debiased, notes = cka_matrices(J.mean(axis=0), Jc.T @ Jc, len(J), ["Phi", "F"], [Phi.shape[1], F.shape[1]],
+                                       np.concatenate([Phi[0], F[0]]), np.ones(2))
+out["cka"], out["cka_debiased"], out["cka_notes"] = float(biased[0, 1]), float(debiased[0, 1]), notes
 
 errors = {}
 for name, call in (("finish", lambda: finish.finish(st)), ("default_rtol", lambda: finish.rtol_for("fp64")),
@@ -106,6 +117,9 @@ def test_finish_imports_and_computes_without_the_compiled_core(tmp_path):
     assert abs(out["participation_ratio"] - want_pr) <= 1e-9 * want_pr
     assert 1.0 < want_pr < 6.0 and 1.0 < want_rankme < 6.0
     assert np.linalg.matrix_rank(center_rows(Phi)) == 6
+    want_cka, want_deb = cka_naive(Phi, F), cka_debiased_naive(Phi, F)
+    assert abs(out["cka"] - want_cka) <= 1e-9 and abs(out["cka_debiased"] - want_deb) <= 1e-9, (out, want_cka)
+    assert 0.05 < want_deb < want_cka < 0.95 and out["cka_notes"] == []
 
     # what needs the core's precision table or its accumulators: one clear line naming it
     for name, err in out["errors"].items():

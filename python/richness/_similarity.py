@@ -31,17 +31,17 @@ import numpy as np
 from . import _adapt, _state, _statefile
 from ._moments import Moments
 from ._warnings import RichnessWarning
+from .finish.cka import cka_matrices, column_factors, scaled_shift
 
 __all__ = ["Similarity", "SimilarityReport", "SimilarityBlock", "EmptySimilarityError", "cka", "FORMAT"]
 
 FORMAT = "richness.similarity"  # meta["format"] of a saved Similarity (a Moments file says "richness.moments")
 VERSION = 2  # 2: a "scale" member (the power-of-two scale of each representation); version 1 files hold scale 1
 
-# Squared row norms within 2^-48 .. 2^48 (update) and mean squared norms within
-# 2^-64 .. 2^64 (finish) are used as given; outside, a power-of-two scale
-# brings them near 1 (exact: only the exponents change).
+# Squared row norms within 2^-48 .. 2^48 are used as given; outside, a
+# power-of-two scale brings them near 1 (exact: only the exponents change).
+# The finish does the same for blocks outside 2^-64 .. 2^64 (finish/cka.py).
 _SAFE_LOG2 = 48
-_FINISH_LOG2 = 64
 # ``cka`` streams its rows in chunks of at most this many bytes of the joint
 # float64 batch (the two representations and their norm columns).
 _CHUNK_BYTES = 1 << 25
@@ -361,7 +361,7 @@ class Similarity:
         _, widths, shift, scale = other._layout()
         _, _, mine, mine_scale = self._layout()
         st = _rescale(other._moments.state_dict(), widths, mine_scale / scale)
-        st = _reshift(st, widths, _scaled(shift, widths, mine_scale), _scaled(mine, widths, mine_scale))
+        st = _reshift(st, widths, scaled_shift(shift, widths, mine_scale), scaled_shift(mine, widths, mine_scale))
         m = Moments()
         try:
             m._load_own_state_dict(st)  # an exact affine map of a live state's co-moments
@@ -399,7 +399,7 @@ class Similarity:
         else:
             _, _, own_shift, own_scale = self._layout()
             st = _rescale(self._moments.state_dict(), widths, scale / own_scale)
-            st = _reshift(st, widths, _scaled(own_shift, widths, scale), _scaled(shift, widths, scale))
+            st = _reshift(st, widths, scaled_shift(own_shift, widths, scale), scaled_shift(shift, widths, scale))
         merged = all_reduce_states([st], group=group)[0]
         m = Moments(precision=self.precision)
         m.load_state_dict(merged)
@@ -633,25 +633,12 @@ def _largest(col: Any) -> float:
     return float(np.abs(col).max()) if np.isfinite(col).all() else math.inf
 
 
-def _scaled(shift: np.ndarray, widths: List[int], scale: np.ndarray) -> np.ndarray:
-    """The shift in the joint state's units (each block times its scale)."""
-    if (scale == 1.0).all():
-        return shift
-    return shift * np.repeat(scale, widths)
-
-
-def _column_factors(widths: List[int], factor: np.ndarray) -> np.ndarray:
-    """Per joint column, the factor of a representation's columns (``factor``)
-    and of its norm column (``factor^2``)."""
-    return np.concatenate([np.repeat(factor, widths), factor * factor])
-
-
 def _rescale(st: dict, widths: List[int], factor: np.ndarray) -> dict:
     """The joint state with representation r multiplied by ``factor[r]`` (a
     power of two: exact), its norm column by ``factor[r]^2``."""
     if (factor == 1.0).all():
         return st
-    D = _column_factors(widths, factor)
+    D = column_factors(widths, factor)
     out = dict(st)
     out["mean"] = st["mean"] * D
     out["M"] = st["M"] * np.outer(D, D)
@@ -681,7 +668,7 @@ def _check_widths(mst: dict, n: int, names: List[str], widths: List[int], shift:
     diag = np.diagonal(M)
     offs = np.cumsum([0] + list(widths))
     P = int(offs[-1])
-    c = _scaled(shift, widths, scale)
+    c = scaled_shift(shift, widths, scale)
     for r, nm in enumerate(names):
         sl = slice(offs[r], offs[r + 1])
         d = mean[sl] - c[sl]
@@ -718,60 +705,11 @@ def _reshift(st: dict, widths: List[int], old: np.ndarray, new: np.ndarray) -> d
 
 def _finish(mean: np.ndarray, M: np.ndarray, n: int, names: List[str], widths: List[int],
             shift: np.ndarray, scale: np.ndarray) -> SimilarityReport:
-    k = len(widths)
-    offs = np.cumsum([0] + list(widths))
-    P = int(offs[-1])
-    sl = [slice(offs[r], offs[r + 1]) for r in range(k)]
-    c = _scaled(shift, widths, scale)
-    tr = np.array([np.trace(M[s, s]) for s in sl])      # tr C_rr = -1'K~1
-    # Every value below is a ratio of terms of degree 4 in each representation's
-    # scale: a block whose mean squared norm lies outside 2^-64 .. 2^64 is
-    # multiplied by a power of two first (exact), so that no square over- or
-    # underflows; blocks within that range are used as they are.
-    kbar = tr / n
-    e = np.zeros(k)
-    for r in range(k):
-        if kbar[r] > 0 and math.isfinite(kbar[r]) and not -_FINISH_LOG2 <= math.log2(kbar[r]) <= _FINISH_LOG2:
-            e[r] = math.floor(math.log2(kbar[r]) / 2)
-    if e.any():
-        D = _column_factors(widths, np.ldexp(1.0, -e.astype(int)))
-        mean, M, c = mean * D, M * np.outer(D, D), c * D[:P]
-        tr = np.array([np.trace(M[s, s]) for s in sl])
-    d = [mean[s] - c[s] for s in sl]
-    kbar = tr / n
-    F = np.empty((k, k))                                   # ||C_rs||_F^2
-    S = np.empty((k, k))                                   # sum_i k_i l_i
-    for r in range(k):
-        for s in range(r, k):
-            C = M[sl[r], sl[s]]
-            F[r, s] = F[s, r] = float(np.sum(C * C))
-            S[r, s] = S[s, r] = (n * kbar[r] * kbar[s] + M[P + r, P + s] - 2 * d[s] @ M[sl[s], P + r]
-                                 - 2 * d[r] @ M[sl[r], P + s] + 4 * d[r] @ C @ d[s])
-    notes: List[str] = []
-
-    def note(msg: str) -> None:
-        notes.append(msg)
-        _warn(msg, 4)
-
-    diag = np.sqrt(np.diag(F))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        biased = F / np.outer(diag, diag)
-    if not np.isfinite(biased).all():
-        bad = [names[r] for r in range(k) if not diag[r] > 0]
-        note(f"CKA is undefined for constant representations {bad}: NaN")
-        biased = np.where(np.isfinite(biased), biased, np.nan)
-    if n < 4:
-        note(f"debiased CKA needs at least 4 samples (n = {n}): NaN")
-        deb = np.full((k, k), np.nan)
-    else:
-        H = (F - S + np.outer(tr, tr) / ((n - 1) * (n - 2)) - 2.0 / (n - 2) * S) / (n * (n - 3))
-        h = np.diag(H)
-        ok = h > 0
-        if not ok.all():
-            note(f"debiased CKA: the unbiased self-HSIC of {[names[r] for r in range(k) if not ok[r]]} is not "
-                 f"positive at n = {n}: NaN for their pairs")
-        with np.errstate(divide="ignore", invalid="ignore"):
-            deb = H / np.sqrt(np.outer(np.where(ok, h, np.nan), np.where(ok, h, np.nan)))
+    """Both estimators of a joint state (``finish/cka.py``); each of its notes is also issued as a
+    ``RichnessWarning``."""
+    biased, deb, notes = cka_matrices(mean, M, n, names, widths, shift, scale)
+    for msg in notes:
+        _warn(msg, 3)
     return SimilarityReport(names, widths, n, biased, deb, warnings=notes)
 
 
