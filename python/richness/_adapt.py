@@ -33,6 +33,8 @@ class Matrix(NamedTuple):
 
 
 def _is_torch(x: Any) -> bool:
+    """Whether ``x`` is an object of torch (a tensor or not: callers that need a tensor also check for
+    the attribute they use, ``data_ptr``, ``layout``, ``detach``); the one such test of the package."""
     return type(x).__module__.split(".")[0] == "torch"
 
 

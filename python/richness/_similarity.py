@@ -29,6 +29,7 @@ from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _adapt, _state, _statefile
+from ._adapt import _is_torch
 from ._moments import Moments
 from ._warnings import RichnessWarning
 from .finish.cka import cka_matrices, column_factors, scaled_shift
@@ -196,14 +197,10 @@ class SimilarityReport:
     __repr__ = __str__
 
 
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "data_ptr")
-
-
 def _as_batch(x: Any, name: str) -> Any:
     """A 2-D float batch: a torch tensor as given (detached), anything else as numpy."""
     _adapt.refuse_unreadable(x, name)
-    if _is_torch(x):
+    if _is_torch(x) and hasattr(x, "data_ptr"):  # a tensor (as _adapt.as_matrix tells one)
         x = x.detach()
         if x.is_complex() or not x.is_floating_point():
             raise TypeError(f"{name} must be a real floating tensor, got {x.dtype}")

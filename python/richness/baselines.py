@@ -22,11 +22,9 @@ from typing import Any, Iterable, Optional, Tuple
 
 import numpy as np
 
+from ._adapt import _is_torch
+
 __all__ = ["InitSimilarity", "init_similarity", "parameter_norm"]
-
-
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.split(".")[0] == "torch"
 
 
 class InitSimilarity:
