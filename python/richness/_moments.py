@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _adapt, _state, _statefile
 from . import finish as _finish
+from ._checks import check_int
 from ._backend import Backend, Batch, CoreBackend, GroupedBackend, Lockable
 from ._report import Report
 from ._warnings import RichnessWarning
@@ -93,10 +94,8 @@ class Moments(Lockable):
                  precision: Optional[str] = None, groups: Optional[int] = None,
                  group_seed: Optional[int] = None, stack_rows: int = 0, stack_joint: bool = True,
                  cuda_product: Optional[str] = None) -> None:
-        if groups is not None and (isinstance(groups, (bool, np.bool_)) or not isinstance(groups, (int, np.integer))
-                                   or not 2 <= groups <= MAX_GROUPS):
-            raise ValueError(f"groups must be an integer in [2, {MAX_GROUPS}] or None, got {groups!r} "
-                             "(each group holds a whole state: k groups cost k times the memory)")
+        groups = check_int(groups, "groups", low=2, high=MAX_GROUPS, allow_none=True,
+                           note="each group holds a whole state: k groups cost k times the memory")
         if group_seed is not None and groups is None:
             raise ValueError("group_seed needs groups=k")
         num_classes = _state.check_num_classes(num_classes)
@@ -110,9 +109,7 @@ class Moments(Lockable):
                 device = "cuda:0"
         if device == "cpu" and precision is not None:
             _state.check_runs_on_cpu(precision)
-        if (isinstance(stack_rows, (bool, np.bool_)) or not isinstance(stack_rows, (int, np.integer))
-                or not 0 <= stack_rows < 2**31):
-            raise ValueError(f"stack_rows must be an integer in [0, 2**31), got {stack_rows!r}")
+        stack_rows = check_int(stack_rows, "stack_rows", low=0, high=2**31 - 1, what="an integer in [0, 2**31)")
         if cuda_product is not None and (not isinstance(cuda_product, str)
                                          or not _PRODUCT.fullmatch(cuda_product)):
             raise ValueError(f"cuda_product must be None or an algorithm's name, optionally with ':block' "

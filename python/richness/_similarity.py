@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _adapt, _state, _statefile
 from ._adapt import _is_torch
+from ._checks import is_int
 from ._moments import Moments
 from ._warnings import RichnessWarning
 from .finish.cka import cka_matrices, column_factors, scaled_shift
@@ -456,8 +457,7 @@ class Similarity:
         names, widths = list(state["names"]), list(state["widths"])
         if not all(isinstance(x, str) for x in names) or len(set(names)) != len(names):
             raise ValueError(f"similarity state: names must be distinct strings, got {names!r}")
-        if len(widths) != len(names) or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool)
-                                                and w >= 1 for w in widths):
+        if len(widths) != len(names) or not all(is_int(w) and w >= 1 for w in widths):
             raise ValueError(f"similarity state: widths must be one integer >= 1 per name, got {widths!r}")
         widths = [int(w) for w in widths]
         shift = np.asarray(state["shift"], dtype=np.float64).reshape(-1)
@@ -715,7 +715,7 @@ def _finish(mean: np.ndarray, M: np.ndarray, n: int, names: List[str], widths: L
 
 def _shift_shape(meta: dict, widths: dict) -> dict:
     w = meta.get("widths")
-    if not isinstance(w, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in w):
+    if not isinstance(w, list) or not all(is_int(x) and x > 0 for x in w):
         raise ValueError(f"widths {w!r} are not a list of positive integers")
     more = {"shift": (sum(w) if widths["n"] > 0 else 0,)}
     if meta.get("version", 1) >= 2:

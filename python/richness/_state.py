@@ -30,6 +30,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from ._checks import check_int, is_int
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -192,17 +194,14 @@ def checked_groups(entry: object, whole: dict, *, gram: bool = True) -> dict:
     total = sum(m["n"] for m in metas)
     if total != whole["n"]:
         raise ValueError(f"the groups hold {total} samples between them, the whole state n={whole['n']}")
-    nxt = entry["next"]
-    if isinstance(nxt, (bool, np.bool_)) or not isinstance(nxt, (int, np.integer)) or not 0 <= nxt < k:
-        raise ValueError(f"state entry {GROUPS!r}: 'next' must be a group index in [0, {k}), got {nxt!r}")
-    seed = entry["seed"]
-    if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer))
-                             or seed < 0):
-        raise ValueError(f"state entry {GROUPS!r}: 'seed' must be None or a non-negative integer, got {seed!r}")
+    nxt = check_int(entry["next"], f"state entry {GROUPS!r}: 'next'", low=0, high=k - 1,
+                    what=f"a group index in [0, {k})")
+    seed = check_int(entry["seed"], f"state entry {GROUPS!r}: 'seed'", low=0, allow_none=True,
+                     what="None or a non-negative integer")
     rng = entry["rng"]
     if rng is not None:
         check_rng_state(rng)
-    return {"states": states, "next": int(nxt), "seed": None if seed is None else int(seed), "rng": rng}
+    return {"states": states, "next": nxt, "seed": seed, "rng": rng}
 
 
 def check_groups_add_up(whole: dict, merged: dict) -> None:
@@ -243,18 +242,14 @@ def check_num_classes(num_classes: object) -> Optional[int]:
     """``num_classes`` as an int (None stays None), or a ValueError naming
     the range it must be in: an integer from 1 to 2**63 - 1 (in a state dict,
     -1 stands for None)."""
-    if num_classes is None:
-        return None
-    if (isinstance(num_classes, (bool, np.bool_)) or not isinstance(num_classes, (int, np.integer))
-            or not 1 <= num_classes <= INT64_MAX):
-        raise ValueError(f"num_classes must be an integer from 1 to 2**63 - 1 (or None), got {num_classes!r}")
-    return int(num_classes)
+    return check_int(num_classes, "num_classes", low=1, high=INT64_MAX, allow_none=True,
+                     what="an integer from 1 to 2**63 - 1 (or None)")
 
 
 def _as_int(key: str, v: object) -> int:
     """An integer entry as a Python int (any numpy integer type, signed or
     not); TypeError for non-integers, ValueError beyond int64."""
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+    if not is_int(v):
         raise TypeError(f"state entry {key!r} must be an integer, got {type(v).__name__}")
     v = int(v)
     if not -INT64_MAX - 1 <= v <= INT64_MAX:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from ._checks import is_int
 from ._bounded_io import check_memory, npz_members, open_regular, read_member
 from ._state import FIELDS, MAX_GROUPS, SCALARS, shape_of, widths_of
 from ._state import FLOAT_FIELDS as FLOATS
@@ -342,7 +343,7 @@ def _read_state(zf: zipfile.ZipFile, path: str, bad, damaged, layout: Layout) ->
     if not isinstance(meta, dict) or meta.get("format") != layout.format:
         raise bad(f"not a {noun} (format {meta.get('format') if isinstance(meta, dict) else None!r})")
     version = meta.get("version")
-    known = version if isinstance(version, int) and not isinstance(version, bool) else None
+    known = version if is_int(version) else None
     if known is None or not 1 <= known <= layout.version:
         newer = " (written by a newer richness: update richness to read it)" \
             if known is not None and known > layout.version else ""

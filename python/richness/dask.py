@@ -71,6 +71,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, S
 import numpy as np
 
 from . import _kinds
+from ._checks import check_int
 from ._moments import Moments
 from ._optional import _require
 
@@ -209,12 +210,7 @@ def _combine(kind: str, states: List[dict]) -> dict:
 
 
 def _per_task(chunks_per_task: Any) -> Optional[int]:
-    if chunks_per_task is None:
-        return None
-    if (isinstance(chunks_per_task, (bool, np.bool_)) or not isinstance(chunks_per_task, (int, np.integer))
-            or chunks_per_task < 1):
-        raise ValueError(f"chunks_per_task must be a positive integer or None, got {chunks_per_task!r}")
-    return int(chunks_per_task)
+    return check_int(chunks_per_task, "chunks_per_task", low=1, allow_none=True)
 
 
 SHARED_BYTES = 1 << 20  # a literal every row chunk needs (an opened store) is copied into each task up to this
@@ -341,9 +337,8 @@ def _tree(kind: str, states: list, split_every: Optional[int]):
     fan-in ``split_every``."""
     import dask
 
-    every = SPLIT_EVERY if split_every is None else split_every
-    if isinstance(every, (bool, np.bool_)) or not isinstance(every, (int, np.integer)) or every < 2:
-        raise ValueError(f"split_every must be an integer >= 2 (states merged per task), got {split_every!r}")
+    every = check_int(SPLIT_EVERY if split_every is None else split_every, "split_every", low=2,
+                      what="an integer >= 2 (states merged per task)")
     combine = dask.delayed(_combine, pure=True)
     level = list(states)
     while len(level) > 1:

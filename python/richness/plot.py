@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from . import _bounded_io
+from ._checks import is_int
 from ._optional import pip_extra
 from ._report import Report
 from ._warnings import RichnessWarning
@@ -114,7 +115,7 @@ def _number(value: Any, key: str, where: str, optional: bool) -> Optional[float]
     """A record's field as a float (None where ``optional`` allows); ValueError naming ``where``."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not (is_int(value) or isinstance(value, float)):
         raise ValueError(f"{where}: {key} is not a number ({value!r})")
     return float(value)
 

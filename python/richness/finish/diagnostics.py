@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, Optional
 
 import numpy as np
 
+from .._checks import is_int
 from ._xp import eigh_desc, f64, kept, norm, ns
 
 SPECTRAL = ("rankme", "alpha_req", "participation_ratio")
@@ -59,7 +60,7 @@ def check_options(options: Any) -> dict:
     out = {**DEFAULT_OPTIONS, **options}
     rng = out["alpha_req_range"]
     ok = isinstance(rng, (tuple, list)) and len(rng) == 2 and all(
-        v is None or (isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))) for v in rng)
+        v is None or is_int(v) for v in rng)
     if ok:
         first, last = rng
         ok = first is not None and first >= 1 and (last is None or last >= first + 1)

@@ -42,6 +42,7 @@ from .onebatch import BatchGroup, GroupMeta, OneBatchRoute, StepMeta, finish_gro
 from .sinks import make_sinks
 from .window import WindowRoute
 from .layer import RECORD_MEASURES, layer_rows, monitor_measures, pooled_output, resolve_layer
+from .._checks import check_int
 from .._optional import require_torch
 from ..finish.diagnostics import SPECTRAL
 from ..finish.isotropic import SAMPLES_PER_FEATURE, undersampled
@@ -194,16 +195,12 @@ class Monitor:
         torch = require_torch("richness.Monitor")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive integer, got {every!r}")
+        every = check_int(every, "every", low=1)
         if window is None:
             window = min(10, every)
-        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= every:
-            raise ValueError(f"window must be an integer in [1, every={every}], got {window!r}")
-        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 1):
-            raise ValueError(f"lag must be a positive integer or None, got {lag!r}")
-        if isinstance(first_step, bool) or not isinstance(first_step, int):
-            raise ValueError(f"first_step must be an integer, got {first_step!r}")
+        window = check_int(window, "window", low=1, high=every, what=f"an integer in [1, every={every}]")
+        lag = check_int(lag, "lag", low=1, allow_none=True)
+        first_step = check_int(first_step, "first_step")
         if wide_head not in ("weights", "outputs"):
             raise ValueError(f"wide_head must be 'weights' or 'outputs', got {wide_head!r}")
         check_tokens(tokens)

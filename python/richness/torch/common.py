@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterable, Optional
 
+from .._checks import check_bool_or_none
 from .._optional import require_torch, require_tqdm
 
 
@@ -48,8 +49,7 @@ def progress_bar(loader: Iterable, desc: str) -> Any:
 def merge_ranks(distributed: Optional[bool], caller: str = "evaluate") -> bool:
     """``caller(distributed=...)`` (``evaluate``, ``similarity``): None = whether a
     process group is initialised; messages name ``caller``."""
-    if distributed is not None and not isinstance(distributed, bool):
-        raise TypeError(f"{caller}: distributed must be True, False or None, got {type(distributed).__name__}")
+    check_bool_or_none(distributed, f"{caller}: distributed")
     torch = require_torch(f"richness.{caller}")
     initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed is None:
