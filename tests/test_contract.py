@@ -430,18 +430,9 @@ def test_copies_are_equal_and_independent(ad, how):
     check_reference(ad.values(obj), ad.reference(half), "original")
 
 
-def test_save_and_load_through_a_file(ad, tmp_path, request):
+def test_save_and_load_through_a_file(ad, tmp_path):
     if not ad.has_files:
         pytest.skip("no save/load (state_dict/load_state_dict is the round trip)")
-    if getattr(ad, "groups", None) is not None:
-        request.applymarker(pytest.mark.xfail(
-            raises=ValueError, strict=True,
-            reason="Moments.load of a file saved by Moments(num_classes=4, groups=4) raises 'not a valid richness "
-                   "state (the groups merge to widths {... 'num_classes': -1} ..., but the whole state has {... "
-                   "'num_classes': 4}: they do not belong together)': load builds Moments(groups=k) without the "
-                   "file's num_classes, and loading a grouped state with a fixed num_classes into a Moments(groups=k) "
-                   "with num_classes=None gives groups of num_classes -1 (load_state_dict into "
-                   "Moments(num_classes=4, groups=4) works)"))
     half, rest = ALL[:150], ALL[150:]
     obj = filled(ad, half)
     path = tmp_path / "state.npz"

@@ -319,3 +319,28 @@ def test_richness_merge_keeps_the_groups(tmp_path, capsys):
     with pytest.warns(RichnessWarning, match="groups are not kept"):
         assert main(["merge", str(tmp_path / "mixed.npz"), str(tmp_path / "plain.npz"),
                      str(tmp_path / "a.npz")]) == 0
+
+
+def test_grouped_state_with_fixed_classes_loads_into_a_moments_without_them(tmp_path):
+    """Moments.load builds Moments(groups=k) without num_classes: the groups are rebuilt for the file's
+    classes (they were built for none, and their merge disagreed with the whole state)."""
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(240, 6)) + 2.0
+    F = X @ rng.normal(size=(6, 3)) + 0.1 * rng.normal(size=(240, 3))
+    y = rng.integers(0, 4, 240)
+    m = richness.Moments(num_classes=4, groups=4)
+    for i in range(0, 240, 30):
+        m.update(X[i:i + 30], outputs=F[i:i + 30], labels=y[i:i + 30])
+    m.save(tmp_path / "s.npz")
+    back = richness.Moments.load(tmp_path / "s.npz")
+    fresh = richness.Moments(groups=4)
+    fresh.load_state_dict(m.state_dict())
+    want = dlr_naive(X, F)[0]
+    for other in (back, fresh):
+        assert other.num_classes == 4
+        rep = other.compute(uncertainty=True)
+        assert abs(rep.dlr - want) < 1e-10 and rep.dlr_stderr is not None
+    refused = richness.Moments(groups=3)
+    with pytest.raises(ValueError, match="holds 4 groups"):
+        refused.load_state_dict(m.state_dict())
+    assert refused.num_classes is None and refused.n == 0

@@ -424,18 +424,24 @@ class Moments(Lockable):
         w = _state.widths_of(state)
         self._check_num_classes([state])
         device = self._device or "cpu"
-        backend = self._new_backend(device)
-        if entry is None:
-            backend.from_state(state)  # validates in the core; raises before anything changes
-        else:
-            groups = _state.checked_groups(entry, state, gram=gram)
-            grouped = cast(GroupedBackend, backend)
-            grouped.load_groups(groups)  # each group validated in the core
-            _state.check_groups_add_up(state, grouped.to_state())
-            self._group_seed = groups["seed"]
+        previous = self.num_classes
+        # the backends (every group's too) are built for the state's classes
+        self.num_classes = None if w["num_classes"] < 0 else w["num_classes"]
+        try:
+            backend = self._new_backend(device)
+            if entry is None:
+                backend.from_state(state)  # validates in the core; raises before anything changes
+            else:
+                groups = _state.checked_groups(entry, state, gram=gram)
+                grouped = cast(GroupedBackend, backend)
+                grouped.load_groups(groups)  # each group validated in the core
+                _state.check_groups_add_up(state, grouped.to_state())
+                self._group_seed = groups["seed"]
+        except BaseException:
+            self.num_classes = previous
+            raise
         self._backend = backend
         self._device = device
-        self.num_classes = None if w["num_classes"] < 0 else w["num_classes"]
 
     def save(self, path: "os.PathLike | str") -> None:
         """Write the state to ``path`` atomically (an .npz archive, no pickle)."""
