@@ -43,7 +43,11 @@ class RawRows:
         self.row_major = len(self.shape) == 1 or self.strides[1] <= self.strides[0] or self.shape[1] == 1
         self._released = 0
         self._scratch: Optional[np.ndarray] = None
-        self._check_size(0, self.shape[0])
+        try:
+            self._check_size(0, self.shape[0])
+        except BaseException:
+            self.raw.close()  # refused: the duplicated descriptor goes with it
+            raise
 
     def _check_size(self, a: int, b: int) -> None:
         size = os.fstat(self.raw.fileno()).st_size
