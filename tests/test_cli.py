@@ -53,11 +53,11 @@ def test_eval_npy_files_in_chunks(tmp_path, capsys):
 
 
 def test_chunks_reuse_one_buffer_only_when_asked(tmp_path):
-    from richness.cli.readers import ArrayFile
+    from richness.cli.formats import open_array
 
     X = np.arange(60, dtype=np.float32).reshape(20, 3)
     np.save(tmp_path / "x.npy", X)
-    f = ArrayFile(str(tmp_path / "x.npy"))
+    f = open_array(str(tmp_path / "x.npy"))
     a = f.chunk(0, 8, reuse=True)
     np.testing.assert_array_equal(a, X[:8])
     b = f.chunk(8, 13, reuse=True)  # a shorter chunk, in the same buffer

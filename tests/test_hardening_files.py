@@ -15,7 +15,7 @@ import pytest
 import richness
 from richness import _statefile
 from richness.cli import UserError, main
-from richness.cli.readers import ArrayFile
+from richness.cli.formats import open_array
 from reference import dlr_naive, states_equal
 from test_cli import run_error, run_json
 
@@ -72,8 +72,9 @@ KINDS = ["npy", "npy_f", "npz", "pt", "pt_t", "pt_slice", "st", "st_bf16"]
 # the file (a reader hook: the race made deterministic).
 _TRUNCATED_CHILD = r"""
 import sys
-from richness.cli import main, readers
-real = readers.ArrayFile.chunk
+from richness.cli import main
+from richness.cli.formats import ArrayFile
+real = ArrayFile.chunk
 calls = []
 def chunk(self, a, b, **kw):
     calls.append(a)
@@ -81,7 +82,7 @@ def chunk(self, a, b, **kw):
         print("ready", flush=True)
         assert sys.stdin.readline().strip() == "go"
     return real(self, a, b, **kw)
-readers.ArrayFile.chunk = chunk
+ArrayFile.chunk = chunk
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -114,7 +115,7 @@ def test_raw_reads_give_the_array(tmp_path, kind):
     """Chunks read by offset equal the array the file holds, in any order of ranges."""
     X = features(n=1000, p=7, seed=1)
     _, spec, want = _write(kind, tmp_path, X)
-    with ArrayFile(spec) as f:
+    with open_array(spec) as f:
         assert f.shape == want.shape
         for a, b in ((0, 1000 if kind != "pt_slice" else 999), (0, 1), (500, 733), (998, 999), (3, 400), (0, 0)):
             got = f.chunk(a, b)
@@ -149,14 +150,14 @@ def test_big_endian_pt_file_is_read_in_its_byte_order(tmp_path):
                 data = np.frombuffer(data, "<f8").astype(">f8").tobytes()
             zout.writestr(info, data)
     assert np.array_equal(torch.load(tmp_path / "be.pt", weights_only=True).numpy(), X)  # the file is right
-    with ArrayFile(str(tmp_path / "be.pt")) as f:
+    with open_array(str(tmp_path / "be.pt")) as f:
         assert np.array_equal(f.chunk(0, 300), X) and np.array_equal(f.chunk(17, 99), X[17:99])
 
 
 def test_file_truncated_inside_one_read(tmp_path, monkeypatch):
     """Truncated between the size check and the read: the short read is the same one-line error."""
     path, spec, _ = _write("npy", tmp_path, features(n=1000))
-    with ArrayFile(spec) as f:
+    with open_array(spec) as f:
         f.chunk(0, 100)
         os.truncate(path, os.path.getsize(path) - 800)
         monkeypatch.setattr(type(f._reader), "_check_size", lambda self, a, b: None)

@@ -4,7 +4,7 @@ file's own directory and headers and checked against each other before any
 data is read, and allocations checked against the memory this process can
 have. Every reader of a file goes through these: ``Moments.load`` and the
 other saved states (``_statefile``), the command line's array files
-(``cli/readers.py``), the Monitor logs that ``plot`` reads.
+(``cli/formats/``), the Monitor logs that ``plot`` reads.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ without a traceback. Progress and notes go to the ``richness`` logger
 
 The parser and the reporting of errors are here; the commands are in
 :mod:`richness.cli.commands` (eval, plot, info), :mod:`richness.cli.merge` and
-:mod:`richness.cli.demo`, the file readers in :mod:`richness.cli.readers`, sharded
+:mod:`richness.cli.demo`, the file readers in :mod:`richness.cli.formats`, sharded
 inputs (globs, directories) in :mod:`richness.cli.shards`, and the rules every command
 applies to the files it names (a file written is never an input and replaces an existing
 one only with ``--force``; an input reached twice is refused; a file changed between its

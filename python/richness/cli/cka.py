@@ -14,12 +14,12 @@ from .. import _bounded_io
 from . import UserError
 from .commands import _CHUNK_BYTES, _bar
 from .files import Seen, check_targets, distinct
-from .readers import ArrayFile, split_spec
+from .formats import ArrayFile, open_array, split_spec
 from .shards import expand
 
 
 def _open(spec: str) -> ArrayFile:
-    f = ArrayFile(spec)
+    f = open_array(spec)
     try:
         f.check_float("a representation")
         if len(f.shape) != 2:

@@ -10,17 +10,36 @@ import sys
 import warnings
 from typing import Optional
 
+import numpy as np
+
 from .. import _bounded_io, _statefile
 from .._optional import pip_extra
 from . import UserError
 from .files import check_targets
-from .readers import head_weights, split_spec
+from .formats import open_array, split_spec
 from .shards import Layout, Shard, Shards, scan
 
 log = logging.getLogger("richness")
 
 # Rows per chunk are capped so that one chunk of one stream stays under this.
 _CHUNK_BYTES = 1 << 28
+
+
+def head_weights(spec: Optional[str]):
+    """The head's weights (outputs x features) from the array file ``spec``, read
+    whole as float64; None when no file is given."""
+    if spec is None:
+        return None
+    f = open_array(spec)
+    try:
+        f.check_float("head weights")
+        if len(f.shape) != 2:
+            raise UserError(f"{f.label}: head weights must be 2-D (outputs, features), got shape {f.shape}")
+        _bounded_io.check_memory(2 * 8 * f.rows * f.shape[1],
+                                 f"{f.label}: the head weights (read whole, as float64)")
+        return np.array(f.chunk(0, f.rows), dtype=np.float64)
+    finally:
+        f.close()
 
 
 def _bar(total: int, enabled: bool, desc: str):

@@ -19,8 +19,9 @@ from typing import Dict, List, Optional
 
 from .. import _kinds
 from . import UserError, reason
+from .commands import head_weights
 from .files import Seen, check_targets, distinct
-from .readers import head_weights, split_spec
+from .formats import split_spec
 from .shards import expand
 
 log = logging.getLogger("richness")

@@ -3,7 +3,7 @@ quoted glob (``'feats/part-*.npy'``) or a directory (all its files, of one
 format). The matched files are taken in sorted order and paired by position
 across the arguments: shard i of the features goes with shard i of the
 outputs, labels and targets. Each shard is read by the per-file reader
-(:class:`~richness.cli.readers.ArrayFile`) and passes every check a single
+(:func:`richness.cli.formats.open_array`) and passes every check a single
 file passes; the shards of one argument must also agree with each other
 (same streams, same widths). A ``:KEY`` after a glob or directory applies to
 every file it matches."""
@@ -16,18 +16,29 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, cast,
 
 from . import UserError
 from .files import Seen, distinct
-from .readers import ArrayFile, open_or_bundle, split_spec, width
+from .formats import ArrayFile, find, open_array, split_spec
 
 STREAMS = ("features", "outputs", "labels", "targets")
 
-# File suffixes of one format (a directory of shards holds one format).
-_FORMAT = {".npy": ".npy", ".npz": ".npz", ".safetensors": ".safetensors", ".pt": ".pt", ".pth": ".pt",
-           ".h5": ".h5", ".hdf5": ".h5", ".parquet": ".parquet"}
-
-
 def _format(path: str) -> str:
-    ext = os.path.splitext(path)[1].lower()
-    return _FORMAT.get(ext, ext or "(no suffix)")
+    """The format of a file, by its suffix (a directory of shards holds one format)."""
+    fmt = find(path)
+    if fmt is not None:
+        return fmt.suffixes[0]
+    return os.path.splitext(path)[1].lower() or "(no suffix)"
+
+
+def open_or_bundle(spec: Optional[str], bundle: Optional[ArrayFile], key: str) -> Optional[ArrayFile]:
+    """An explicit file, else the array ``key`` of the bundle the features came from, when it has one."""
+    if spec is not None:
+        return open_array(spec)
+    if bundle is None or key not in bundle.names:
+        return None
+    return open_array(f"{bundle.path}:{key}")
+
+
+def width(f: ArrayFile) -> int:
+    return f.shape[1] if len(f.shape) == 2 else 1
 
 
 # Names a directory or a glob of shards skips (as pyarrow's datasets do).
@@ -147,7 +158,7 @@ class Shards:
     def open(self, i: int) -> Shard:
         """Shard ``i``: its files, opened; a features bundle (any but .npy,
         named without :KEY) supplies the streams not given."""
-        feats = ArrayFile(self.specs["features"][i], default_key="features")  # type: ignore[index]
+        feats = open_array(self.specs["features"][i], default_key="features")  # type: ignore[index]
         bundle = None if feats.explicit_key else feats
         rest = []
         try:
