@@ -37,17 +37,17 @@ def make_model(seed: int = 0) -> nn.Module:
 # name -> (Monitor settings or None for no monitor, pass labels to step())
 CONFIGS = {
     "off": (None, False),
-    "every=1, no labels": (dict(every=1, window=1), False),
-    "every=1, labels (DLR + NC1)": (dict(every=1, window=1), True),
-    "every=10, window=10, labels": (dict(every=10, window=10), True),
+    "every=1, no labels": (dict(route=richness.EveryStep()), False),
+    "every=1, labels (DLR + NC1)": (dict(route=richness.EveryStep()), True),
+    "every=10, window=10, labels": (dict(route=richness.Window(10, 10)), True),
     "default (every=100, window=10), labels": (dict(), True),
 }
 # More every / window settings (--all): every window shape the Monitor takes.
 MORE = {
-    "every=10, window=1, labels": (dict(every=10, window=1), True),
-    "every=10, window=5, labels": (dict(every=10, window=5), True),
-    "every=100, window=100, labels": (dict(every=100, window=100), True),
-    "every=10, window=10, no labels": (dict(every=10, window=10), False),
+    "every=10, window=1, labels": (dict(route=richness.Window(10, 1)), True),
+    "every=10, window=5, labels": (dict(route=richness.Window(10, 5)), True),
+    "every=100, window=100, labels": (dict(route=richness.Window(100, 100)), True),
+    "every=10, window=10, no labels": (dict(route=richness.Window(10, 10)), False),
 }
 
 

@@ -85,7 +85,7 @@ def checks(dev: torch.device) -> dict:
                                                                         o.detach().double().cpu().numpy())))
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with richness.Monitor(model, every=1) as mon:
+    with richness.Monitor(model, richness.EveryStep()) as mon:
         xb, yb = X[:256].to(dev), y[:256].to(dev)
         loss = nn.functional.cross_entropy(model(xb), yb)
         opt.zero_grad()
@@ -98,7 +98,7 @@ def checks(dev: torch.device) -> dict:
     out["monitor_oracle"] = want
     out["monitor_ok"] = abs(mon.history[0]["dlr"] - want) < 1e-4 and mon.history[0]["rank"] == r
     # the Moments path on the device (window of 2 batches: n = 512 >= p)
-    with richness.Monitor(model, every=2, window=2) as mon2:
+    with richness.Monitor(model, richness.Window(2, 2)) as mon2:
         for s in range(2):
             loss = nn.functional.cross_entropy(model(X[s * 256:(s + 1) * 256].to(dev)), y[s * 256:(s + 1) * 256].to(dev))
             opt.zero_grad()
@@ -110,7 +110,8 @@ def checks(dev: torch.device) -> dict:
         # Host synchronisations inside Monitor.step (the training loop's side):
         # the one-batch path (every=1; lag=2 so that steps 2 and 4 also reduce a
         # group) and the Moments path's update (window=10).
-        for name, cfg in (("every=1", dict(every=1, lag=2)), ("window update", dict(every=10, window=10))):
+        for name, cfg in (("every=1", dict(route=richness.EveryStep(2))),
+                          ("window update", dict(route=richness.Window(10, 10)))):
             with richness.Monitor(model, **cfg) as mon3:
                 msg = "none"
                 for s in range(4):
@@ -135,7 +136,8 @@ def checks(dev: torch.device) -> dict:
     return out
 
 
-CONFIGS = {"off": None, "every=1 (DLR + NC1)": dict(every=1), "every=10, window=10": dict(every=10, window=10),
+CONFIGS = {"off": None, "every=1 (DLR + NC1)": dict(route=richness.EveryStep()),
+           "every=10, window=10": dict(route=richness.Window(10, 10)),
            "default (every=100, window=10)": dict()}
 
 

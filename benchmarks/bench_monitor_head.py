@@ -30,7 +30,7 @@ import time
 import torch
 
 import richness
-from richness.monitor import monitor as _monitor, onebatch as _onebatch
+from richness.monitor import onebatch as _onebatch, routes as _routes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from reference import dlr_naive, nc1_naive  # noqa: E402
@@ -42,8 +42,8 @@ class Timed:
     def __init__(self) -> None:
         self.reduce = self.finish = 0.0
         self._reduce = self._wrap(_onebatch.BatchGroup.reduce, "reduce")
-        self._finish = self._wrap(_monitor.Monitor._finish_records, "finish")
-        _onebatch.BatchGroup.reduce, _monitor.Monitor._finish_records = self._reduce, self._finish
+        self._finish = self._wrap(_routes._WindowRun._finish_records, "finish")
+        _onebatch.BatchGroup.reduce, _routes._WindowRun._finish_records = self._reduce, self._finish
 
     def _wrap(self, fn, field: str):
         def timed(*a):
@@ -78,7 +78,7 @@ def run_group(head, xs, ys, per_class: bool, lag: int, timed: Timed) -> dict:
         _onebatch.BatchGroup.__init__ = per_class_init
     try:
         t0 = time.perf_counter()
-        with richness.Monitor(head, every=1, lag=lag) as mon:
+        with richness.Monitor(head, richness.EveryStep(lag)) as mon:
             for x, y in zip(xs, ys):
                 head(x)
                 mon.step(labels=y)

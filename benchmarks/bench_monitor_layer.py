@@ -14,18 +14,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_monitor
+import bench_monitor  # noqa: E402
+import richness  # noqa: E402
 
 SPECTRAL = ("rankme", "alpha_req", "participation_ratio")
 
 bench_monitor.CONFIGS = {
     "off": (None, False),
     "default (every=100, window=10), labels": (dict(), True),
-    "default, labels, measures=all": (dict(measures="all"), True),
+    "default, labels, measures=all": (dict(head=richness.Head(measures="all")), True),
     "layer, default (every=100, window=10)": (dict(layer="3"), False),
-    "every=1, labels (DLR + NC1)": (dict(every=1, window=1), True),
-    "every=1, labels, measures=spectral": (dict(every=1, window=1, measures=SPECTRAL), True),
-    "layer, every=1 (Gram eigenvalues)": (dict(layer="3", every=1, window=1), False),
+    "every=1, labels (DLR + NC1)": (dict(route=richness.EveryStep()), True),
+    "every=1, labels, measures=spectral": (dict(route=richness.EveryStep(), head=richness.Head(measures=SPECTRAL)),
+                                           True),
+    "layer, every=1 (Gram eigenvalues)": (dict(route=richness.EveryStep(), layer="3"), False),
 }
 
 if __name__ == "__main__":

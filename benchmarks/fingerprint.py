@@ -152,10 +152,10 @@ def torch_routes() -> dict:
 
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(256, 40, generator=g), torch.randint(0, 10, (256,), generator=g)) for _ in range(40)]
-    for name, kw in (("every1", dict(every=1, window=1)), ("window", dict(every=10, window=5))):
+    for name, route in (("every1", richness.EveryStep()), ("window", richness.Window(every=10, window=5))):
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        mon = richness.Monitor(model, **kw)
+        mon = richness.Monitor(model, route)
         for x, t in batches:
             loss = torch.nn.functional.cross_entropy(model(x), t)
             opt.zero_grad()

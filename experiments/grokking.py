@@ -2,7 +2,7 @@
 the last position (inputs "a b ="), AdamW with weight decay, full-batch steps on
 a fraction of the P^2 pairs, measured during training by ``richness.Monitor``.
 
-Two Monitors in probe mode (one on the training pairs, one on the held-out
+Two Monitors on Probe routes (one on the training pairs, one on the held-out
 pairs) emit every ``--every`` steps: DLR (features = final residual stream at
 the last position, head = unembedding), the rank of the learned function span,
 the effective dimension and NC1. Each record adds train and test accuracy, the
@@ -304,7 +304,7 @@ def run(args: Any) -> Dict[str, Any]:
 
     t_run = time.time()
     if start == 0:
-        # Step 0, before any update: the same finishing as the Monitor's probe mode.
+        # Step 0, before any update: the same finishing as the Monitor's Probe route.
         reps = [richness.evaluate(model, [(x, y)], head="head", progress=False) for x, y in ((x_tr, y_tr), (x_te, y_te))]
         rtol_ref["rtol"] = reps[0].rtol
         cfg["rtol"] = reps[0].rtol
@@ -334,10 +334,10 @@ def run(args: Any) -> Dict[str, Any]:
                 "train_seconds": round(elapsed + time.time() - t_run, 1)}
 
     pending: Dict[str, Any] = {}
-    mon_tr = richness.Monitor(model, head="head", every=cfg["every"], probe=(x_tr, y_tr), first_step=start + 1,
-                              log=lambda r: pending.__setitem__("tr", r))
-    mon_te = richness.Monitor(model, head="head", every=cfg["every"], probe=(x_te, y_te), first_step=start + 1,
-                              log=lambda r: pending.__setitem__("te", r))
+    mon_tr = richness.Monitor(model, richness.Probe((x_tr, y_tr), every=cfg["every"]), head="head",
+                              first_step=start + 1, log=lambda r: pending.__setitem__("tr", r))
+    mon_te = richness.Monitor(model, richness.Probe((x_te, y_te), every=cfg["every"]), head="head",
+                              first_step=start + 1, log=lambda r: pending.__setitem__("te", r))
     with mon_tr, mon_te:
         model.train()
         for step in range(start + 1, cfg["steps"] + 1):

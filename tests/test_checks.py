@@ -87,7 +87,7 @@ def test_module_needs_neither_torch_nor_the_core():
 # -- the public arguments, given numpy integers --------------------------------------------------------------
 
 
-def _monitor_history(**kw):
+def _monitor_history(route, **kw):
     """A Monitor's records over 12 steps of a tiny training run (without their timings), and the Monitor."""
     torch = pytest.importorskip("torch")
     import richness
@@ -98,7 +98,7 @@ def _monitor_history(**kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with richness.Monitor(model, **kw) as mon:
+        with richness.Monitor(model, route(richness), **kw) as mon:
             for i in range(12):
                 loss = torch.nn.functional.cross_entropy(model(X[i * 24:(i + 1) * 24]), y[i * 24:(i + 1) * 24])
                 opt.zero_grad()
@@ -109,27 +109,29 @@ def _monitor_history(**kw):
 
 
 def test_monitor_takes_numpy_integers_as_its_ints():
-    ints, _ = _monitor_history(every=4, window=2, first_step=5)
-    nps, mon = _monitor_history(every=np.int64(4), window=np.int32(2), first_step=np.int64(5))
+    ints, _ = _monitor_history(lambda r: r.Window(4, 2), first_step=5)
+    nps, mon = _monitor_history(lambda r: r.Window(np.int64(4), np.int32(2)), first_step=np.int64(5))
     assert nps == ints and [r["step"] for r in ints] == [8, 12, 16]
-    assert type(mon.every) is int and type(mon.window) is int and type(mon.first_step) is int
+    assert type(mon.route.every) is int and type(mon.route.window) is int and type(mon.first_step) is int
     json.dumps(mon.history)  # records hold Python numbers
-    lagged, mon = _monitor_history(every=1, lag=np.int64(3))
-    assert lagged == _monitor_history(every=1, lag=3)[0] and len(lagged) == 12 and type(mon.lag) is int
+    lagged, mon = _monitor_history(lambda r: r.EveryStep(np.int64(3)))
+    assert lagged == _monitor_history(lambda r: r.EveryStep(3))[0] and len(lagged) == 12
+    assert type(mon.route.lag) is int
 
 
 def test_monitor_still_refuses_bools_and_floats():
     torch = pytest.importorskip("torch")
     import richness
     model = torch.nn.Linear(3, 2)
-    for kw, match in ((dict(every=True), "every must be a positive integer"),
-                      (dict(every=np.bool_(True)), "every must be a positive integer"),
-                      (dict(every=4.0), "every must be a positive integer"),
-                      (dict(every=4, window=np.int64(5)), r"window must be an integer in \[1, every=4\]"),
-                      (dict(lag=np.int64(0)), "lag must be a positive integer or None"),
-                      (dict(first_step=np.bool_(False)), "first_step must be an integer")):
+    for make, match in ((lambda: richness.Window(every=True), "every must be a positive integer"),
+                        (lambda: richness.Window(every=np.bool_(True)), "every must be a positive integer"),
+                        (lambda: richness.Probe(torch.ones(2, 3), every=4.0), "every must be a positive integer"),
+                        (lambda: richness.Window(4, np.int64(5)), r"window must be an integer in \[1, every=4\]"),
+                        (lambda: richness.EveryStep(np.int64(0)), "lag must be a positive integer or None"),
+                        (lambda: richness.Monitor(model, first_step=np.bool_(False)),
+                         "first_step must be an integer")):
         with pytest.raises(ValueError, match=match):
-            richness.Monitor(model, **kw)
+            make()
 
 
 def test_moments_groups_and_stack_rows_take_numpy_integers():

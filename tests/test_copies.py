@@ -148,7 +148,7 @@ def test_model_with_a_monitor_copies_and_the_copy_is_not_monitored(how, head, wh
     torch.manual_seed(0)
     net = Net().double()
     xs = [batch(s) for s in range(4)]
-    with richness.Monitor(net, head, every=2, window=2) as mon:
+    with richness.Monitor(net, richness.Window(2, 2), head=head) as mon:
         twin = MODEL_COPIES[how](net) if when == "before_first_forward" else None
         for step, (x, y) in enumerate(xs[:2]):
             net(x)
@@ -165,7 +165,7 @@ def test_model_with_a_monitor_copies_and_the_copy_is_not_monitored(how, head, wh
     # the copy computes what the original does, and can be monitored on its own
     with torch.no_grad():
         assert torch.equal(twin(xs[3][0]), net(xs[3][0]))
-    with richness.Monitor(twin, head, every=1, window=1) as own:
+    with richness.Monitor(twin, richness.EveryStep(), head=head) as own:
         twin(xs[3][0])
         own.step()
         own.flush()
@@ -177,7 +177,7 @@ def test_monitor_with_a_file_sink_still_copies_its_model(tmp_path):
     """The Monitor (open files, locks, threads) is never reached by the copy."""
     torch.manual_seed(0)
     net = Net().double()
-    with richness.Monitor(net, every=1, window=1, log=str(tmp_path / "dlr.jsonl")) as mon:
+    with richness.Monitor(net, richness.EveryStep(), log=str(tmp_path / "dlr.jsonl")) as mon:
         net(batch(0)[0])
         mon.step()
         twin = saved(copy.deepcopy(net))

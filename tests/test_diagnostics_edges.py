@@ -30,7 +30,7 @@ def test_constant_layer_output_is_none_with_one_warning(every, window, bs):
     torch.manual_seed(0)
     model = dead_layer_model()
     with pytest.warns(UserWarning, match="rankme, alpha_req, participation_ratio undefined at step") as caught:
-        with richness.Monitor(model, layer="1", every=every, window=window, lag=1) as mon:
+        with richness.Monitor(model, richness.Window(every, window, lag=1), layer="1") as mon:
             for _ in range(4):
                 model(torch.randn(bs, 6, dtype=torch.float64)).sum().backward()
                 mon.step()
@@ -46,7 +46,7 @@ def test_defined_records_raise_no_undefined_warning():
     model[1].register_forward_hook(lambda m, a, o: seen.append(o.detach().numpy().copy()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with richness.Monitor(model, layer="1", every=2, window=2) as mon:
+        with richness.Monitor(model, richness.Window(2, 2), layer="1") as mon:
             for _ in range(2):
                 model(torch.randn(80, 6, dtype=torch.float64)).sum().backward()  # n = 160 = 10 p
                 mon.step()
@@ -89,7 +89,7 @@ def test_lightning_callback_with_head_and_measures():
     seen = []
     module.net.fc.register_forward_hook(
         lambda m, a, o: seen.append(a[0].detach().numpy().copy()) if torch.is_grad_enabled() else None)
-    cb = RichnessCallback(head="net.fc", every=2, window=2, measures="all")
+    cb = RichnessCallback(richness.Window(2, 2), head=richness.Head("net.fc", measures="all"))
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, callbacks=[cb],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))

@@ -89,7 +89,7 @@ def test_monitor_window_records_all_measures(tmp_path):
     data = batches(3, 30, (10,))
     seen = []
     log = [str(tmp_path / "m.jsonl"), str(tmp_path / "m.csv")]
-    with richness.Monitor(model, every=3, window=3, measures="all", log=log) as mon:
+    with richness.Monitor(model, richness.Window(3, 3), head=richness.Head(measures="all"), log=log) as mon:
         train(model, mon, data, seen, model.fc)
     (rec,) = mon.history
     H = np.concatenate(seen)
@@ -109,7 +109,7 @@ def test_monitor_window_records_all_measures(tmp_path):
 
 def test_monitor_default_has_no_measures():
     model = MLP()
-    with richness.Monitor(model, every=2, window=2) as mon:
+    with richness.Monitor(model, richness.Window(2, 2)) as mon:
         train(model, mon, batches(2, 30, (10,)))
     (rec,) = mon.history
     assert all(rec[name] is None for name in SPECTRAL + ("nc2_equinorm", "nc3"))
@@ -121,7 +121,8 @@ def test_monitor_every_1_reads_the_gram_eigenvalues():
     model = MLP(h=40)
     data = batches(5, 16, (10,))  # n = 16 < p = 40: the one-batch route
     seen = []
-    with richness.Monitor(model, every=1, window=1, lag=3, measures=SPECTRAL + ("nc2_equinorm",)) as mon:
+    head = richness.Head(measures=SPECTRAL + ("nc2_equinorm",))
+    with richness.Monitor(model, richness.EveryStep(3), head=head) as mon:
         train(model, mon, data, seen, model.fc)
     assert [r["step"] for r in mon.history] == [1, 2, 3, 4, 5]
     for rec, H, (_, y) in zip(mon.history, seen, data):
@@ -140,7 +141,7 @@ def test_features_only_monitor_matches_oracle(dtype, tol, every, window, bs):
     model = ConvNet(dtype)  # p = 24: bs 12 takes the every=1 Gram route, 20 x 2 the window
     data = batches(4, bs, (3, 5, 5), dtype=dtype)
     seen = []
-    with richness.Monitor(model, layer="body", every=every, window=window, lag=2) as mon:
+    with richness.Monitor(model, richness.Window(every, window, lag=2), layer="body") as mon:
         train(model, mon, data, seen, model.body, pooled=True)
     assert len(mon.history) == 4 // every
     rtol = 1e-10 if dtype == torch.float64 else 1e-5
@@ -161,7 +162,7 @@ def test_features_only_monitor_without_labels_or_head_module():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     seen = []
     model[1].register_forward_hook(lambda m, a, o: seen.append(o.detach().numpy().copy()))
-    with richness.Monitor(model, layer="1", every=2, window=2) as mon:
+    with richness.Monitor(model, richness.Window(2, 2), layer="1") as mon:
         for _ in range(4):
             z = model(torch.randn(50, 6, dtype=torch.float64))
             loss = (z ** 2).mean()
@@ -179,9 +180,9 @@ def test_features_only_monitor_refuses_bad_layers():
     with pytest.raises(ValueError, match="no submodule named 'nope'.*candidates"):
         richness.Monitor(model, layer="nope")
     with pytest.raises(ValueError, match="drop head="):
-        richness.Monitor(model, layer="body", head="fc")
+        richness.Monitor(model, head="fc", layer="body")
     with pytest.raises(ValueError, match="need labels"):
-        richness.Monitor(model, layer="body", measures=("rankme", "nc3"))
+        richness.Monitor(model, layer=richness.Layer("body", measures=("rankme", "nc3")))
 
     class Dict(nn.Module):
         def forward(self, x):
@@ -196,7 +197,7 @@ def test_features_only_monitor_refuses_bad_layers():
             return self.fc(self.enc(x)["h"])
 
     net = Net()
-    with richness.Monitor(net, layer="enc", every=1) as mon:
+    with richness.Monitor(net, richness.EveryStep(), layer="enc") as mon:
         with pytest.raises(ValueError, match="layer 'enc'.* returned a dict, not a tensor"):
             net(torch.randn(4, 5))
         assert mon.history == []
@@ -212,7 +213,7 @@ def test_lightning_callback_takes_layer():
     seen = []
     module.net.body.register_forward_hook(
         lambda m, a, o: seen.append(o.detach().numpy().copy()) if torch.is_grad_enabled() else None)
-    cb = RichnessCallback(layer="net.body", every=2, window=2)
+    cb = RichnessCallback(richness.Window(2, 2), layer="net.body")
     loader = torch.utils.data.DataLoader(batches(4, 30, (10,)), batch_size=None)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, callbacks=[cb],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -238,7 +239,7 @@ def test_transformers_callback_takes_layer(tmp_path):
                                           learning_rate=0.01, report_to="none", use_cpu=True, save_strategy="no",
                                           logging_steps=1000, disable_tqdm=True, seed=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-    cb = RichnessCallback(trainer, layer="bert.encoder.layer.0", layout="tokens", every=2, window=2)
+    cb = RichnessCallback(trainer, richness.Window(2, 2), layer=richness.Layer("bert.encoder.layer.0", layout="tokens"))
     trainer.add_callback(cb)
     seen = []
     h = model.bert.encoder.layer[0].register_forward_hook(

@@ -49,7 +49,7 @@ def test_a_stray_large_label_costs_the_classes_present():
 def _one_batch_run(scale, labels, core, bad=None, lag=16, steps=6):
     """A linear head on features of the given scale, n = 16 < p = 40: the
     every=1 route. Returns the records, the oracle DLRs and NC1s, the warnings."""
-    from richness.monitor import monitor as monitor_module
+    from richness.monitor import onebatch as monitor_module
 
     torch.manual_seed(1)
     n, p, C, K = 16, 40, 5, 4
@@ -62,7 +62,7 @@ def _one_batch_run(scale, labels, core, bad=None, lag=16, steps=6):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with richness.Monitor(head, every=1, lag=lag, log=recs.append) as mon:
+            with richness.Monitor(head, richness.EveryStep(lag), log=recs.append) as mon:
                 for i in range(steps):
                     y = torch.arange(n) % K
                     x = (torch.randn(n, p) + torch.randn(K, p)[y] * 2) * scale
@@ -108,7 +108,7 @@ def test_one_batch_route_records_before_a_bad_step_reach_the_log(tmp_path):
     head = torch.nn.Linear(40, 3)
     log = tmp_path / "r.jsonl"
     with pytest.warns(UserWarning, match="NaN or Inf values at step"):
-        with richness.Monitor(head, every=1, lag=16, log=str(log)) as mon:
+        with richness.Monitor(head, richness.EveryStep(16), log=str(log)) as mon:
             for i in range(20):
                 x = torch.randn(8, 40)
                 if i == 12:
@@ -307,7 +307,7 @@ def test_wide_head_dlr_source_is_explicit_with_its_rank_cut_range(wide_head):
     recs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with richness.Monitor(model, every=2, window=2, log=recs.append, wide_head=wide_head) as mon:
+        with richness.Monitor(model, richness.Window(2, 2), head=richness.Head(wide=wide_head), log=recs.append) as mon:
             for step in range(4):
                 ids = torch.randint(0, 11, (8, 7))
                 logits = model(ids)["logits"]

@@ -129,7 +129,7 @@ def _worker(rank, world, port, out_path):
         torch.manual_seed(5)
         net = _model()
         xs = torch.tensor(X[:256]).reshape(4, 2, 32, P)[:, rank]  # step s: rank r takes rows of block (s, r)
-        with richness.Monitor(net, every=2, window=2, distributed=True) as mon:
+        with richness.Monitor(net, richness.Window(2, 2, distributed=True)) as mon:
             for s in range(4):
                 net(xs[s])
                 mon.step(labels=torch.tensor(y[:256]).reshape(4, 2, 32)[s, rank])

@@ -95,7 +95,7 @@ def test_conv1d_is_averaged_over_positions_in_the_monitor():
         seen.append(o.detach().numpy().mean(axis=2))
         tokens.append(o.detach().numpy().mean(axis=1))
     model[0].register_forward_hook(keep)
-    with richness.Monitor(model, layer="0", every=2, window=2) as mon:
+    with richness.Monitor(model, richness.Window(2, 2), layer="0") as mon:
         for x, _ in data:
             loss = model(x).pow(2).mean()
             opt.zero_grad()
@@ -167,17 +167,17 @@ def test_monitor_asks_for_the_layout_of_a_custom_block():
     torch.manual_seed(5)
     model = Tokens().double()
     x = torch.randn(12, 5, 4, dtype=torch.float64)
-    with richness.Monitor(model, layer="block", every=1) as mon:
+    with richness.Monitor(model, richness.EveryStep(), layer="block") as mon:
         with pytest.raises(ValueError, match=r"'block' \(Block\).*layout="):
             model(x)
     with pytest.raises(ValueError, match="layout='channels' for layer 'embed'"):
-        richness.Monitor(model, layer="embed", layout="channels")
-    with pytest.raises(ValueError, match="give layer= or drop layout="):
-        richness.Monitor(model, layout="tokens")
+        richness.Monitor(model, layer=richness.Layer("embed", layout="channels"))
+    with pytest.raises(ValueError, match="layout must be"):
+        richness.Layer("block", layout="rows")  # checked where it is given
     seen = []
     model.block.register_forward_hook(lambda m, a, o: seen.append(o.detach().numpy().mean(axis=1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with richness.Monitor(model, layer="block", layout="tokens", every=2, window=2) as mon:
+    with richness.Monitor(model, richness.Window(2, 2), layer=richness.Layer("block", layout="tokens")) as mon:
         for _ in range(2):
             loss = model(torch.randn(40, 5, 4, dtype=torch.float64)).pow(2).mean()
             opt.zero_grad()

@@ -58,7 +58,7 @@ def test_monitor_first_step_labels_records_only():
     seen = []
     record_head(net.fc, seen)
     data = batches()
-    with richness.Monitor(net, every=2, window=2, first_step=0) as mon:
+    with richness.Monitor(net, richness.Window(2, 2), first_step=0) as mon:
         sgd_train(net, mon, data)
     assert [r["step"] for r in mon.history] == [1, 3]  # emitted after the 2nd and 4th steps
     for rec, k in zip(mon.history, (0, 2)):
@@ -72,7 +72,7 @@ def test_monitor_first_step_labels_records_only():
 def test_monitor_warns_once_when_its_head_never_runs():
     torch.manual_seed(0)
     net = Net().double()
-    with richness.Monitor(net, head="unused", every=2, window=1) as mon:
+    with richness.Monitor(net, richness.Window(2, 1), head="unused") as mon:
         with pytest.warns(UserWarning, match=r"'unused' \(Linear\) has not run.*head="):
             sgd_train(net, mon, batches(steps=2))
         with warnings.catch_warnings():
@@ -82,7 +82,7 @@ def test_monitor_warns_once_when_its_head_never_runs():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a head that runs: no warning
         warnings.filterwarnings("ignore", message=r".*rows for p = \d+ features")  # but the small window's
-        with richness.Monitor(net, head="fc", every=2, window=1) as mon:
+        with richness.Monitor(net, richness.Window(2, 1), head="fc") as mon:
             sgd_train(net, mon, batches(steps=4))
     assert len(mon.history) == 2
 
@@ -175,7 +175,7 @@ def test_callback_logs_dlr_at_the_trainers_step():
     module = _module(pl)
     seen = []
     record_head(module.net.fc, seen)
-    cb = RichnessCallback(every=2, window=2)
+    cb = RichnessCallback(richness.Window(2, 2))
     trainer, logger = _fit(pl, module, [cb])
     hist = cb.monitor.history
     assert [r["step"] for r in hist] == [1, 3]
@@ -195,7 +195,7 @@ def test_callback_with_gradient_accumulation_takes_all_micro_batches():
     module = _module(pl)
     seen = []
     record_head(module.net.fc, seen)
-    cb = RichnessCallback(every=2, window=1)
+    cb = RichnessCallback(richness.Window(2, 1))
     _fit(pl, module, [cb], steps=2, accumulate=2)
     (rec,) = cb.monitor.history
     assert rec["step"] == 1 and rec["n"] == 80  # the 2nd optimizer step: micro-batches 2 and 3
@@ -206,11 +206,11 @@ def test_callback_warns_when_training_bypasses_the_forward():
     pl = _lightning()
     from richness.lightning import RichnessCallback
 
-    cb = RichnessCallback(every=2, window=1)
+    cb = RichnessCallback(richness.Window(2, 1))
     with pytest.warns(UserWarning, match="no forward of the model has run.*head="):
         _fit(pl, _module(pl, direct_forward=False), [cb])
     assert cb.monitor.history == []
-    cb = RichnessCallback("net.fc", every=2, window=1)  # naming the head fixes it
+    cb = RichnessCallback(richness.Window(2, 1), head="net.fc")  # naming the head fixes it
     _fit(pl, _module(pl, direct_forward=False), [cb])
     assert len(cb.monitor.history) == 2
 
@@ -292,7 +292,7 @@ def test_callback_models_copy_and_save_mid_run_and_the_copy_is_not_monitored():
     cls = type(module)
     cls.__qualname__ = cls.__name__ = "_SavedModule"
     globals()["_SavedModule"] = cls
-    cb = RichnessCallback(every=2, window=2)
+    cb = RichnessCallback(richness.Window(2, 2))
     _fit(pl, module, [Ema(), cb])  # Ema runs first: its copies' forwards fall inside the window
     hist = cb.monitor.history
     assert len(copies) == 8 and len(seen) == 4 and [r["step"] for r in hist] == [1, 3]

@@ -66,7 +66,7 @@ def test_monitor_window_matches_oracle():
         else:
             assert rec is None
 
-    _, _, _, mon = train_with_monitor({"every": every, "window": window}, steps=12, record_window=check)
+    _, _, _, mon = train_with_monitor({"route": richness.Window(every, window)}, steps=12, record_window=check)
     assert len(checks) == 3 and len(mon.history) == 3
     for rec, want, r, nc1, n in checks:
         assert rec["n"] == n == 96 and rec["mode"] == "window" and rec["rank"] == r
@@ -86,8 +86,8 @@ def test_monitor_every_step_and_no_pending_references(tmp_path):
             self.calls.append((tag, value, step))
 
     writer, seen = FakeWriter(), []
-    model, X, y, mon = train_with_monitor({"every": 1, "window": 1, "log": [csv_path, jsonl_path, writer, seen.append]},
-                                          steps=5)
+    model, X, y, mon = train_with_monitor({"route": richness.EveryStep(),
+                                           "log": [csv_path, jsonl_path, writer, seen.append]}, steps=5)
     assert len(mon.history) == 5 and seen == mon.history
     assert mon._pending == [] and hook_count(model) == 0
     lines = [json.loads(s) for s in jsonl_path.read_text().splitlines()]
@@ -107,7 +107,7 @@ def test_monitor_probe_mode_matches_evaluate_and_restores_modes():
     probe = (X[:120], y[:120])
     model.train()
     model.body[0].eval()
-    mon = richness.Monitor(model, every=3, probe=probe)
+    mon = richness.Monitor(model, richness.Probe(probe, 3))
     try:
         for _ in range(6):
             model(X[:16])
@@ -127,9 +127,9 @@ def test_monitor_probe_mode_matches_evaluate_and_restores_modes():
 def test_monitor_rejects_bad_settings():
     model, _, _ = make()
     with pytest.raises(ValueError, match="every"):
-        richness.Monitor(model, every=0)
+        richness.Monitor(model, richness.Window(0))
     with pytest.raises(ValueError, match="window"):
-        richness.Monitor(model, every=5, window=6)
+        richness.Monitor(model, richness.Window(5, 6))
     with pytest.raises(ValueError, match=".csv or .jsonl"):
         richness.Monitor(model, log="out.txt")
     with pytest.raises(ValueError, match="no submodule"):
@@ -140,7 +140,7 @@ def test_monitor_rejects_bad_settings():
 def test_monitor_close_warns_when_no_record_was_emitted(tmp_path):
     model, X, y = make(n=64, dtype=torch.float32)
     log = tmp_path / "short.jsonl"
-    mon = richness.Monitor(model, every=10, log=str(log))
+    mon = richness.Monitor(model, richness.Window(10), log=str(log))
     for _ in range(3):  # the run ends before the first emission
         model(X[:8])
         mon.step(labels=y[:8])
@@ -151,20 +151,20 @@ def test_monitor_close_warns_when_no_record_was_emitted(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message=r".*rows for p = \d+ features")  # the small window's own
-        with richness.Monitor(model, every=2) as mon:
+        with richness.Monitor(model, richness.Window(2)) as mon:
             for _ in range(2):
                 model(X[:8])
                 mon.step(labels=y[:8])
         assert len(mon.history) == 1
         with pytest.raises(KeyError):
-            with richness.Monitor(model, every=10):
+            with richness.Monitor(model, richness.Window(10)):
                 raise KeyError("the training loop failed")
 
 
 def test_monitor_default_window_is_idle_most_steps():
     model, X, y = make(n=64, dtype=torch.float32)
     mon = richness.Monitor(model, head="fc")
-    assert (mon.every, mon.window) == (100, 10)
+    assert mon.route == richness.Window(100, 10)
     active = []
     for s in range(100):
         active.append(mon.capturing)
@@ -178,7 +178,7 @@ def test_monitor_default_window_is_idle_most_steps():
 def test_monitor_sequence_model_with_vocabulary_larger_than_features():
     model, ids, _, _ = lm_setup()  # lm_head: 6 features -> 11 outputs, so the head's weights are used
     model.train()
-    with richness.Monitor(model, every=2, window=2, tokens="last") as mon:
+    with richness.Monitor(model, richness.Window(2, 2), head=richness.Head(tokens="last")) as mon:
         for s in range(2):
             model(ids[s * 20:(s + 1) * 20])
             mon.step()
@@ -200,14 +200,15 @@ def test_monitor_one_batch_windows_match_oracle_and_moments_path(dtype, tol, mon
     y = torch.randint(0, 5, (3, 32))
 
     def run():
-        with richness.Monitor(model, every=1) as mon:
+        with richness.Monitor(model, richness.EveryStep()) as mon:
             for s in range(3):
                 model(X[s])
                 mon.step(labels=y[s])
         return mon.history
 
     fast = run()
-    monkeypatch.setattr(richness.Monitor, "_batch_path_fits", lambda self, *args: False)
+    from richness.monitor import routes
+    monkeypatch.setattr(routes._WindowRun, "_one_batch_fits", lambda self, *args: False)
     slow = run()
     for s, (a, b) in enumerate(zip(fast, slow)):
         with torch.no_grad():
@@ -224,7 +225,7 @@ def test_monitor_ignores_no_grad_forwards_and_counts_eval_mode_training():
     model, X, y = make(n=96, dtype=torch.float32)
     model.drop.p = 0.0
     model.eval()  # e.g. fine-tuning with frozen batch-norm statistics: still training steps
-    with richness.Monitor(model, every=2, window=2, head="fc") as mon:
+    with richness.Monitor(model, richness.Window(2, 2), head="fc") as mon:
         for s in range(2):
             with torch.no_grad():
                 model(X[:5])  # a validation forward: ignored
@@ -242,7 +243,7 @@ def _one_batch_records(lag, sizes, dtype=torch.float64, seed=0, labels=True):
     torch.manual_seed(seed)
     head = nn.Linear(64, 5).to(dtype)
     seen, want = [], []
-    with richness.Monitor(head, every=1, lag=lag) as mon:
+    with richness.Monitor(head, richness.EveryStep(lag)) as mon:
         for s, n in enumerate(sizes):
             X = torch.randn(n, 64, dtype=dtype) + 3.0
             y = torch.randint(0, 5, (n,))
@@ -264,9 +265,9 @@ def _one_batch_records(lag, sizes, dtype=torch.float64, seed=0, labels=True):
 def gram_route(request, monkeypatch):
     """The one-batch Monitor path's Gram: through the core (CPU buffers) or
     through torch (GPU buffers; run here on the CPU)."""
-    from richness.monitor import monitor as _monitor
+    from richness.monitor import onebatch as _onebatch
 
-    monkeypatch.setattr(_monitor, "CORE_GRAMS", request.param == "core")
+    monkeypatch.setattr(_onebatch, "CORE_GRAMS", request.param == "core")
     return request.param
 
 
@@ -314,8 +315,8 @@ def test_monitor_one_batch_products_stay_ieee_with_the_per_backend_api():
         pytest.skip("torch < 2.9 has no per-backend float32 precision (covered by the legacy test)")
     script = textwrap.dedent("""
         import json, torch, richness
-        from richness.monitor import monitor as _monitor, onebatch as _onebatch
-        _monitor.CORE_GRAMS = False
+        from richness.monitor import onebatch as _onebatch
+        _onebatch.CORE_GRAMS = False
         mm = torch.backends.mkldnn.matmul
         mm.fp32_precision = "bf16"
         seen, real = [], torch.bmm
@@ -324,7 +325,7 @@ def test_monitor_one_batch_products_stay_ieee_with_the_per_backend_api():
             return real(*a, **k)
         torch.bmm = spy
         head = torch.nn.Linear(64, 5)
-        with richness.Monitor(head, every=1, lag=2) as mon:
+        with richness.Monitor(head, richness.EveryStep(2)) as mon:
             for _ in range(4):
                 head(torch.randn(32, 64) + 3.0)
                 mon.step(labels=torch.randint(0, 5, (32,)))
@@ -388,7 +389,7 @@ def test_monitor_one_batch_centering_survives_a_large_mean(dtype, tol, gram_rout
     model = nn.Sequential(head)
     mean, spread = (1e4, 1e-2) if dtype == torch.float32 else (10.0, 1.0)
     want = []
-    with richness.Monitor(model, head="0", every=1, lag=4) as mon:
+    with richness.Monitor(model, richness.EveryStep(4), head="0") as mon:
         for _ in range(6):
             X = (mean + spread * torch.randn(40, 64) @ torch.randn(64, 64) / 8).to(dtype)
             F = torch.randn(40, 5) + X[:, :5].float() / spread
@@ -410,7 +411,7 @@ def test_monitor_one_batch_more_outputs_than_samples(gram_route):
     with torch.no_grad():  # outputs of rank 8 < n - 1: the projector is not the whole centered space
         head.weight.copy_(torch.randn(40, 8, dtype=torch.float64) @ torch.randn(8, 64, dtype=torch.float64))
     want = []
-    with richness.Monitor(head, every=1, lag=3) as mon:
+    with richness.Monitor(head, richness.EveryStep(3)) as mon:
         for s in range(5):
             X = torch.randn(16, 64, dtype=torch.float64) @ torch.randn(64, 64, dtype=torch.float64)
             y = torch.randint(0, 6, (16,))
@@ -420,7 +421,7 @@ def test_monitor_one_batch_more_outputs_than_samples(gram_route):
             want.append((dlr_naive(X.numpy(), F.numpy()), nc1_naive(X.numpy(), y.numpy())))
             head(X)
             mon.step(labels=y)
-    assert mon._group is None and len(mon.history) == 5
+    assert mon._run.one_batch.group is None and len(mon.history) == 5
     for rec, ((d, r), nc1) in zip(mon.history, want):
         assert rec["rank"] == r == 8
         assert abs(rec["dlr"] - d) < 1e-10
@@ -446,7 +447,7 @@ def test_monitor_one_batch_more_classes_than_samples(gram_route, monkeypatch):
     n, p, k = 16, 1024, 1000  # C <= p: the head's outputs are streamed (C > p would use its weights)
     head = nn.Linear(p, k).double()
     want = []
-    with richness.Monitor(head, every=1, lag=4) as mon:
+    with richness.Monitor(head, richness.EveryStep(4)) as mon:
         for s in range(6):
             X = torch.randn(n, p, dtype=torch.float64) * torch.linspace(0.1, 3.0, p, dtype=torch.float64) + 2.0
             y = torch.randint(0, k, (n,))
@@ -477,7 +478,7 @@ def test_monitor_window_buffer_with_uneven_batches_matches_oracle():
     head = nn.Linear(8, 4).double()
     sizes = [30, 30, 12, 30, 30, 30, 5, 30]
     want, H, F, Y = [], [], [], []
-    with richness.Monitor(head, every=4, window=3) as mon:
+    with richness.Monitor(head, richness.Window(4, 3)) as mon:
         for s, n in enumerate(sizes, start=1):
             X = torch.randn(n, 8, dtype=torch.float64) * 3 + 1
             y = torch.randint(0, 4, (n,))
@@ -503,10 +504,10 @@ def test_monitor_group_flush_and_bad_lag():
     model, _, _ = make()
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="lag"):
-            richness.Monitor(model, lag=bad)
+            richness.Monitor(model, richness.Window(lag=bad))
     torch.manual_seed(0)
     head = nn.Linear(64, 5).double()
-    mon = richness.Monitor(head, every=1, lag=100)
+    mon = richness.Monitor(head, richness.EveryStep(100))
     for _ in range(3):
         head(torch.randn(16, 64, dtype=torch.float64))
         mon.step()
@@ -521,7 +522,7 @@ def test_monitor_one_batch_labels_outside_head_range_give_no_nc1():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 5)).double()
     X = torch.randn(32, 10, dtype=torch.float64)
-    with richness.Monitor(model, every=1) as mon:
+    with richness.Monitor(model, richness.EveryStep()) as mon:
         model(X)
         mon.step(labels=torch.arange(32) % 7)  # classes 5 and 6 do not exist in a 5-way head
     with torch.no_grad():
@@ -537,7 +538,7 @@ def test_one_batch_lateness_does_not_depend_on_first_step(first_step):
     torch.manual_seed(0)
     head = nn.Linear(64, 5).double()
     seen = []
-    with richness.Monitor(head, every=1, lag=4, first_step=first_step) as mon:
+    with richness.Monitor(head, richness.EveryStep(4), first_step=first_step) as mon:
         for s in range(10):
             head(torch.randn(16, 64, dtype=torch.float64) + 3.0)
             mon.step(labels=torch.randint(0, 5, (16,)))
@@ -591,7 +592,7 @@ def test_monitor_forward_raising_after_the_head_leaves_nothing(with_labels):
     # moves on to the next batch. Its activations used to join the window (n = 288, or with labels
     # a row-count error that dropped the whole step).
     model, X, batches = _raising_setup(4, extra=32)
-    with richness.Monitor(model, every=2, window=2) as mon:
+    with richness.Monitor(model, richness.Window(2, 2)) as mon:
         for step, (xb, yb) in enumerate(batches, 1):  # no optimizer: the weights stay, the oracle is exact
             if step == 3:
                 model.fail = True
@@ -611,7 +612,7 @@ def test_monitor_nested_and_direct_head_calls_are_kept():
     # The head called by training code outside the model's forward, and a model forward nested in
     # another call of the model, are still captured; a raising outer call drops its inner captures.
     model, _, parts = _raising_setup(3, rows=64)
-    with richness.Monitor(model, head="fc", every=1, window=1) as mon:
+    with richness.Monitor(model, richness.EveryStep(), head="fc") as mon:
         model.fc(model.body(parts[0][0]))  # direct
         mon.step(labels=parts[0][1])
         model.fail = False
@@ -633,7 +634,7 @@ def test_monitor_step_skipped_after_its_forward_is_not_recorded():
     # labels, the step's captures are the latest forwards that match them; the earlier ones are
     # dropped with a warning instead of refusing the step.
     model, _, batches = _raising_setup(3)
-    with richness.Monitor(model, every=1, window=1) as mon:
+    with richness.Monitor(model, richness.EveryStep()) as mon:
         model(batches[0][0][:48])  # skipped: no step() for it
         model(batches[0][0])
         with pytest.warns(UserWarning, match=r"1 training forward\(s\) of the head \(48 samples\)"):
@@ -649,7 +650,7 @@ def test_monitor_step_skipped_after_its_forward_is_not_recorded():
 
 def test_monitor_refuses_labels_that_do_not_match_and_changes_nothing():
     model, _, batches = _raising_setup(3)
-    with richness.Monitor(model, every=2, window=2) as mon:
+    with richness.Monitor(model, richness.Window(2, 2)) as mon:
         model(batches[0][0])
         mon.step(labels=batches[0][1])
         model(batches[1][0])
@@ -687,7 +688,7 @@ def _window_run(head, batches, every, window, labels=True, **kw):
     """Monitor(head) over ``batches`` (x, y); returns the history and, per
     emitted window, the float64 oracle (DLR, rank, NC1 or None, n)."""
     want, H, F, Y = [], [], [], []
-    with richness.Monitor(head, every=every, window=window, **kw) as mon:
+    with richness.Monitor(head, richness.Window(every, window), **kw) as mon:
         for s, (x, y) in enumerate(batches, start=1):
             if (s - 1) % every >= every - window:
                 with torch.no_grad():
@@ -735,7 +736,7 @@ def test_monitor_window_leaves_out_what_moments_refuse():
     nan_x = good[1][0].clone()
     nan_x[5, 2] = float("nan")
     for bad, match in (((nan_x, good[1][1]), "non-finite"), ((good[1][0], good[1][1] - 1), "labels out of range")):
-        with richness.Monitor(head, every=2, window=2) as mon:
+        with richness.Monitor(head, richness.Window(2, 2)) as mon:
             head(good[0][0])
             mon.step(labels=good[0][1])
             head(bad[0])
@@ -759,7 +760,7 @@ def test_monitor_window_with_targets_and_constant_features():
     head = nn.Linear(12, 4).double()
     batches = [(torch.randn(25, 12, dtype=torch.float64), torch.randn(25, 2, dtype=torch.float64)) for _ in range(2)]
     batches += [(torch.ones(25, 12, dtype=torch.float64), torch.randn(25, 2, dtype=torch.float64)) for _ in range(2)]
-    with richness.Monitor(head, every=2, window=2) as mon:
+    with richness.Monitor(head, richness.Window(2, 2)) as mon:
         for x, t in batches:
             head(x)
             mon.step(labels=t)

@@ -58,12 +58,12 @@ def spoil(x, how):
     return x
 
 
-def run(model, data, labels=True, **kw):
+def run(model, data, route, labels=True, **kw):
     """Train-like forwards (gradients on) and a step per batch; the Monitor's
     history and the RichnessWarnings it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with richness.Monitor(model, rtol=RTOL, **kw) as mon:
+        with richness.Monitor(model, route, rtol=RTOL, **kw) as mon:
             for x, y in data:
                 model(x)
                 mon.step(labels=y if labels else None)
@@ -103,8 +103,8 @@ def test_every_step_with_batch_at_least_the_width_keeps_training(dtype, how, lab
     data = batches(4, 24, p, dtype=dtype)
     bad = list(data)
     bad[1] = (spoil(data[1][0], how), data[1][1])
-    hist, warned = run(model, bad, labels=labels, every=1)
-    clean, _ = run(model, data, labels=labels, every=1)
+    hist, warned = run(model, bad, richness.EveryStep(), labels=labels)
+    clean, _ = run(model, data, richness.EveryStep(), labels=labels)
     assert [r["step"] for r in hist] == [1, 2, 3, 4]
     assert hist[1]["n"] == 0 and hist[1]["dlr"] is None and hist[1]["rank"] is None and hist[1]["nc1"] is None
     assert hist[1]["dlr_isotropic"] is None and hist[1]["dlr_normalized"] is None
@@ -125,8 +125,8 @@ def test_window_leaves_the_bad_step_out_and_keeps_its_state(how, dtype):
     data = batches(6, 20, p, dtype=dtype, seed=1)
     bad = list(data)
     bad[1] = (spoil(data[1][0], how), data[1][1])
-    hist, warned = run(model, bad, every=3, window=3)
-    clean, _ = run(model, data, every=3, window=3)
+    hist, warned = run(model, bad, richness.Window(3, 3))
+    clean, _ = run(model, data, richness.Window(3, 3))
     assert [r["step"] for r in hist] == [3, 6] and hist[0]["n"] == 40
     # the first window: the Moments of steps 1 and 3 as one batch
     m = richness.Moments()
@@ -147,7 +147,7 @@ def test_window_leaves_the_bad_step_out_and_keeps_its_state(how, dtype):
 def test_window_with_every_step_bad_records_none():
     model = Net(6)
     data = [(spoil(x, "nan"), y) for x, y in batches(4, 20, 6, seed=2)]
-    hist, warned = run(model, data, every=2, window=2)
+    hist, warned = run(model, data, richness.Window(2, 2))
     assert [(r["step"], r["n"], r["dlr"], r["nc1"]) for r in hist] == [(2, 0, None, None), (4, 0, None, None)]
     assert sum("left out" in w for w in warned) == 4
 
@@ -160,10 +160,9 @@ def test_features_only_monitor_keeps_training(every):
         data = batches(4, n, p, seed=3)
         bad = list(data)
         bad[1] = (spoil(data[1][0], "nan"), data[1][1])
-        hist, warned = run(model, bad, labels=False, every=every, window=every, layer="body",
-                           measures=["participation_ratio"])
-        clean, _ = run(model, data, labels=False, every=every, window=every, layer="body",
-                       measures=["participation_ratio"])
+        layer = richness.Layer("body", measures=["participation_ratio"])
+        hist, warned = run(model, bad, richness.Window(every, every), labels=False, layer=layer)
+        clean, _ = run(model, data, richness.Window(every, every), labels=False, layer=layer)
         assert [r["step"] for r in hist] == [r["step"] for r in clean]
         assert warned and any("2" in w for w in warned)
         if every == 1:  # the bad step's own record
@@ -182,7 +181,7 @@ def test_one_batch_route_warns_with_the_step_and_records_none():
     data = batches(3, 8, 32, seed=4)
     bad = list(data)
     bad[2] = (spoil(data[2][0], "inf"), data[2][1])
-    hist, warned = run(model, bad, every=1, lag=1)
+    hist, warned = run(model, bad, richness.EveryStep(1))
     assert [r["step"] for r in hist] == [1, 2, 3]
     assert hist[2]["n"] == 0 and hist[2]["dlr"] is None and hist[2]["dlr_isotropic"] is None
     assert any("step(s) 3" in w for w in warned)
@@ -195,24 +194,24 @@ def test_probe_with_bad_values_records_none_and_programming_errors_still_raise()
     p = 6
     x = torch.randn(30, p, dtype=torch.float64)
     y = torch.randint(0, 5, (30,))
-    hist, warned = run(Net(p), batches(2, 10, p), every=1, probe=(spoil(x, "nan"), y))
+    hist, warned = run(Net(p), batches(2, 10, p), richness.Probe((spoil(x, "nan"), y), every=1))
     assert [(r["step"], r["mode"], r["n"], r["dlr"]) for r in hist] == [(1, "probe", 0, None), (2, "probe", 0, None)]
     assert any("step 1:" in w and "probe" in w and "non-finite" in w for w in warned)
     # a diverged head (NaN weights; a linear head's features are streamed, its weights used at the end)
     model = Net(p)
     with torch.no_grad():
         model.head.weight.fill_(float("nan"))
-    hist, warned = run(model, batches(1, 10, p), every=1, probe=(x, y))
+    hist, warned = run(model, batches(1, 10, p), richness.Probe((x, y), every=1))
     assert [(r["n"], r["dlr"], r["rank"]) for r in hist] == [(30, None, None)]
     assert any("step 1:" in w and "probe" in w for w in warned)
     # labels that are not classes are the caller's mistake, not the model's: refused as before
     with pytest.raises(ValueError, match="labels out of range"):
-        run(Net(p), batches(1, 10, p), every=1, probe=(x, torch.full((30,), -3)))
+        run(Net(p), batches(1, 10, p), richness.Probe((x, torch.full((30,), -3)), every=1))
 
 
 def test_wrong_arguments_to_step_still_raise():
     model = Net(6)
-    with richness.Monitor(model, every=1) as mon:
+    with richness.Monitor(model, richness.EveryStep()) as mon:
         model(torch.randn(20, 6, dtype=torch.float64))
         with pytest.raises(ValueError, match="labels"):
             mon.step(labels=torch.zeros(7, dtype=torch.long))
@@ -236,7 +235,7 @@ def test_window_records_carry_the_isotropic_reference():
     p = 8
     model = Net(p)
     data = _with_dead_unit(batches(4, 30, p, seed=5))
-    hist, _ = run(model, data, every=2, window=2)
+    hist, _ = run(model, data, richness.Window(2, 2))
     for rec, part in zip(hist, (data[:2], data[2:])):
         H = torch.cat([x for x, _ in part]).numpy()
         d, r = oracle(model, [x for x, _ in part])
@@ -259,7 +258,7 @@ def test_one_batch_records_carry_the_isotropic_reference(dtype):
     p = 40
     model = Net(p, dtype=dtype)
     data = _with_dead_unit(batches(3, 12, p, dtype=dtype, seed=6))
-    hist, _ = run(model, data, every=1, lag=2)
+    hist, _ = run(model, data, richness.EveryStep(2))
     assert len(hist) == 3
     for rec, (x, _) in zip(hist, data):
         d, r = oracle(model, [x])
@@ -274,7 +273,7 @@ def test_probe_records_carry_the_reports_reference():
     p = 6
     model = Net(p)
     x = torch.randn(80, p, dtype=torch.float64)
-    hist, _ = run(model, batches(2, 10, p), every=2, probe=x)
+    hist, _ = run(model, batches(2, 10, p), richness.Probe(x, every=2))
     with torch.no_grad():
         F = model(x)
     d, r = dlr_naive(x.numpy(), F.numpy(), rtol=RTOL)
@@ -284,7 +283,7 @@ def test_probe_records_carry_the_reports_reference():
 
 
 def test_features_only_records_have_no_reference():
-    hist, _ = run(Net(8), batches(2, 30, 8), labels=False, every=2, window=2, layer="body")
+    hist, _ = run(Net(8), batches(2, 30, 8), richness.Window(2, 2), labels=False, layer="body")
     assert hist[0]["dlr"] is None and hist[0]["dlr_isotropic"] is None and hist[0]["dlr_normalized"] is None
 
 
@@ -302,7 +301,7 @@ def test_every_sink_writes_the_reference(tmp_path):
     model = Net(8)
     data = batches(4, 30, 8, seed=7)
     seen, writer = [], Writer()
-    hist, _ = run(model, data, every=2, window=2,
+    hist, _ = run(model, data, richness.Window(2, 2),
                   log=[str(tmp_path / "m.csv"), str(tmp_path / "m.jsonl"), writer, seen.append])
     assert len(hist) == 2 and all(r["dlr_isotropic"] is not None for r in hist)
     with open(tmp_path / "m.csv") as f:
@@ -322,7 +321,7 @@ def test_every_sink_writes_the_reference(tmp_path):
 def test_csv_begun_with_fewer_fields_keeps_its_columns(tmp_path):
     path = tmp_path / "old.csv"
     path.write_text("step,mode,n,dlr,rank,nc1,effective_dim,time\n1,window,10,0.5,2,,,0.1\n")
-    run(Net(8), batches(2, 30, 8), every=2, window=2, log=str(path))
+    run(Net(8), batches(2, 30, 8), richness.Window(2, 2), log=str(path))
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and list(rows[1]) == ["step", "mode", "n", "dlr", "rank", "nc1", "effective_dim", "time"]
@@ -377,14 +376,14 @@ def _small(msgs):
     return [m for m in msgs if "rows for p =" in m]
 
 
-@pytest.mark.parametrize("kw, rows, warn", [
-    (dict(every=2, window=2), 2 * 30, True),    # 60 rows for p = 8: below 10 p = 80
-    (dict(every=3, window=3), 3 * 30, False),   # 90 rows: enough
-    (dict(every=1), 30, True),                  # every=1: each batch alone
+@pytest.mark.parametrize("route, rows, warn", [
+    (richness.Window(2, 2), 2 * 30, True),    # 60 rows for p = 8: below 10 p = 80
+    (richness.Window(3, 3), 3 * 30, False),   # 90 rows: enough
+    (richness.EveryStep(), 30, True),         # every step: each batch alone
 ])
-def test_small_windows_warn_once_naming_the_fix(kw, rows, warn):
+def test_small_windows_warn_once_naming_the_fix(route, rows, warn):
     p = 8
-    hist, warned = run(Net(p), batches(6, 30, p), **kw)
+    hist, warned = run(Net(p), batches(6, 30, p), route)
     assert hist and all(r["n"] == rows for r in hist)
     small = _small(warned)
     assert len(small) == (1 if warn else 0)
@@ -395,7 +394,7 @@ def test_small_windows_warn_once_naming_the_fix(kw, rows, warn):
 
 
 def test_one_batch_route_warns_once_too():
-    hist, warned = run(Net(32), batches(5, 8, 32), every=1, lag=2)
+    hist, warned = run(Net(32), batches(5, 8, 32), richness.EveryStep(2))
     assert len(hist) == 5 and len(_small(warned)) == 1
 
 
@@ -419,8 +418,8 @@ def test_features_only_step_counts_both_views(every, window, B, p):
     d = 12
     model = TwoViews(d, p)
     steps = []
-    with richness.Monitor(model, layer="enc", every=every, window=window,
-                          measures=["participation_ratio"]) as mon:
+    with richness.Monitor(model, richness.Window(every, window),
+                          layer=richness.Layer("enc", measures=["participation_ratio"])) as mon:
         for _ in range(4):
             x = torch.randn(B, d, dtype=torch.float64)
             v1, v2 = x + 0.1 * torch.randn_like(x), x + 0.1 * torch.randn_like(x)

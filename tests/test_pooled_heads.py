@@ -91,7 +91,7 @@ def test_monitor_measures_the_pooled_positions(every):
     recs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with richness.Monitor(model, every=every, log=recs.append) as mon:
+        with richness.Monitor(model, richness.Window(every), log=recs.append) as mon:
             for i in range(0, 48, 8):
                 model(input_ids=ids[i:i + 8], attention_mask=mask[i:i + 8])
                 mon.step(labels=y[i:i + 8])
@@ -120,7 +120,7 @@ def test_trainer_with_a_sequence_classifier_logs_the_pooled_positions():
         args = transformers.TrainingArguments(out, max_steps=4, per_device_train_batch_size=8, report_to="none",
                                               use_cpu=True, save_strategy="no", disable_tqdm=True)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=train_set)
-        trainer.add_callback(RichnessCallback(trainer, every=2))
+        trainer.add_callback(RichnessCallback(trainer, richness.Window(2)))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()

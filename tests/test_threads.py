@@ -56,7 +56,7 @@ def test_monitor_window_update_threads(monkeypatch):
     before, old = _core.blas_get_num_threads(), torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        with richness.Monitor(head, every=2, window=2) as mon:
+        with richness.Monitor(head, richness.Window(2, 2)) as mon:
             for rows in (300, 300, 512, 512):  # windows of 600 and 1,024 rows (p = 1,024)
                 head(torch.randn(rows, 1024))
                 mon.step()

@@ -32,7 +32,7 @@ def isotropic_reference(H, F, rtol):
 
 
 def train(log, iso=None):
-    """STEPS SGD steps under a Monitor(every=2, window=2) sending to ``log``; the oracle's
+    """STEPS SGD steps under a Monitor(model, Window(2, 2)) sending to ``log``; the oracle's
     DLR and NC1 of each window, from the head's input and output grabbed by a hook (and in
     ``iso`` by step, its isotropic reference at the float32 products' cut)."""
     window, want = [], {}
@@ -45,8 +45,8 @@ def train(log, iso=None):
             if iso is not None:
                 iso[step] = isotropic_reference(H, F, rtol_for("fp32"))
 
-    *_, mon = train_with_monitor({"every": EVERY, "window": WINDOW, "log": log}, steps=STEPS, bs=BS, seed=3,
-                                 record_window=check)
+    *_, mon = train_with_monitor({"route": richness.Window(EVERY, WINDOW), "log": log}, steps=STEPS, bs=BS,
+                                 seed=3, record_window=check)
     assert [r["step"] for r in mon.history] == sorted(want)
     return want
 

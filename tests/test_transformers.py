@@ -173,7 +173,7 @@ def test_trainer_logs_bert_dlr_and_nc1_through_its_own_logging(tmp_path):
     rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(v_len(b))]
     every = window = 2
     trainer, spy, forwards, cb = train(tmp_path, model, head, rows, steps=4, bs=6, accumulate=2,
-                                       every=every, window=window)
+                                       route=richness.Window(every, window))
     assert len(forwards) == 8  # 4 steps of 2 micro-batches
     got = logged(spy.logs)
     assert sorted(got) == [2, 4]  # the Trainer's global_step after the record's optimizer step
@@ -202,8 +202,8 @@ def test_trainer_causal_lm_labels_are_shifted(tmp_path):
     rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(v_len(b))]
     # fp64 products: float32 products would cut a small logit eigenvalue (rtol 1e-5)
     # two micro-batches a step, padded differently: each forward's positions follow its own mask
-    trainer, spy, forwards, cb = train(tmp_path, model, head, rows, steps=2, bs=4, accumulate=2, every=2, window=2,
-                                       precision="fp64")
+    trainer, spy, forwards, cb = train(tmp_path, model, head, rows, steps=2, bs=4, accumulate=2,
+                                       route=richness.Window(2, 2), precision="fp64")
     assert len(forwards) == 4
     assert cb._shift  # GPT2LMHeadModel is one of the Trainer's causal LMs
     got = logged(spy.logs)
@@ -224,11 +224,12 @@ def test_trainer_callback_warns_when_told_not_to_shift_labels_that_equal_the_inp
     rows = [{"input_ids": b["input_ids"][i], "attention_mask": b["attention_mask"][i], "labels": b["input_ids"][i]}
             for b in batches for i in range(v_len(b))]
     with pytest.warns(UserWarning, match=r"labels equal the input_ids.*RichnessCallback\(shift_labels=True\)"):
-        train(tmp_path, model, head, rows, steps=1, bs=8, accumulate=1, every=1, shift_labels=False)
+        train(tmp_path, model, head, rows, steps=1, bs=8, accumulate=1, route=richness.EveryStep(),
+              shift_labels=False)
 
 
 def test_callback_needs_the_trainer():
     from richness.transformers import RichnessCallback
 
     with pytest.raises(TypeError, match="transformers.Trainer the callback is added to"):
-        RichnessCallback(torch.nn.Linear(2, 2), every=10)  # the model given for the trainer
+        RichnessCallback(torch.nn.Linear(2, 2), richness.Window(10))  # the model given for the trainer

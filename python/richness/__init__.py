@@ -3,6 +3,9 @@
 DLR = 1 - CKA(feature kernel, projector onto the learned functions), from
 streamed float64 co-moments (Nam et al., ICLR 2026). See ``Moments``, ``dlr``
 and ``Report``.
+
+A module whose dotted path has no component starting with ``_`` is public; its
+``__all__`` lists the names meant for users, and its other names are private.
 """
 
 import logging as _logging
@@ -36,7 +39,7 @@ if _typing.TYPE_CHECKING:
     from ._moments import Moments, dlr
     from ._report import Report
     from ._similarity import Similarity, SimilarityReport, cka
-    from .monitor import Monitor
+    from .monitor import EveryStep, Head, Layer, Monitor, Probe, Window
     from ._warnings import RichnessWarning
     from .torch.evaluate import evaluate
     from .torch.similarity import similarity
@@ -46,7 +49,8 @@ if _typing.TYPE_CHECKING:
 # clear ImportError (``_native``) when first used there.
 _PUBLIC = {"blas_info": "._native", "Moments": "._moments", "dlr": "._moments", "Report": "._report",
            "Similarity": "._similarity", "SimilarityReport": "._similarity", "cka": "._similarity",
-           "Monitor": ".monitor", "RichnessWarning": "._warnings", "evaluate": ".torch.evaluate",
+           "Monitor": ".monitor", "Window": ".monitor", "EveryStep": ".monitor", "Probe": ".monitor",
+           "Head": ".monitor", "Layer": ".monitor", "RichnessWarning": "._warnings", "evaluate": ".torch.evaluate",
            "similarity": ".torch.similarity"}
 
 
@@ -70,4 +74,4 @@ def __dir__():
 
 
 __all__ = ["Moments", "Monitor", "Report", "RichnessWarning", "dlr", "evaluate", "blas_info", "__version__",
-           "Similarity", "SimilarityReport", "cka", "similarity"]
+           "Similarity", "SimilarityReport", "cka", "similarity", "Window", "EveryStep", "Probe", "Head", "Layer"]

@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - the older package name
                           f"(or pytorch_lightning) ({_e})") from None
 
 from .monitor.monitor import Monitor
+from .monitor.routes import Route, Window
 from .monitor.sinks import scalars
 
 
@@ -47,35 +48,40 @@ class RichnessCallback(Callback):
     """DLR (and NC1) during ``trainer.fit``, logged to the trainer's loggers.
 
     Args:
-        head: the read-out module of the LightningModule or its dotted name
-            (default: found on the module's first forward; see ``Monitor``).
-            The Monitor warns once if it has not run after ``every`` steps.
-        every, window, probe, precision, tokens, batch_fn, rtol, lag: as for
-            ``richness.Monitor``.
+        route: which batches make a record, and when: ``Window`` (default),
+            ``EveryStep`` or ``Probe``, as for ``richness.Monitor``. A route
+            whose ``distributed`` is None merges the ranks' windows at each
+            emission when the trainer runs on more than one process.
+        head: the read-out module of the LightningModule, its dotted name or
+            a ``Head`` (default: found on the module's first forward; see
+            ``Monitor``). The Monitor warns once if it has not run after
+            ``every`` steps.
+        layer: the features-only Monitor instead (a module, its dotted name
+            or a ``Layer``), as for ``richness.Monitor``.
         labels: batch -> labels (integer classes or float targets) of a
             training batch, or None for no labels. Default: the second entry
             of an ``(inputs, labels)`` batch.
+        log: further Monitor sinks (paths, callables, writers).
+        precision, rtol: as for ``richness.Monitor``.
         prefix: logged names are ``f"{prefix}/dlr"``, ``/dlr_isotropic``,
             ``/dlr_normalized``, ``/nc1``, ``/effective_dim``, ``/rank``, ``/n``
             (and the ``measures`` asked for).
-        log: further Monitor sinks (paths, callables, writers).
-        distributed: merge the ranks' windows at each emission (the Monitor's
-            ``distributed``); default: when the trainer runs on more than one
-            process.
 
     ``monitor`` is the running ``Monitor`` (its ``history`` holds the records).
     """
 
-    def __init__(self, head: Any = None, *, every: int = 100, window: Optional[int] = None, probe: Any = None,
-                 labels: Optional[Callable[[Any], Any]] = pair_labels, prefix: str = "richness", log: Any = None,
-                 distributed: Optional[bool] = None, **monitor_options: Any) -> None:
+    def __init__(self, route: Optional[Route] = None, *, head: Any = None, layer: Any = None,
+                 labels: Optional[Callable[[Any], Any]] = pair_labels, log: Any = None,
+                 precision: Optional[str] = None, rtol: Optional[float] = None, prefix: str = "richness") -> None:
         super().__init__()
+        if route is not None and not isinstance(route, Route):
+            raise TypeError(f"route must be a Window, EveryStep or Probe, got {type(route).__name__}")
         if labels is not None and not callable(labels):
             raise TypeError(f"labels must be a callable (batch -> labels) or None, got {type(labels).__name__}")
-        self.head, self.every, self.window, self.probe = head, every, window, probe
-        self.labels, self.prefix, self.distributed = labels, prefix, distributed
+        self.route = Window() if route is None else route
+        self.head, self.layer, self.labels, self.prefix = head, layer, labels, prefix
+        self.precision, self.rtol = precision, rtol
         self.sinks = log  # not self.log: Lightning binds the module's log() onto callbacks
-        self.options = monitor_options
         self.monitor: Optional[Monitor] = None
         self._trainer: Any = None
         self._last_step = 0
@@ -92,12 +98,14 @@ class RichnessCallback(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._trainer = trainer
-        distributed = self.distributed if self.distributed is not None else trainer.world_size > 1
+        route = self.route
+        if route.distributed is None:
+            route = route.replace(distributed=trainer.world_size > 1)
         sinks = self.sinks
         extra = [] if sinks is None else (list(sinks) if isinstance(sinks, (list, tuple)) else [sinks])
-        self.monitor = Monitor(pl_module, self.head, every=self.every, window=self.window, probe=self.probe,
-                               log=[self._to_loggers] + extra, prefix=self.prefix, distributed=distributed,
-                               first_step=trainer.global_step, **self.options)
+        self.monitor = Monitor(pl_module, route, head=self.head, layer=self.layer, log=[self._to_loggers] + extra,
+                               precision=self.precision, rtol=self.rtol, prefix=self.prefix,
+                               first_step=trainer.global_step)
         self._last_step = trainer.global_step
         self._batch_labels = []
 

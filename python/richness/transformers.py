@@ -40,6 +40,7 @@ except ImportError as _e:
 from .torch.batches import UNSHIFTED, labels_are_inputs, next_token_labels
 from .torch.hooks import ModelHook
 from .monitor.monitor import Monitor
+from .monitor.routes import Head, Route, Window
 from .monitor.sinks import scalars
 
 
@@ -83,39 +84,47 @@ class RichnessCallback(TrainerCallback):
         trainer: the ``transformers.Trainer`` (records go out through its
             ``log``: every ``report_to`` backend and ``state.log_history``);
             add the callback with ``trainer.add_callback(...)``.
-        head: the read-out module of the model or its dotted name (default:
-            the last ``nn.Linear`` whose output is the model's output, found on
-            the first forward, as ``richness.evaluate`` does).
-        every, window, precision, rtol, lag: as for ``richness.Monitor``.
-            ``lag`` defaults to 1 here, so that each record is logged at its
-            own step.
+        route: ``Window`` (default: ``Window()``) or ``EveryStep``, as for
+            ``richness.Monitor`` (a ``Probe`` is not for the training
+            forwards this callback reads). A ``lag`` left None is 1 here, so
+            that each record is logged at its own step; a ``distributed``
+            left None merges the ranks' windows at each emission when the
+            Trainer runs on more than one process.
+        head: the read-out module of the model, its dotted name or a ``Head``
+            (default: the last ``nn.Linear`` whose output is the model's
+            output, found on the first forward, as ``richness.evaluate``
+            does). Its ``tokens`` are the callback's own: the positions
+            follow the labels and the attention mask.
+        layer: the features-only Monitor instead, as for ``richness.Monitor``.
         shift_labels: causal-LM labels (position i labelled with token i + 1).
             Default: for the model classes the Trainer shifts (its causal-LM
             mapping); False warns when the labels equal the input_ids.
+        log: further Monitor sinks (paths, callables, writers, "wandb", "mlflow").
+        precision, rtol: as for ``richness.Monitor``.
         prefix: logged names are ``f"{prefix}/dlr"``, ``/dlr_isotropic``,
             ``/dlr_normalized``, ``/nc1``, ``/effective_dim``, ``/rank``, ``/n``
             (and the ``measures`` asked for).
-        log: further Monitor sinks (paths, callables, writers, "wandb", "mlflow").
-        distributed: merge the ranks' windows at each emission; default: when
-            the Trainer runs on more than one process.
 
     ``monitor`` is the running ``Monitor`` (its ``history`` holds the records).
     """
 
-    def __init__(self, trainer: Any, head: Any = None, *, every: int = 100, window: Optional[int] = None,
-                 shift_labels: Optional[bool] = None, prefix: str = "richness", log: Any = None,
-                 distributed: Optional[bool] = None, **monitor_options: Any) -> None:
+    def __init__(self, trainer: Any, route: Optional[Route] = None, *, head: Any = None, layer: Any = None,
+                 shift_labels: Optional[bool] = None, log: Any = None, precision: Optional[str] = None,
+                 rtol: Optional[float] = None, prefix: str = "richness") -> None:
         super().__init__()
         if not hasattr(trainer, "log") or not hasattr(trainer, "add_callback"):
             raise TypeError(f"trainer must be the transformers.Trainer the callback is added to, got "
                             f"{type(trainer).__name__}")
-        for name in ("tokens", "probe", "batch_fn", "first_step"):
-            if name in monitor_options:
-                raise TypeError(f"RichnessCallback sets {name!r} itself (positions follow the labels and the "
-                                "attention mask; steps follow the Trainer's)")
-        self.trainer, self.head, self.every, self.window = trainer, head, every, window
-        self.shift_labels, self.prefix, self.distributed, self.sinks = shift_labels, prefix, distributed, log
-        self.options = {"lag": 1, **monitor_options}
+        route = Window() if route is None else route
+        if not isinstance(route, Window):
+            raise TypeError(f"RichnessCallback reads the training forwards: route must be a Window or EveryStep, "
+                            f"got {type(route).__name__}")
+        if isinstance(head, Head) and not (isinstance(head.tokens, str) and head.tokens == "all"):
+            raise TypeError("RichnessCallback sets the head's tokens itself (positions follow the labels and the "
+                            "attention mask)")
+        self.trainer, self.route, self.head, self.layer = trainer, route, head, layer
+        self.shift_labels, self.prefix, self.sinks = shift_labels, prefix, log
+        self.precision, self.rtol = precision, rtol
         self.monitor: Optional[Monitor] = None
         self._hook = None
         self._shift = False
@@ -150,12 +159,18 @@ class RichnessCallback(TrainerCallback):
         self._shift = is_causal_lm(model) if self.shift_labels is None else bool(self.shift_labels)
         names = list(args.label_names or ["labels"])
         self._label_name = names[0] if len(names) == 1 else None  # NC1 needs one class label per row
-        distributed = self.distributed if self.distributed is not None else args.world_size > 1
+        route = self.route
+        if route.lag is None:
+            route = route.replace(lag=1)
+        if route.distributed is None:
+            route = route.replace(distributed=args.world_size > 1)
+        head = self.head  # with layer=: refused by the Monitor where given
+        if self.layer is None:  # the head's positions: the callback's own (``_tokens``)
+            head = (self.head if isinstance(self.head, Head) else Head(self.head)).replace(tokens=self._tokens)
         # records carry the Trainer's global_step after their optimizer step (as its own loss logs do)
-        self.monitor = Monitor(model, self.head, every=self.every, window=self.window,
-                               log=[self._to_trainer, self.sinks],
-                               prefix=self.prefix, distributed=distributed, first_step=state.global_step + 1,
-                               tokens=self._tokens, **self.options)
+        self.monitor = Monitor(model, route, head=head, layer=self.layer, log=[self._to_trainer, self.sinks],
+                               precision=self.precision, rtol=self.rtol, prefix=self.prefix,
+                               first_step=state.global_step + 1)
         # a ModelHook: a deep-copied or saved model carries an inert hook, not this callback
         self._hook = model.register_forward_pre_hook(ModelHook(self._on_forward), with_kwargs=True)
         self._forwards, self._positions, self._checked = [], [], False

@@ -5,7 +5,7 @@ self-supervised training; and the measures a Monitor's records carry.
 The Monitor's hook on the layer pools its output (``pooled_output``,
 ``torch.batches.layer_pooler``: mean over the positions of a feature map,
 1-D or 2-D, or the tokens of a sequence, as the layer's module lays it out) and
-records the rows as a head's input would be; the window and every=1 routes then add them without
+records the rows as a head's input would be; the Window and EveryStep routes then add them without
 outputs or labels, and the records carry RankMe, alpha-ReQ, the effective
 dimension and the participation ratio of the layer's representation
 (docs/MATH.md, representation diagnostics).

@@ -107,7 +107,7 @@ class BatchGroup(StepBuffer):
     def reduce(self, prec: str, threads: BlasThreads, core: bool = False, rtol: Optional[float] = None) -> Any:
         """See ``_reduce``; its products in true float32 whatever the training
         loop allows for its own (``_ieee_matmul``). ``core``: the Grams of CPU
-        buffers through the core instead of torch (``monitor.CORE_GRAMS``).
+        buffers through the core instead of torch (``CORE_GRAMS``).
         With outputs, one more column after the packed rows: each step's
         active features at ``rtol`` (``_active_features``)."""
         with _ieee_matmul(self.x.device.type):
@@ -299,6 +299,25 @@ def _batch_class_ids(lab: Any, valid: Any, k: int) -> Any:
     new = torch.ones_like(key, dtype=torch.bool)
     new[:, 1:] = key[:, 1:] != key[:, :-1]
     return torch.empty_like(key).scatter_(1, order, new.cumsum(dim=1) - 1)
+
+
+# The route of a CPU group's Gram matrices: None chooses by torch's thread
+# count (benchmarks/bench_monitor.py, 2 cores: with torch on one thread the
+# core's ssyrk and float64 centering cost 5.3-6.6% of a step against 7.6-9.6%
+# for torch's batched product; with torch on two threads torch's product, on
+# its own still-spinning OpenMP pool, costs 5.6-6.3% against 8.4-9.0% for
+# the core's workers, which contend with that pool). True/False force the
+# core/torch route (tests). Device buffers always take the torch route.
+CORE_GRAMS: Optional[bool] = None
+
+
+def core_route(x: Any) -> bool:
+    """Whether the Grams of the buffer ``x`` are made by the core (``CORE_GRAMS``)."""
+    import torch
+
+    if x.device.type != "cpu":
+        return False
+    return CORE_GRAMS if CORE_GRAMS is not None else torch.get_num_threads() == 1
 
 
 class OneBatchRoute:
