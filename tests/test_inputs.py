@@ -433,75 +433,69 @@ def test_export_into_writes_the_state_dict_and_refuses_before_writing():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp64"])
-def test_update_out_writes_the_merged_state_as_it_merges(precision):
-    # p = 600: the merge of M runs on two threads (each mirrors its own rows);
-    # 500 float32 rows of 600 + 3 columns pass 1 MiB, so the later batches are
-    # centered on the state's means. After every batch, out holds state_dict().
+def test_merge_into_is_the_merge_in_the_callers_arrays(precision):
+    # p = 600: the merge of M runs on two threads (each mirrors its own rows).
+    # A state in the caller's arrays, each batch state merged into it in place,
+    # equals the same merges of Moments bit for bit; the first merge fills
+    # empty arrays; a refused merge writes nothing.
     from richness import _core
 
     rng = np.random.default_rng(4)
     x = rng.standard_normal((1500, 600)).astype(np.float32) + 1.0
     f, y = rng.standard_normal((1500, 3)).astype(np.float32), rng.integers(0, 5, 1500)
     threads = _core.blas_get_num_threads()
-    m = richness.Moments(precision=precision)
+    whole = richness.Moments(5, precision=precision)
     _core.blas_set_num_threads(2)
     try:
-        m.update(x[:500], f[:500], y[:500])
-        out = {k: np.full_like(v, -7) for k, v in m.state_dict().items() if isinstance(v, np.ndarray)}
-        for i in (500, 1000):
-            got = m.update(x[i:i + 500], f[i:i + 500], y[i:i + 500], out=out)
-            want = m.state_dict()
-            assert got is not None and got["n"] == i + 500
-            for k, v in out.items():
+        arrays = widths = None
+        for i in (0, 500, 1000):
+            batch = richness.Moments(5, precision=precision)
+            batch.update(x[i:i + 500], f[i:i + 500], y[i:i + 500])
+            if arrays is None:  # an empty state: arrays of the merged widths, any content
+                arrays = {k: np.full_like(v, -7) for k, v in batch.state_dict().items() if isinstance(v, np.ndarray)}
+                widths = dict(richness.Moments(5).state_dict(), precision=precision)
+                widths = {k: widths[k] for k in ("n", "p", "c", "t", "k", "num_classes", "precision")}
+            widths = batch._backend.merge_into(arrays, widths)
+            whole.merge(batch)
+            want = whole.state_dict()
+            assert widths["n"] == i + 500 and widths["k"] == 5 and widths["precision"] == precision
+            for k, v in arrays.items():
                 assert np.array_equal(v, want[k]), (i, k)
-        # a batch with a new class grows the class arrays: out does not fit, is left alone
-        kept = {k: v.copy() for k, v in out.items()}
-        assert m.update(x[:10], f[:10], np.full(10, 7), out=out) is None
-        assert all(np.array_equal(out[k], kept[k]) for k in out)
-        assert m.n == 1510
-        with pytest.raises(ValueError, match="no array for"):  # refused before the batch is added
-            m.update(x[:10], f[:10], y[:10], out={})
-        assert m.n == 1510
+        kept = {k: v.copy() for k, v in arrays.items()}
+        other = richness.Moments(precision=precision)
+        other.update(x[:10, :7], f[:10], y[:10])
+        with pytest.raises(ValueError, match="cannot merge"):  # another feature width
+            other._backend.merge_into(arrays, widths)
+        small = dict(arrays, class_sums=np.zeros((4, 600)))
+        with pytest.raises(ValueError, match="'class_sums' does not have the merged state's size"):
+            batch._backend.merge_into(small, widths)
+        with pytest.raises(ValueError, match="no array for 'A'"):
+            batch._backend.merge_into({k: v for k, v in arrays.items() if k != "A"}, widths)
+        assert all(np.array_equal(arrays[k], kept[k]) for k in arrays)
     finally:
         _core.blas_set_num_threads(threads)
-    with pytest.raises(ValueError, match="without groups"):
-        richness.Moments(groups=2).update(x[:10], out=out)
 
 
 @pytest.mark.parametrize("precision,tol", [("fp32", 1e-6), ("fp64", 1e-12)])
-def test_update_own_writes_the_batch_own_comoments(precision, tol):
-    # The batch's own co-moments, centered on its own means, against float64
-    # numpy on the values it holds; 500 float32 rows of 600 + 3 columns pass
-    # 1 MiB, so the second batch's products are centered on the state's means
-    # and the shift must be taken out. The merged state is the one without own.
+def test_norm_m_and_get_fields_read_the_state(precision, tol):
+    # ||M||_F from M's lower triangle and a copy of chosen arrays, against
+    # float64 numpy on the values the batch holds.
     rng = np.random.default_rng(6)
-    x = (rng.standard_normal((1000, 600)) * np.linspace(0.5, 2.0, 600) + 3.0).astype(np.float32)
-    f = (x[:, :3].astype(np.float64) * 2.0 + rng.standard_normal((1000, 3))).astype(np.float32)
-    m, ref = richness.Moments(precision=precision), richness.Moments(precision=precision)
-    for i in (0, 500):
-        xb, fb = x[i:i + 500].astype(np.float64), f[i:i + 500].astype(np.float64)
-        xc, fc = xb - xb.mean(axis=0), fb - fb.mean(axis=0)
-        own = {"norm_m": np.full(1, -7.0), "B": np.full((600, 3), -7.0)}
-        m.update(x[i:i + 500], f[i:i + 500], own=own)
-        ref.update(x[i:i + 500], f[i:i + 500])
-        want_b = xc.T @ fc
-        assert abs(own["norm_m"][0] - np.linalg.norm(xc.T @ xc)) < tol * np.linalg.norm(xc.T @ xc), i
-        assert np.abs(own["B"] - want_b).max() < tol * np.abs(want_b).max(), i
-    assert states_equal(m.state_dict(), ref.state_dict())
-    # refused before the batch is added: sizes, keys, B without outputs; the state is as it was
-    before = m.state_dict()
-    for bad, match in (({"B": np.empty((600, 2))}, "'B' has 1200 elements"), ({"C": np.empty(1)}, "unknown key"),
-                       ({"norm_m": np.empty(1, np.float32)}, "float64"), ({"norm_m": np.empty(0)}, "at least 1")):
-        with pytest.raises(ValueError, match=match):
-            m.update(x[:10], f[:10], own=bad)
-    with pytest.raises(ValueError, match="needs the batch's outputs"):
-        m.update(x[:10], own={"B": np.empty((600, 3))})
-    assert states_equal(m.state_dict(), before)
-    own = {"norm_m": np.full(1, -7.0)}  # an empty batch: zero, nothing added
-    m.update(x[:0], f[:0], own=own)
-    assert own["norm_m"][0] == 0.0 and m.n == 1000
-    with pytest.raises(ValueError, match="without groups"):
-        richness.Moments(groups=2).update(x[:10], own=own)
+    x = (rng.standard_normal((500, 600)) * np.linspace(0.5, 2.0, 600) + 3.0).astype(np.float32)
+    f = (x[:, :3].astype(np.float64) * 2.0 + rng.standard_normal((500, 3))).astype(np.float32)
+    m = richness.Moments(precision=precision)
+    m.update(x, f)
+    xb, fb = x.astype(np.float64), f.astype(np.float64)
+    xc, fc = xb - xb.mean(axis=0), fb - fb.mean(axis=0)
+    core = m._backend.core
+    want = np.linalg.norm(xc.T @ xc)
+    assert abs(core.norm_m() - want) < tol * want
+    got = core.get_fields(["B", "mean"])
+    assert sorted(got) == ["B", "mean"] and np.array_equal(got["B"], m.state_dict()["B"])
+    assert np.abs(got["B"] - xc.T @ fc).max() < tol * np.abs(xc.T @ fc).max()
+    with pytest.raises(ValueError, match="unknown state array 'C'"):
+        core.get_fields(["C"])
+    assert richness.Moments(device="cpu")._backend.core.norm_m() == 0.0
 
 
 def test_float16_widening_is_exact_for_every_finite_half():

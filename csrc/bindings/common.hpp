@@ -245,50 +245,22 @@ inline void fill_symmetric_of(const std::vector<double>& l, int64_t n, double* o
 }
 inline void fill_symmetric_of(const std::vector<int64_t>&, int64_t, int64_t*, int64_t) {}
 
-// The caller's arrays a state is written into (export_into, update's out):
-// one writable, C-contiguous array a field, of the field's element type, read
-// with the GIL held; their sizes are checked against the state under its lock.
-inline StateTargets state_targets(const py::dict& d) {
-  StateTargets out;
-#define RICHNESS_TARGET(name, type, rows, cols, sym) std::tie(out.name, out.name##_size) = target_array<type>(d, #name);
+// The caller's arrays of a state (export_into writes one there, merge_into
+// merges one into them): one writable, C-contiguous array a field, of the
+// field's element type, read with the GIL held; their sizes are checked
+// against the state under its lock.
+inline StateArrays state_arrays(const py::dict& d, const char* what = "export_into") {
+  StateArrays out;
+#define RICHNESS_TARGET(name, type, rows, cols, sym) \
+  std::tie(out.name, out.name##_size) = target_array<type>(d, #name, what);
   RICHNESS_STATE_ARRAYS(RICHNESS_TARGET)
 #undef RICHNESS_TARGET
   return out;
 }
 
-// The caller's arrays an update writes the batch's own co-moments into
-// (update's `own`, common/merge.hpp BatchOut): norm_m (at least one
-// element) and B (p x c, only with outputs), each optional; checked against
-// the batch before the update starts.
-inline BatchOut batch_out(const py::dict& d, const Batch& b) {
-  constexpr const char* what = "update(own=...)";
-  for (auto item : d) {
-    const std::string key = py::str(item.first);
-    if (key != "norm_m" && key != "B")
-      throw std::invalid_argument(std::string(what) + ": unknown key '" + key + "' (norm_m, B)");
-  }
-  const int64_t p = b.features.cols, c = b.outputs ? b.outputs->cols : 0;
-  if (d.contains("B") && c == 0) throw std::invalid_argument(std::string(what) + ": B needs the batch's outputs");
-  auto get = [&](const char* key, int64_t size, bool at_least) -> double* {
-    if (!d.contains(key)) return nullptr;
-    const auto [ptr, n] = target_array<double>(d, key, what);
-    if (at_least ? n < size : n != size) {
-      Msg os;
-      os << what << ": '" << key << "' has " << n << " elements, the batch's needs " << (at_least ? "at least " : "")
-         << size;
-      throw std::invalid_argument(os.str());
-    }
-    return ptr;
-  };
-  BatchOut o;
-  o.norm_m = get("norm_m", 1, true);
-  o.B = get("B", p * c, false);
-  return o;
-}
-
 // Throws, before anything is written, unless every array has the state's
 // exported size; else writes the state there (symmetric matrices filled).
-inline void export_state_into(const State& s, const StateTargets& out, int64_t workers) {
+inline void export_state_into(const State& s, const StateArrays& out, int64_t workers) {
   if (const char* name = out.misfit(s)) {
     Msg os;
     os << "export_into: '" << name << "' does not have the state's size";
@@ -331,8 +303,9 @@ inline py::list state_field_table() {
   return out;
 }
 
-inline State import_state(const py::dict& d) {
-  State s;
+// A state dict's scalars (n, widths, num_classes, precision) into s (a State or StateArrays).
+template <typename S>
+void import_scalars(const py::dict& d, S& s) {
   s.n = d["n"].cast<int64_t>();
   s.p = d["p"].cast<int64_t>();
   s.c = d["c"].cast<int64_t>();
@@ -340,6 +313,11 @@ inline State import_state(const py::dict& d) {
   s.k = d["k"].cast<int64_t>();
   s.num_classes = d["num_classes"].cast<int64_t>();
   s.precision = precision_of(d["precision"].cast<std::string>());
+}
+
+inline State import_state(const py::dict& d) {
+  State s;
+  import_scalars(d, s);
   // Symmetric matrices arrive full; the lower half is what is read.
 #define RICHNESS_IMPORT(name, type, rows, cols, sym) s.name = take<type>(d, #name, s.size(rows) * s.size(cols));
   RICHNESS_STATE_ARRAYS(RICHNESS_IMPORT)

@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 
@@ -49,32 +50,13 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "update",
           [](CpuMoments& self, const MatrixArg& features, std::optional<MatrixArg> outputs,
-             std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, const std::string& precision,
-             const std::optional<py::dict>& out, const std::optional<py::dict>& own_arrays) {
+             std::optional<MatrixArg> labels, std::optional<MatrixArg> targets, const std::string& precision) {
             const BatchArgs args(features, outputs, labels, targets);
             const Precision prec = precision_of(precision);
-            std::optional<StateTargets> into;
-            if (out) into = state_targets(*out);
-            std::optional<BatchOut> own;
-            if (own_arrays) own = batch_out(*own_arrays, args.batch());
-            State head;
-            bool written;
-            {
-              py::gil_scoped_release release;
-              written = self.update(args.batch(), prec, into ? &*into : nullptr, &head, own ? &*own : nullptr);
-            }
-            if (!written) return py::object(py::none());
-            py::dict d = shape_of(head);
-            d["n"] = head.n;
-            return py::object(d);
+            py::gil_scoped_release release;
+            self.update(args.batch(), prec);
           },
-          RICHNESS_BATCH_ARGS, py::arg("precision") = "fp32", py::arg("out") = py::none(),
-          py::arg("own") = py::none(),
-          "Add a batch. With `out` (arrays as export_into takes them), the merged state is also written there "
-          "as it is merged, if their sizes are the merged state's: returns the merged state's widths, class count, "
-          "precision and n if they were written, else None. With `own` (a dict of float64 arrays: norm_m of one "
-          "element, B of p x c, each optional), the batch's own co-moments centered on its own mean are written "
-          "there: ||Xc^T Xc||_F and Xc^T Fc.")
+          RICHNESS_BATCH_ARGS, py::arg("precision") = "fp32", "Add a batch.")
       .def("merge", &CpuMoments::merge, py::arg("other"), release())
       .def("reset", &CpuMoments::reset, release())
       .def("get_state",
@@ -89,7 +71,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "export_into",
           [](const CpuMoments& self, const py::dict& out) {
-            const StateTargets targets = state_targets(out);
+            const StateArrays targets = state_arrays(out);
             State head;
             {
               py::gil_scoped_release release;
@@ -107,6 +89,67 @@ PYBIND11_MODULE(_core, m) {
           "Write the state's arrays into the caller's arrays (a dict by field name: writable C-contiguous float64 "
           "or int64 arrays of the sizes get_state exports, symmetric matrices full) and return its widths, "
           "class count, precision and n. Checks every size first; writes nothing on a mismatch.")
+      .def(
+          "merge_into",
+          [](const CpuMoments& self, const py::dict& arrays, const py::dict& widths) {
+            StateArrays into = state_arrays(arrays, "merge_into");
+            import_scalars(widths, into);
+            {
+              py::gil_scoped_release release;
+              const ParkWorkers park;
+              self.read([&](const State& s) { merge_into(into, s, blas_get_num_threads()); });
+            }
+            State head;
+            head.n = into.n, head.p = into.p, head.c = into.c, head.t = into.t, head.k = into.k;
+            head.num_classes = into.num_classes, head.precision = into.precision;
+            py::dict d = shape_of(head);
+            d["n"] = head.n;
+            return d;
+          },
+          py::arg("arrays"), py::arg("widths"),
+          "Chan's merge of this state into the one held in the caller's arrays (as export_into takes them, "
+          "symmetric matrices full), in place: `widths` gives that state's n, p, c, t, k, num_classes and "
+          "precision, the arrays have the merged state's sizes (class arrays grown; an empty state's arrays "
+          "any content, of the merged widths). The merge of `merge`, refused in its words; on a refusal or a "
+          "size mismatch nothing is written. Returns the merged state's widths, class count, precision and n.")
+      .def(
+          "norm_m",
+          [](const CpuMoments& self) {
+            py::gil_scoped_release release;
+            double v = 0.0;
+            self.read([&](const State& s) { v = s.norm_m(); });
+            return v;
+          },
+          "||M||_F, the Frobenius norm of the feature co-moment, in float64 from its lower triangle.")
+      .def(
+          "get_fields",
+          [](const CpuMoments& self, const std::vector<std::string>& keys) {
+            py::dict d;
+            State s;
+            {
+              py::gil_scoped_release release;
+              self.read([&](const State& st) {
+                s = st.scalars();
+#define RICHNESS_PICK(name, type, rows, cols, sym) \
+  if (std::find(keys.begin(), keys.end(), #name) != keys.end()) s.name = st.name;
+                RICHNESS_STATE_ARRAYS(RICHNESS_PICK)
+#undef RICHNESS_PICK
+              });
+            }
+            for (const std::string& key : keys) {
+              bool known = false;
+#define RICHNESS_EXPORT(name, type, rows, cols, sym) \
+  if (key == #name) {                                \
+    d[#name] = export_array(s.name, s.size(rows), s.size(cols), sym, rows == Dim::one); \
+    known = true;                                    \
+  }
+              RICHNESS_STATE_ARRAYS(RICHNESS_EXPORT)
+#undef RICHNESS_EXPORT
+              if (!known) throw std::invalid_argument("get_fields: unknown state array '" + key + "'");
+            }
+            return d;
+          },
+          py::arg("keys"), "Copies of the named state arrays (as get_state exports them), without the others.")
       .def("set_state",
            [](CpuMoments& self, const py::dict& d) {
              State s = import_state(d);

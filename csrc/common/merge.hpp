@@ -57,23 +57,30 @@ inline void mirror_lower(double* o, int64_t n, int64_t r0, int64_t r1) noexcept 
   }
 }
 
-// A state's arrays in the caller's memory, in the exported layout (symmetric
-// matrices full): one array a field and its size. An update can write the
-// merged state there as it merges (CpuMoments::update); fits() says whether
-// the sizes are the state's.
-struct StateTargets {
-#define RICHNESS_TARGET(name, type, rows, cols, sym) \
+// A state held in the caller's memory: its scalars and one array a field, in
+// the exported layout (symmetric matrices full), each with its size.
+// export_into writes a State there; merge_into merges a State into it in
+// place (the torchmetrics metric's state tensors are such arrays).
+struct StateArrays {
+  int64_t n = 0, p = -1, c = -1, t = -1, k = -1, num_classes = -1;
+  Precision precision = Precision::fp64;
+#define RICHNESS_ARRAY(name, type, rows, cols, sym) \
   type* name = nullptr;                          \
   int64_t name##_size = 0;
-  RICHNESS_STATE_ARRAYS(RICHNESS_TARGET)
-#undef RICHNESS_TARGET
+  RICHNESS_STATE_ARRAYS(RICHNESS_ARRAY)
+#undef RICHNESS_ARRAY
 
-  // The first array whose size is not the state's, or nullptr.
-  const char* misfit(const State& s) const {
-#define RICHNESS_TARGET(name, type, rows, cols, sym) \
-  if (name##_size != s.size(rows) * s.size(cols)) return #name;
-    RICHNESS_STATE_ARRAYS(RICHNESS_TARGET)
-#undef RICHNESS_TARGET
+  int64_t size(Dim d) const {
+    const int64_t w = d == Dim::one ? 1 : d == Dim::p ? p : d == Dim::c ? c : d == Dim::t ? t : k;
+    return w < 0 ? 0 : w;
+  }
+  int64_t width(int q) const { return size(q == 0 ? Dim::p : q == 1 ? Dim::c : Dim::t); }
+  // The first array whose size is not that of a state of widths w, or nullptr.
+  const char* misfit(const State& w) const {
+#define RICHNESS_ARRAY(name, type, rows, cols, sym) \
+  if (name##_size != w.size(rows) * w.size(cols)) return #name;
+    RICHNESS_STATE_ARRAYS(RICHNESS_ARRAY)
+#undef RICHNESS_ARRAY
     return nullptr;
   }
   double* comoment(int i) const {
@@ -87,15 +94,31 @@ struct StateTargets {
   double* stream_mean(int q) const { return q == 0 ? mean : q == 1 ? out_mean : tgt_mean; }
 };
 
+// Chan's merge of `o` into the state held in `s` (State::merge's merge, in
+// the caller's memory): the arrays sized for the merged state (class arrays
+// grown, an empty state's arrays of the merged widths), else nothing is
+// written (std::invalid_argument naming the array); the refusals of
+// State::merge, in its words. Updates s's scalars. Defined in state.cpp.
+void merge_into(StateArrays& s, const State& o, int64_t workers);
+
+// Merge destinations: a State keeps the lower triangle of a symmetric
+// co-moment; arrays in the exported layout hold it full.
+inline double* data_of(std::vector<double>& v) { return v.data(); }
+inline const double* data_of(const std::vector<double>& v) { return v.data(); }
+inline double* data_of(double* v) { return v; }
+inline constexpr bool holds_full(const State&) { return false; }
+inline constexpr bool holds_full(const StateArrays&) { return true; }
+
 // X += part + f dl dr^T over a rows x cols co-moment (its lower triangle when
 // symmetric; part's rows ld apart), split over the workers by area: a
 // triangle's row i holds i + 1 entries, so worker w starts at rows sqrt(w / W).
 //
-// With `full`, the merged co-moment is also written there in full (each
-// worker's rows as it merges them, then their mirror above the diagonal).
+// With `full` (X holds a symmetric co-moment full, not its lower triangle),
+// each worker mirrors its rows above the diagonal once it has merged them:
+// the other workers read and write only their rows' lower triangles.
 template <typename T>
-void add_comoment(std::vector<double>& X, const T* part, int64_t ld, int64_t rows, int64_t cols, bool sym, double f,
-                  const double* dl, const double* dr, int64_t workers, double* full = nullptr) noexcept {
+void add_comoment(double* X, const T* part, int64_t ld, int64_t rows, int64_t cols, bool sym, double f,
+                  const double* dl, const double* dr, int64_t workers, bool full = false) noexcept {
   workers = std::max<int64_t>(1, std::min<int64_t>(workers, rows * cols / (int64_t(1) << 18) + 1));
   auto first_row = [&](int64_t w) {
     const double share = (double)w / (double)workers;
@@ -103,14 +126,13 @@ void add_comoment(std::vector<double>& X, const T* part, int64_t ld, int64_t row
   };
   run_split(workers, first_row, [&](int64_t, int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
-      double* xi = X.data() + i * cols;
+      double* xi = X + i * cols;
       const double fdi = f * dl[i];
       const int64_t end = sym ? i + 1 : cols;
       const T* q = part + i * ld;
       for (int64_t j = 0; j < end; ++j) xi[j] += (double)q[j] + fdi * dr[j];
-      if (full) std::copy(xi, xi + end, full + i * cols);
     }
-    if (full && sym) mirror_lower(full, cols, r0, r1);
+    if (full && sym) mirror_lower(X, cols, r0, r1);
   });
 }
 
@@ -122,74 +144,26 @@ void add_comoment(std::vector<double>& X, const T* part, int64_t ld, int64_t row
 // Parts centered on the state's means a instead (Block::on_state_mean) are
 // Xb + nb d d^T, so the same merge is X = Xa + part - (nb^2 / n) d d^T.
 //
-// With `out` (sizes fitting the merged state), the merged means and
-// co-moments are also written there; class arrays are the caller's.
-template <typename T>
-void merge_block(State& s, const Block<T>& b, MergeWork& work, int64_t workers,
-                 const StateTargets* out = nullptr) noexcept {
+// S: a State, or a state in the caller's arrays (StateArrays, sized for the
+// merged state); class arrays are the caller's.
+template <typename T, typename S>
+void merge_block(S& s, const Block<T>& b, MergeWork& work, int64_t workers) noexcept {
   const double na = (double)s.n, nb = (double)b.n, n = na + nb;
   const double f = b.on_state_mean ? -(nb * nb / n) : na * nb / n, w = nb / n;
   for (int q = 0; q < kStreams; ++q) {
-    const std::vector<double>& mean = s.stream_mean(q);
+    const double* mean = data_of(s.stream_mean(q));
     for (int64_t j = 0; j < s.width(q); ++j) work.d[q][j] = b.mean[q][j] - mean[j];
   }
   for (int i = 0; i < kNumComoments; ++i) {
     const Comoment& cm = kComoments[i];
-    add_comoment(s.comoment(i), b.part[i], b.ld[i], s.width(cm.rows), s.width(cm.cols), cm.symmetric(), f,
-                 work.d[cm.rows].data(), work.d[cm.cols].data(), workers, out ? out->comoment(i) : nullptr);
+    add_comoment(data_of(s.comoment(i)), b.part[i], b.ld[i], s.width(cm.rows), s.width(cm.cols), cm.symmetric(), f,
+                 work.d[cm.rows].data(), work.d[cm.cols].data(), workers, holds_full(s));
   }
   for (int q = 0; q < kStreams; ++q) {
-    std::vector<double>& mean = s.stream_mean(q);
+    double* mean = data_of(s.stream_mean(q));
     for (int64_t j = 0; j < s.width(q); ++j) mean[j] += work.d[q][j] * w;
-    if (out) std::copy(mean.begin(), mean.end(), out->stream_mean(q));
   }
   s.n += b.n;
-}
-
-// Where an update writes the batch's own co-moments, centered on the batch's
-// mean (a batch's own DLR needs these besides its outputs: torchmetrics'
-// forward), float64: the Frobenius norm of its feature co-moment
-// ||Xc^T Xc||_F, and with outputs the cross co-moment B (p x c, row-major).
-// A null pointer is not written.
-struct BatchOut {
-  double* norm_m = nullptr;
-  double* B = nullptr;
-};
-
-// Writes the block's own co-moments into `out` (BatchOut), in float64 from
-// its products: reads M's lower triangle (p^2 / 2 values, eight running sums)
-// and copies B. Parts centered on the state's means `state` (Block::
-// on_state_mean) are Xb + nb d d^T: the term is taken out entry by entry.
-// Changes nothing else; call before the block is merged (the state's means
-// are read).
-template <typename T>
-void block_own_comoments(const Block<T>& b, const State& state, const BatchOut& out) noexcept {
-  const bool shifted = b.on_state_mean;
-  const double nb = shifted ? (double)b.n : 0.0;
-  const int64_t p = b.width[0], c = b.width[1];
-  auto shift = [&](int q, int64_t j) { return shifted ? b.mean[q][j] - state.stream_mean(q)[j] : 0.0; };
-  if (out.norm_m) {
-    const int64_t ld = b.ld[0];
-    double diag = 0.0, off[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = 0; i < p; ++i) {
-      const T* row = b.part[0] + i * ld;
-      const double di = nb * shift(0, i);
-      for (int64_t j = 0; j < i; ++j) {  // eight sums, so that the additions need not wait on each other
-        const double v = (double)row[j] - di * shift(0, j);
-        off[j & 7] += v * v;
-      }
-      const double v = (double)row[i] - di * shift(0, i);
-      diag += v * v;
-    }
-    double total = 0.0;
-    for (double o : off) total += o;
-    *out.norm_m = std::sqrt(2.0 * total + diag);
-  }
-  if (!out.B || c <= 0) return;
-  for (int64_t i = 0; i < p; ++i) {  // B: co-moment 1 (features x outputs)
-    const double di = nb * shift(0, i);
-    for (int64_t j = 0; j < c; ++j) out.B[i * c + j] = (double)b.part[1][i * b.ld[1] + j] - di * shift(1, j);
-  }
 }
 
 // Which stream's merged moments would overflow (0 features, 1 outputs,
@@ -198,9 +172,9 @@ void block_own_comoments(const Block<T>& b, const State& state, const BatchOut& 
 // diagonals of the state, of each product (in its own type T) and the
 // mean-shift term f |d|^2 bound every merged entry, the cross co-moments'
 // included. A margin of 4 covers the rounding. Reads O(p) values; changes
-// nothing.
-template <typename T>
-int overflow_of(const State& s, const Block<T>& b) {
+// nothing. S: a State or StateArrays.
+template <typename T, typename S>
+int overflow_of(const S& s, const Block<T>& b) {
   const double part_max = (double)std::numeric_limits<T>::max() / 4;
   const double state_max = std::numeric_limits<double>::max() / 4;
   const bool started = s.n > 0 && s.p >= 0;

@@ -141,6 +141,8 @@ struct State {
   // rounding; merge order changes results only at rounding level), the
   // largest co-moment split over `workers` threads (common/merge.hpp).
   void merge(const State& other, int64_t workers = 1);
+  // ||M||_F from M's lower triangle, in float64 (a batch's own DLR reads it).
+  double norm_m() const;
 };
 
 inline constexpr std::vector<double> State::*kComomentArrays[] = {

@@ -524,13 +524,10 @@ CpuMoments::~CpuMoments() {
   r.live.erase(&mu_);
 }
 
-bool CpuMoments::update(const Batch& b, Precision precision, const StateTargets* out, State* head,
-                        const BatchOut* own) {
+void CpuMoments::update(const Batch& b, Precision precision) {
   const ParkWorkers park;  // the pool's workers sleep once the update is done
   std::lock_guard<std::mutex> lock(mu_);
-  const bool written = update_locked(b, precision, out, own);
-  if (written && head) *head = state_.scalars();
-  return written;
+  update_locked(b, precision);
 }
 
 void CpuMoments::merge(const CpuMoments& other) {
@@ -753,19 +750,11 @@ Block<T> form_products(const Batch& b, const BatchMeans& means, int64_t workers,
 
 }  // namespace
 
-bool CpuMoments::update_locked(const Batch& b, Precision precision, const StateTargets* out,
-                               const BatchOut* own) {
+void CpuMoments::update_locked(const Batch& b, Precision precision) {
   check_runs_on_cpu(precision);
   const State& s = state_;
   validate_batch({s.n, s.p, s.c, s.t, s.k, s.num_classes}, b);
-  if (b.features.rows == 0) {
-    if (own) {  // an empty batch's co-moments are zero
-      const int64_t p = b.features.cols, c = b.outputs ? b.outputs->cols : 0;
-      if (own->norm_m) *own->norm_m = 0.0;
-      if (own->B) std::fill(own->B, own->B + p * c, 0.0);
-    }
-    return false;
-  }
+  if (b.features.rows == 0) return;
   check_count_fits(s.n, b.features.rows, "the batch was not added");
   std::vector<int64_t> labels;
   if (b.labels) {
@@ -774,8 +763,8 @@ bool CpuMoments::update_locked(const Batch& b, Precision precision, const StateT
   }
   // The product type from the table (a CPU mode multiplies in float64 or float32).
   if (traits(precision).product == DType::f64)
-    return update_typed<double>(b, labels, precision, scratch_d_, out, own);
-  return update_typed<float>(b, labels, precision, scratch_f_, out, own);
+    return update_typed<double>(b, labels, precision, scratch_d_);
+  return update_typed<float>(b, labels, precision, scratch_f_);
 }
 
 namespace {
@@ -801,8 +790,8 @@ bool shift_keeps_precision(int64_t nb, const std::vector<double>& mean, const st
 }  // namespace
 
 template <typename T>
-bool CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision,
-                              Scratch<T>& sc, const StateTargets* out, const BatchOut* own) {
+void CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision,
+                              Scratch<T>& sc) {
   const Matrix& x = b.features;
   const int64_t nb = x.rows, p = x.cols;
   const int64_t c = b.outputs ? b.outputs->cols : 0, t = b.targets ? b.targets->cols : 0;
@@ -829,7 +818,7 @@ bool CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels
   // two), kept when shift_keeps_precision holds; else the rows are centered
   // again on the batch's means. Only for batches whose centered rows pass
   // kShiftedBytes: a smaller one is read again from the cache, and keeps the
-  // bits of a batch state merged on its own (torchmetrics' forward).
+  // bits of a batch state merged on its own (as the torchmetrics metric merges each batch).
   bool on_state_mean = false;
   BatchMeans means;
   const Matrix* in[kStreams] = {&b.features, b.outputs, b.targets};
@@ -863,19 +852,12 @@ bool CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels
   Target target(state_, p, b.outputs ? c : -1, b.targets ? t : -1, b.labels ? std::max<int64_t>(k_needed, 0) : -1);
   MergeWork work(blk.width);
   // Nothing below allocates or throws.
-  if (own) block_own_comoments(blk, state_, *own);
   target.grow();
   State& s = target.state();
-  if (out && out->misfit(s)) out = nullptr;  // (sizes do not change in the merge)
-  merge_block(s, blk, work, blas_get_num_threads(), out);
+  merge_block(s, blk, work, blas_get_num_threads());
   if (classes) classes->add_to(s, labels);
-  if (out) {
-    std::copy(s.class_counts.begin(), s.class_counts.end(), out->class_counts);
-    std::copy(s.class_sums.begin(), s.class_sums.end(), out->class_sums);
-  }
   s.precision = std::max(s.precision, precision);
   target.commit();
-  return out != nullptr;
 }
 
 // ---- Gram matrices of row blocks (the Monitor's one-batch windows) ----------

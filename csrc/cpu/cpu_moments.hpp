@@ -59,12 +59,7 @@ class CpuMoments {
   // precision: fp64 multiplies in double; fp32 in float (float16/bfloat16
   // inputs are widened to float after centering). tf32/bf16 are GPU modes.
   // On any error (bad input, overflow, out of memory) the state is unchanged.
-  // With `out`, the merged state is also written there (in the exported
-  // layout) as it is merged, if out's sizes fit it: returns whether it was,
-  // and then the merged state's scalars in `head`. With `own`, the batch's
-  // own co-moments are written there (common/merge.hpp, BatchOut).
-  bool update(const Batch& b, Precision precision, const StateTargets* out = nullptr, State* head = nullptr,
-              const BatchOut* own = nullptr);
+  void update(const Batch& b, Precision precision);
   void merge(const CpuMoments& other);
   void reset();
 
@@ -85,10 +80,9 @@ class CpuMoments {
   State state_;
   Scratch<float> scratch_f_;
   Scratch<double> scratch_d_;
-  bool update_locked(const Batch& b, Precision precision, const StateTargets* out, const BatchOut* own);
+  void update_locked(const Batch& b, Precision precision);
   template <typename T>
-  bool update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision, Scratch<T>& sc,
-                    const StateTargets* out, const BatchOut* own);
+  void update_typed(const Batch& b, const std::vector<int64_t>& labels, Precision precision, Scratch<T>& sc);
 };
 
 // Gram matrices of consecutive blocks of `per` rows of x, each block centered

@@ -127,12 +127,6 @@ class CoreBackend:
         else:
             self.core.update(*args, _current_stream(batch.features.owner))
 
-    def update_into(self, batch: Batch, precision: str, out: Optional[dict],
-                    own: Optional[dict] = None) -> Optional[dict]:
-        """``update``, the merged state also written into ``out`` and the
-        batch's own co-moments into ``own`` (CPU; see ``Moments.update``)."""
-        return self.core.update(*batch.args(), precision, out, own)
-
     def merge(self, other: Backend) -> None:
         source = other.whole()
         if source is self or type(source.core) is not type(self.core):
@@ -167,6 +161,13 @@ class CoreBackend:
         if self.device != "cpu":
             raise ValueError(f"export_into writes host arrays; this state is on {self.device} (use device_state)")
         return dict(self.core.export_into(arrays))
+
+    def merge_into(self, arrays: dict, widths: dict) -> dict:
+        """Chan's merge of this CPU state into the state held in ``arrays``
+        (host arrays as ``export_into`` takes them, sized for the merged
+        state; ``widths`` that state's scalars), in place: the core's merge,
+        the one ``merge`` runs. Returns the merged state's scalars."""
+        return dict(self.core.merge_into(arrays, widths))
 
     def whole(self) -> "CoreBackend":
         return self

@@ -178,26 +178,9 @@ class Moments(Lockable):
 
     # -- accumulation ---------------------------------------------------------
 
-    def update(self, features: Any, outputs: Any = None, labels: Any = None, targets: Any = None, *,
-               out: Optional[dict] = None, own: Optional[dict] = None) -> Optional[dict]:
+    def update(self, features: Any, outputs: Any = None, labels: Any = None, targets: Any = None) -> None:
         """Add a batch: ``features`` (n, p); optional ``outputs`` (n, C),
-        integer ``labels`` (n,) and float ``targets`` (n, T) or (n,).
-
-        ``out`` (CPU, without ``groups``): arrays as ``export_into`` takes
-        them; the merged state is also written there as it is merged (the
-        merge's own pass, on its threads), if their sizes are the merged
-        state's. Returns the merged state's scalars (as ``export_into``)
-        when ``out`` was written, else None (always None without it).
-
-        ``own`` (CPU, without ``groups``): writable float64 arrays by name,
-        each optional, into which this batch's own co-moments (centered on
-        its own means, not merged) are written, read off the update's
-        products in float64: ``norm_m`` (at least one element) the
-        Frobenius norm ||Xc^T Xc||_F of its feature co-moment, and with
-        outputs ``B`` (p, C) = Xc^T Fc. With the outputs' own C x C Gram
-        they give the batch's own DLR without a second product
-        (docs/MATH.md, a batch's own DLR). Checked before the batch is
-        added."""
+        integer ``labels`` (n,) and float ``targets`` (n, T) or (n,)."""
         batch = Batch(_adapt.as_matrix(features, "features"),
                       _adapt.as_matrix(outputs, "outputs", allow_1d=True) if outputs is not None else None,
                       _adapt.as_labels(labels) if labels is not None else None,
@@ -205,16 +188,8 @@ class Moments(Lockable):
         devices = {m.device for m in batch if m is not None}
         if len(devices) > 1:
             raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
-        for name, given in (("out", out), ("own", own)):
-            if given is not None and (self._groups is not None or batch.features.device != "cpu"):
-                raise ValueError(f"update({name}=...) writes host arrays from a CPU Moments without groups; "
-                                 "use device_state() or state_dict() after the update")
         backend = self._backend_for(batch.features.device)
-        precision = batch_precision(self.precision, batch)
-        if out is not None or own is not None:
-            return cast(CoreBackend, backend).update_into(batch, precision, out, own)
-        backend.update(batch, precision)
-        return None
+        backend.update(batch, batch_precision(self.precision, batch))
 
     def merge(self, other: "Moments") -> None:
         """Add another state (Chan et al. pairwise merge; exact up to rounding).

@@ -10,27 +10,22 @@ the means and the co-moments of a rank together. Under DDP the ranks' states
 are gathered side by side and ``compute`` merges them with ``_state.merge``
 (docs/MATH.md, "Merging states"), in float64.
 
-The state tensors are the state. Batches go to a ``richness.Moments`` on the
-metric's device (its update is one product, and on a GPU it never waits for
-the device), and after every batch the tensors hold its state: on the CPU
-the core writes the merged state into the tensors' memory as it merges (the
-merge's own pass over the co-moments, on its threads, the symmetric matrices
-mirrored in blocks); on a GPU they are the state's device-to-device copy.
-``compute``, ``sync``, ``state_dict``, ``metric_state`` and pickling read the
-tensors as they are. The accumulator is checked against them before each
-batch: when they are not the ones it last wrote, or torch has written them
-in place since (their version moved: torchmetrics' ``reset``, ``sync`` /
-``unsync``, ``load_state_dict``, ``merge_state``, ``.to(device)``, or a
-user's ``copy_``), it is loaded from them first. Nothing else of
-torchmetrics is overridden but its documented methods, and device moves go
-through the documented ``exclude_state`` of ``Metric._apply``.
+The state tensors are the metric's only state. Each batch is accumulated
+alone by the core into a batch state (a ``richness.Moments`` on the metric's
+device, kept and reset for each batch so that its scratch is reused), which
+is then merged into the tensors with the core's Chan merge, the one
+``Moments.merge`` runs: on the CPU in the tensors' memory (the symmetric
+matrices mirrored as each worker merges its rows); new tensors are made only
+where sizes change (the first batch, class arrays growing with the labels),
+and on a GPU the merge runs on host copies. ``forward`` finishes the same
+batch state for the batch's value before merging it. ``compute``, ``sync``,
+``state_dict``, ``metric_state`` and pickling read the tensors as they are;
+torchmetrics' ``reset``, ``load_state_dict``, ``merge_state`` and device
+moves replace them, and a user's in-place writes are the state.
 
-What that costs (benchmarks/RESULTS.md, torchmetrics metric): writing a full
-float64 p x p matrix after every batch, about a fifth of an update at batch
-256 (p = 512 to 2,048), less for larger batches. An earlier design that
-exported each batch's state through a copy and merged it into the tensors in
-numpy made ``update`` 2x slower; the one before this kept the tensors as a
-lazily exported mirror of the accumulator.
+What that costs (benchmarks/RESULTS.md, torchmetrics metric): the batch
+state's own pass besides the merge's, measured against the earlier design
+that kept a second accumulator beside the tensors.
 """
 
 from .._optional import pip_extra

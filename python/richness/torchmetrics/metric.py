@@ -17,7 +17,9 @@ from torchmetrics.utilities.exceptions import TorchMetricsUserError
 
 from .. import _adapt, _state
 from .. import finish as _finish
+from .._backend import Batch, CoreBackend
 from .._moments import Moments
+from .._native import _core
 from .._report import Report
 from ..torch.hooks import HeadHook
 from .tensors import _STATES, _TORCH_DTYPE, _from_tensors, _host, _kept, _padded, _widths_of
@@ -72,8 +74,6 @@ class DLR(Metric):
     forwards never reach the original's metric.
     """
 
-    _acc: Optional[Moments]  # plain attributes (in __dict__), typed for the checker
-    _published: Optional[tuple]
     widths: Any
 
     is_differentiable = False
@@ -102,11 +102,10 @@ class DLR(Metric):
             self.add_state(f.name, torch.zeros(_state.shape_of(f, empty), dtype=_TORCH_DTYPE[f.dtype],
                                                device=self.device), dist_reduce_fx=None)
         self.add_state("widths", self._widths_tensor(empty, self.device), dist_reduce_fx=None)
-        self.__dict__.update(_acc=None, _published=None, _pending=None, _captured=None, _hook=None, _gram=None,
-                             _own=None)
+        self.__dict__.update(_TRANSIENT)
         self._watch_head()
 
-    # -- the state tensors and the accumulator ----------------------------------
+    # -- the state tensors and the batch state ----------------------------------
 
     @staticmethod
     def _widths_values(st: dict) -> List[int]:
@@ -125,77 +124,72 @@ class DLR(Metric):
     def _new_moments(self) -> Moments:
         return Moments(self.num_classes, device=self._device_name(), precision=self.precision)
 
-    def _in_step(self) -> bool:
-        """Whether the state tensors are still the ones the accumulator last
-        wrote, unchanged since (torchmetrics' reset, sync, load and
-        merge_state, and ``.to(device)``, replace them; in-place torch writes
-        bump their version)."""
-        published = self._published
-        if published is None:
-            return False
-        for name, (ref, version) in zip(_STATES, published):
-            t = getattr(self, name)
-            if ref() is not t or t._version != version:
-                return False
-        return True
-
-    def _accumulator(self) -> Moments:
-        """The accumulator: a ``Moments`` holding the state tensors' state,
-        loaded from them (a host copy, off the path of consecutive batches)
-        when anything else has written them."""
-        if not self._in_step() or self._acc is None or self._acc.device not in (None, self._device_name()):
-            acc = self._new_moments()
-            st = self._local_state(host=True)
-            if st["n"] > 0:
-                acc.load_state_dict(st)
-            self.__dict__.update(_acc=acc, _published=None)
-            return acc
-        return self._acc
-
-    def _targets(self) -> Optional[dict]:
-        """The state tensors as the core's in-place targets (numpy views),
-        while they are the accumulator's own on the CPU; else None."""
-        if self.device.type != "cpu" or not self._in_step():
-            return None
-        return {f.name: getattr(self, f.name).numpy() for f in _state.FIELDS}
-
-    def _publish(self, written: Optional[dict] = None) -> None:
-        """Make the state tensors the accumulator's state, after each batch.
-        ``written``: the scalars of a state the core has already written into
-        them in place as it merged (``Moments.update(out=...)``): only
-        ``widths`` is left. Else, on the CPU, the core writes them in place
-        (one pass, no allocation), or fresh tensors are made where their
-        sizes changed (the class count grew) or they are not the
-        accumulator's own (loaded from outside); on a GPU they become the
-        state's device-to-device copy. Their references and versions are
-        recorded for ``_in_step``."""
-        acc, dev = self._acc, self.device
-        assert acc is not None  # called after a batch went to the accumulator
-        st = written
-        if st is not None:
-            self.widths.numpy()[:] = self._widths_values(st)
-        elif dev.type == "cpu":
-            targets = self._targets() if self._published is not None else None
-            if targets is not None:
-                try:
-                    st = acc.export_into(targets)
-                except ValueError:  # a size changed: new tensors below
-                    st = None
-            if st is None:
-                st = acc.state_dict()
-                for f in _state.FIELDS:
-                    setattr(self, f.name, torch.from_numpy(st[f.name]))
-                self.widths = self._widths_tensor(st, dev)
-            else:
-                self.widths.numpy()[:] = self._widths_values(st)
+    def _batch_state(self, args: dict) -> Moments:
+        """The batch's own co-moments: a ``Moments`` on the metric's device,
+        kept between batches and reset for each (the core's scratch is
+        reused), the batch checked against the state first (a batch that
+        cannot merge raises here, in the words of an update)."""
+        widths = _widths_of(self.widths)
+        if widths["n"] > 0:
+            batch = Batch(_adapt.as_matrix(args["features"], "features"),
+                          _adapt.as_matrix(args["outputs"], "outputs", allow_1d=True) if "outputs" in args else None,
+                          _adapt.as_labels(args["labels"]) if "labels" in args else None,
+                          _adapt.as_matrix(args["targets"], "targets", allow_1d=True) if "targets" in args else None)
+            _core.check_batch(widths, *batch.args())
+        m: Optional[Moments] = self.__dict__.get("_kept_batch")
+        if m is None or m.device not in (None, self._device_name()):
+            m = self._new_moments()
+            self.__dict__["_kept_batch"] = m
         else:
-            st = acc.device_state()
-            for f in _state.FIELDS:
-                a = st[f.name]
-                setattr(self, f.name, (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(dev))
-            self.widths = self._widths_tensor(st, dev)
-        self.__dict__["_published"] = tuple((weakref.ref(getattr(self, name)), getattr(self, name)._version)
-                                            for name in _STATES)
+            m.reset()
+        m.update(**args)
+        return m
+
+    def _add(self, batch: Moments) -> None:
+        """Merge a batch state into the state tensors: the core's Chan merge
+        (the one ``Moments.merge`` runs), on the CPU in the tensors' memory.
+        New tensors only where sizes change (the first batch, class arrays
+        growing with the labels); on a GPU the merge runs on host copies."""
+        if batch.n == 0:
+            return
+        if batch.device == "cpu":
+            source = cast(CoreBackend, batch._backend)
+        else:  # a device state: merged on the host by a CPU core
+            source = CoreBackend("cpu", self.num_classes)
+            source.from_state(batch.state_dict())
+        widths = _widths_of(self.widths)
+        if widths["n"] == 0 or widths["p"] < 0:
+            self._set_state(source.to_state())
+            return
+        dev, k = self.device, int(source.widths()["k"])
+        arrays, fresh = {}, {}
+        for f in _state.FIELDS:
+            t = getattr(self, f.name)
+            if f.axes[0] == "k" and k > t.shape[0]:  # class arrays grow with the labels (zeros)
+                grown = torch.zeros((k,) + tuple(t.shape[1:]), dtype=t.dtype)
+                grown[:t.shape[0]] = t.cpu()
+                t = fresh[f.name] = grown
+            elif dev.type != "cpu":
+                t = fresh[f.name] = t.cpu()
+            arrays[f.name] = t.numpy()
+        merged = source.merge_into(arrays, widths)  # refused before anything is written
+        for name, t in fresh.items():
+            setattr(self, name, t.to(dev))
+        self._set_widths(merged)
+
+    def _set_state(self, st: dict) -> None:
+        """New state tensors holding the state dict ``st`` (numpy)."""
+        dev = self.device
+        for f in _state.FIELDS:
+            setattr(self, f.name, torch.from_numpy(np.ascontiguousarray(st[f.name])).to(dev))
+        self.widths = self._widths_tensor(st, dev)
+
+    def _set_widths(self, st: dict) -> None:
+        values = self._widths_values(st)
+        if self.device.type == "cpu" and tuple(self.widths.shape) == (len(values),):
+            self.widths.numpy()[:] = values
+        else:
+            self.widths = self._widths_tensor(st, self.device)
 
     def _state_at(self, rank: Optional[int], host: bool) -> dict:
         """One state dict from the state tensors: rank ``rank`` of a synced
@@ -229,17 +223,9 @@ class DLR(Metric):
         and leaves the state unchanged."""
         if self._is_synced:
             raise TorchMetricsUserError("The metric is synced: call unsync() before update().")
-        pending = self.__dict__.get("_pending")
-        if pending is not None:  # forward has already taken the batch's moments
-            self.__dict__["_pending"] = None
-            self._accumulator().merge(pending)
-            self._publish()
-            return
-        args = self._batch(preds, target, features)
-        acc = self._accumulator()
-        written = acc.update(**args, out=self._targets(), own=self.__dict__.get("_own"))
+        batch = self._batch_state(self._batch(preds, target, features))
         self.__dict__["_captured"] = None
-        self._publish(written)
+        self._add(batch)
 
     def _batch(self, preds: Any = None, target: Any = None, features: Any = None) -> dict:
         if features is None:
@@ -272,68 +258,52 @@ class DLR(Metric):
         """The DLR of this batch alone (no spectrum), and the batch added to
         the state; takes what ``update`` takes.
 
-        On the CPU the batch is added by ``update`` itself and its own DLR
-        is finished from small matrices (docs/MATH.md, a batch's own DLR):
-        with C <= n outputs, from the norm of the batch's feature co-moment,
-        which the core reads off the update's own product, and O(n p C)
-        products with the outputs; with more outputs than rows (n < p), from
-        the batch's n x n Gram. No second p x p product, state or merge.
-        Otherwise (a GPU, representation measures, ``dist_sync_on_step``, or
-        C > n >= p) the batch is accumulated on its own, finished, and
-        merged."""
+        The batch state ``update`` merges is finished first. On the CPU its
+        own DLR comes from small matrices (docs/MATH.md, a batch's own DLR):
+        with C <= n outputs, from the norm of the batch's feature co-moment
+        and its cross co-moment (or O(n p C) products with a head); with
+        more outputs than rows (n < p), from the batch's n x n Gram. No
+        p x p finishing. Otherwise (a GPU, representation measures,
+        ``dist_sync_on_step``, or C > n >= p) the batch state is finished
+        as ``compute`` finishes a state."""
         if self._is_synced:
             raise TorchMetricsUserError("The Metric shouldn't be synced when performing ``forward``. "
                                         "HINT: Did you forget to call ``unsync`` ?.")
         args_in = self._batch(*args, **kwargs)
         feats = _adapt.as_matrix(args_in["features"], "features")
+        W = self._head_weights(feats.cols) if self._uses_weights else None  # a bad head raises before the batch
+        batch = self._batch_state(args_in)
+        self.__dict__["_captured"] = None
+        value = None
         if (feats.device == "cpu" and feats.rows >= 2 and not self.measures
                 and not (self.dist_sync_on_step and self.distributed_available_fn())):
-            W = self._head_weights(feats.cols) if self._uses_weights else None
             streams = {k: _adapt.as_matrix(args_in[k], k, allow_1d=True)
                        for k in ("outputs", "targets") if k in args_in}
             c = W.shape[0] if W is not None else streams["outputs"].cols
             if c <= feats.rows or feats.rows < feats.cols:
-                own = None
-                if c <= feats.rows:  # the batch's own co-moments, as the update forms them
-                    own = {"norm_m": np.empty(1)}
-                    if W is None:
-                        own["B"] = np.empty((feats.cols, c))
-                self.__dict__["_own"] = own
-                try:
-                    self.update(*args, **kwargs)  # validates: a bad batch raises here and changes nothing
-                finally:
-                    self.__dict__["_own"] = None
-                value = self._batch_value(feats, streams, W, own)
-                self._forward_cache = value
-                return value
-        batch = self._new_moments()
-        batch.update(**args_in)
-        self.__dict__["_captured"] = None
-        seen = batch
-        if self.dist_sync_on_step and self.distributed_available_fn():
-            seen = self._new_moments()
-            seen.merge(batch)
-            seen.all_reduce(group=self.process_group)
-        value = self._value(seen.device_state())
-        self.__dict__["_pending"] = batch
-        try:
-            self.update(*args, **kwargs)
-        finally:
-            self.__dict__["_pending"] = None
+                value = self._batch_value(feats, streams, W, batch if c <= feats.rows else None)
+        if value is None:
+            seen = batch
+            if self.dist_sync_on_step and self.distributed_available_fn():
+                seen = self._new_moments()
+                seen.merge(batch)
+                seen.all_reduce(group=self.process_group)
+            value = self._value(seen.device_state())
+        self._add(batch)
         self._forward_cache = value
         return value
 
-    def _batch_value(self, feats: Any, streams: dict, W: Any, own: Optional[dict]) -> Any:
-        """DLR of one CPU batch (n rows, C outputs) already added by ``update``,
-        as the Monitor's one-batch windows finish it (``finish_gram_rows``):
+    def _batch_value(self, feats: Any, streams: dict, W: Any, batch: Optional[Moments]) -> Any:
+        """DLR of one CPU batch (n rows, C outputs), as the Monitor's
+        one-batch windows finish it (``finish_gram_rows``):
         ||M||_F, A = Fc^T Fc and Q = B^T B with B = Xc^T Fc, where Fc are
         the centered outputs (the head's on the features, or the streamed
         ones). ``streams``: the batch's outputs and targets as ``forward``
         adapted them (``_adapt.as_matrix``).
 
-        ``own`` given (C <= n): ``norm_m`` as the core read it off the
-        update's product, and B: with streamed outputs the core's too, with a
-        head B = X^T Fc in float64 (Fc's columns sum to zero, so X needs no
+        ``batch`` given (C <= n): the batch state's ``norm_m`` (the core
+        reads it off M's lower triangle), and B: with streamed outputs the
+        batch state's too, with a head B = X^T Fc in float64 (Fc's columns sum to zero, so X needs no
         centering): O(n p C). A comes from the float64 outputs in both: A^+
         enters DLR, and A from float32 products moved DLR by up to 7e-7 where
         the outputs were exact linear functions of the features (3e-8 with
@@ -348,7 +318,7 @@ class DLR(Metric):
         a threaded BLAS or torch product this small only wakes a thread pool
         beside the core's and the training's, which costs more than the
         product on a busy CPU (benchmarks/bench_torchmetrics.py)."""
-        from .._backend import Batch, centered_grams, matmul
+        from .._backend import centered_grams, matmul
         from .._moments import batch_precision
 
         n = feats.rows
@@ -361,10 +331,12 @@ class DLR(Metric):
         else:
             F = _host(streams["outputs"].owner).astype(np.float64).reshape(n, -1)
         Fc = F - F.mean(axis=0)
-        if own is not None:
-            norm_m, A = own["norm_m"], np.einsum("ki,kj->ij", Fc, Fc)
-            if X is None:  # streamed outputs: B from the update
-                Q = np.einsum("pi,pj->ij", own["B"], own["B"])
+        if batch is not None:
+            core = cast(CoreBackend, batch._backend).core
+            norm_m, A = np.array([core.norm_m()]), np.einsum("ki,kj->ij", Fc, Fc)
+            if X is None:  # streamed outputs: B from the batch state
+                B = core.get_fields(["B"])["B"]
+                Q = np.einsum("pi,pj->ij", B, B)
             else:
                 Bt = np.empty((Fc.shape[1], feats.cols))
                 matmul(np.ascontiguousarray(Fc.T), X, Bt)
@@ -446,6 +418,9 @@ class DLR(Metric):
 
     def sync(self, dist_sync_fn: Optional[Callable] = None, process_group: Optional[Any] = None,
              should_sync: bool = True, distributed_available: Optional[Callable] = None) -> None:
+        # torchmetrics stacks the gathered states, which needs one shape on every rank; a rank
+        # that saw fewer classes or no data holds smaller arrays: the gather pads them (widths
+        # says what is real) and compute merges the ranks exactly (_merged)
         super().sync(_padded(dist_sync_fn or gather_all_tensors), process_group, should_sync,
                      distributed_available)
 
@@ -465,10 +440,7 @@ class DLR(Metric):
             raise ValueError(f"Expected incoming state to be a dict or an instance of Metric but got "
                              f"{type(incoming_state)}")
         merged = _state.merge([self._local_state(host=True), other])  # raises before anything changes
-        dev = self.device
-        for f in _state.FIELDS:
-            setattr(self, f.name, torch.from_numpy(np.ascontiguousarray(merged[f.name])).to(dev))
-        self.widths = self._widths_tensor(merged, dev)
+        self._set_state(merged)
         self._computed = None
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
@@ -477,7 +449,14 @@ class DLR(Metric):
         lacking = [f.name for f in _state.FIELDS if prefix + f.name not in state_dict]
         if lacking and prefix + "widths" in state_dict:
             _state.checked(_from_tensors(state_dict, prefix))
+        loaded = [name for name in _STATES if prefix + name in state_dict]
         super()._load_from_state_dict(state_dict, prefix, *args)
+        # torchmetrics keeps the given tensors as the states; batches are merged into the
+        # states in place, so the metric takes copies (the caller's state dict stays as it was)
+        for name in loaded:
+            t = getattr(self, name)
+            setattr(self, name, t.detach().to(self.device, _TORCH_DTYPE[np.int64] if name in _INT_STATES
+                                                else _TORCH_DTYPE[np.float64], copy=True).contiguous())
 
     def _apply(self, fn: Callable, exclude_state: Any = ()) -> Any:
         # The states keep their dtypes (float64 sums, int64 widths) whatever
@@ -496,12 +475,15 @@ class DLR(Metric):
 
     def __getstate__(self) -> dict:
         st = super().__getstate__()
-        st.update(_acc=None, _published=None, _pending=None, _captured=None, _hook=None, _gram=None,
-                  _own=None)
+        st.update(_TRANSIENT)  # scratch and the hook: remade, not copied
         return st
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        # batches are merged into the state tensors in place: a copy (copy.copy
+        # shares the original's tensors) holds tensors of its own
+        for name in _STATES:
+            setattr(self, name, getattr(self, name).clone())
         self._watch_head()
 
     def __deepcopy__(self, memo: dict) -> "DLR":
@@ -531,6 +513,13 @@ class DLR(Metric):
         hook = self.__dict__.get("_hook")
         if hook is not None:
             hook.remove()
+
+
+# What the metric keeps besides its states, none of it copied or pickled: the
+# kept batch state (its scratch reused), the head's latest input, the head's
+# hook and the one-batch Gram's buffer.
+_TRANSIENT: Dict[str, Any] = {"_kept_batch": None, "_captured": None, "_hook": None, "_gram": None}
+_INT_STATES = ("widths",) + _state.INT_FIELDS
 
 
 class _HeadInput:
