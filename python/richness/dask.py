@@ -75,6 +75,8 @@ from ._checks import check_int
 from ._moments import Moments
 from ._optional import _require
 
+__all__ = ["moments", "similarity"]
+
 SPLIT_EVERY = 8  # states merged per task of the tree: split_every * O(p^2) bytes in a combine
 
 

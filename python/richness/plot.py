@@ -23,6 +23,8 @@ from ._optional import pip_extra
 from ._report import Report
 from ._warnings import RichnessWarning
 
+__all__ = ["curves", "depth", "history", "similarity", "sweep"]
+
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 

@@ -26,6 +26,8 @@ from typing import List, Optional
 
 from .._state import INT64_MAX
 
+__all__ = ["UserError", "main"]
+
 log = logging.getLogger("richness")
 
 
@@ -174,6 +176,10 @@ def _fail(msg: str) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
+    """Run the ``richness`` command line (the console script) on ``argv``
+    (default: ``sys.argv[1:]``) and return the exit code: 0 on success, 2 for a
+    refused input (one ``richness: error: ...`` line on stderr), 130 when
+    interrupted. A usage error raises ``SystemExit(2)`` from argparse."""
     args = build_parser().parse_args(argv)  # a usage error: one line, SystemExit(2)
     # the library logs nowhere by default (NullHandler); the command line shows
     # warnings, and info with -v, on stderr

@@ -17,6 +17,8 @@ from .files import Seen, check_targets, distinct
 from .formats import ArrayFile, open_array, split_spec
 from .shards import expand
 
+__all__ = []
+
 
 def _open(spec: str) -> ArrayFile:
     f = open_array(spec)

@@ -19,6 +19,8 @@ from .files import check_targets
 from .formats import open_array, split_spec
 from .shards import Layout, Shard, Shards, scan
 
+__all__ = []
+
 log = logging.getLogger("richness")
 
 # Rows per chunk are capped so that one chunk of one stream stays under this.

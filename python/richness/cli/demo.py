@@ -12,6 +12,8 @@ import numpy as np
 
 from . import UserError
 
+__all__ = []
+
 # The sweep's alphas scale the targets by 1/alpha. Below about 0.03 the SGD
 # step (lr 0.05) on targets that large kills every ReLU (alpha 0.01: constant
 # features); above 1000 the network no longer moves (DLR at 100 and 1000 agree).

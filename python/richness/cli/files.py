@@ -22,6 +22,8 @@ from typing import Dict, FrozenSet, Hashable, Iterable, Optional, Sequence, Set,
 
 from . import UserError
 
+__all__ = []
+
 
 def identity(path: str) -> FrozenSet[Hashable]:
     """What ``path`` names: its path with every link resolved, and its

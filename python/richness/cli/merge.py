@@ -24,6 +24,8 @@ from .files import Seen, check_targets, distinct
 from .formats import split_spec
 from .shards import expand
 
+__all__ = []
+
 log = logging.getLogger("richness")
 
 

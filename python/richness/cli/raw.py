@@ -19,6 +19,8 @@ import numpy as np
 
 from . import UserError
 
+__all__ = []
+
 _PAGE = mmap.PAGESIZE
 _SAFETENSORS_HEADER_MAX = 100_000_000  # bytes; the safetensors format's own limit
 

@@ -18,6 +18,8 @@ from . import UserError
 from .files import Seen, distinct
 from .formats import ArrayFile, find, open_array, split_spec
 
+__all__ = []
+
 STREAMS = ("features", "outputs", "labels", "targets")
 
 def _format(path: str) -> str:

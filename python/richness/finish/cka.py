@@ -18,6 +18,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+__all__ = ["cka_matrices"]
+
 # Blocks whose mean squared norm lies within 2^-64 .. 2^64 are used as given;
 # outside, a power-of-two scale brings it near 1 (exact: only the exponents change).
 FINISH_LOG2 = 64

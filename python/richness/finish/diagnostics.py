@@ -22,6 +22,8 @@ import numpy as np
 from .._checks import is_int
 from ._xp import eigh_desc, f64, kept, norm, ns
 
+__all__ = ["MEASURES", "SPECTRAL", "spectral_values"]
+
 SPECTRAL = ("rankme", "alpha_req", "participation_ratio")
 CLASS_MEANS = ("nc2_equinorm", "nc2_equiangle", "nc3")
 MEASURES = SPECTRAL + CLASS_MEANS

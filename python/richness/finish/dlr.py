@@ -10,6 +10,8 @@ import numpy as np
 from .._state import precision_mode
 from ._xp import eigh_desc, f64, kept, norm, ns
 
+__all__ = ["Functions", "HeadFunctions", "dlr_from_span", "dlr_of_state"]
+
 
 def default_rtol(precision: str) -> float:
     """The eigenvalue cut of products of ``precision``, from the core's

@@ -6,6 +6,8 @@ import math
 
 from ._xp import ns
 
+__all__ = ["isotropic_dlr"]
+
 # Below this many samples per feature (n < 10 p) DLR is read with a warning:
 # biased toward rich at that sample size (docs/MATH.md, finite-sample bias).
 SAMPLES_PER_FEATURE = 10

@@ -9,6 +9,8 @@ import numpy as np
 from .._state import precision_mode
 from ._xp import eigh_desc, f64, kept, ns
 
+__all__ = ["nc1"]
+
 
 def nc1_reliable(precision: str) -> bool:
     """Whether products of ``precision`` resolve NC1, from the core's precision

@@ -19,6 +19,8 @@ from ._xp import ns
 from .dlr import default_rtol, dlr_of_state, dlr_values, span_of_grams
 from .nc1 import NC1_RESOLVED, nc1_error, nc1_from_grams, nc1_reliable, nc1_with_scale
 
+__all__ = ["DlrOnlyResult", "dlr_only", "rtol_for"]
+
 
 def check_rtol(rtol: Optional[float]) -> Optional[float]:
     """``rtol`` as a float (any real number type: numpy scalars too); ValueError

@@ -8,6 +8,8 @@ from typing import Any, NamedTuple, Optional
 from ._xp import eigh_desc, f64, ns
 from .dlr import Functions, function_moments
 
+__all__ = ["LabelFunctions", "Spectrum", "curve", "spectrum"]
+
 
 class Spectrum(NamedTuple):
     """Eigenpairs of the feature operator (docs/MATH.md, spectrum and eigenfunctions)."""

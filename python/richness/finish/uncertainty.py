@@ -17,6 +17,8 @@ from .._warnings import RichnessWarning
 from .diagnostics import measure_values
 from .dlr import dlr_of_state
 
+__all__ = ["add_jackknife"]
+
 # Two-sided 95% Student t quantiles, df = 1..30 (larger df: Cornish-Fisher).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
          2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,

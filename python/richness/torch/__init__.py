@@ -7,3 +7,5 @@ pass (``similarity.py``).
 
 Named after the library it integrates (as ``safetensors.torch`` is): its
 modules' ``import torch`` is absolute and reaches PyTorch itself."""
+
+__all__ = []

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
+__all__ = []
+
 
 def split_batch(batch: Any, batch_fn: Optional[Callable] = None) -> Tuple[Any, Any, Any]:
     """``(inputs, labels_or_targets, attention_mask)`` of one loader batch.

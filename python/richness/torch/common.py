@@ -10,6 +10,8 @@ from typing import Any, Iterable, Optional
 from .._checks import check_bool_or_none
 from .._optional import require_torch, require_tqdm
 
+__all__ = []
+
 
 def model_device(model: Any) -> Any:
     import torch

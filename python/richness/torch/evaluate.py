@@ -24,6 +24,8 @@ from .hooks import HeadHook, Latest, pooled_rows, resolve_head, resolve_layers
 from .._optional import require_torch
 from .threads import BlasThreads
 
+__all__ = ["evaluate"]
+
 log = logging.getLogger("richness")
 
 

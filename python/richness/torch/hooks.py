@@ -17,6 +17,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .._optional import require_torch
 
+__all__ = ["HeadHook"]
+
 
 def _module_line(name: str, mod: Any) -> str:
     import torch.nn as nn

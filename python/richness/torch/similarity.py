@@ -20,6 +20,8 @@ from .batches import batch_size_of, call_model, layer_layouts, layer_pooler, spl
 from .common import eval_mode, merge_ranks, model_device, progress_bar
 from .hooks import HeadHook, resolve_layers
 
+__all__ = ["similarity"]
+
 
 def _as_models(models: Any) -> Dict[str, Any]:
     if isinstance(models, Mapping):

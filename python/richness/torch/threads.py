@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = []
+
 
 class BlasThreads:
     """The core's thread count for each update, restored on exit.

@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Sequence, Type
 
 from ..._optional import pip_extra
 from .. import UserError
-from .base import UNREADABLE, ArrayFile, Format, split_spec, stat_input
+from .base import ArrayFile, Format, split_spec, stat_input
+from .base import UNREADABLE  # noqa: F401 (still importable from here; not part of __all__)
 from .h5 import Hdf5File
 from .npy import NpyFile
 from .npz import NpzFile
@@ -36,8 +37,7 @@ from .parquet import ParquetFile
 from .pt import TorchFile
 from .safetensors import SafetensorsFile
 
-__all__ = ["UNREADABLE", "ArrayFile", "Format", "find", "formats", "open_array", "register", "split_spec",
-           "suffix_list", "unregister"]
+__all__ = ["ArrayFile", "Format", "find", "formats", "open_array", "register", "suffix_list", "unregister"]
 
 _FORMATS: Dict[str, Format] = {}  # by name, in the order registered
 

@@ -18,6 +18,8 @@ from .. import UserError, reason
 from ..files import Seen
 from ..raw import RawRows
 
+__all__ = ["ArrayFile", "Format"]
+
 # Errors a reader raises on a damaged or hostile file.
 UNREADABLE = (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError, RuntimeError, NotImplementedError,
               zipfile.LargeZipFile)

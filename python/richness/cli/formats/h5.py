@@ -8,6 +8,8 @@ from typing import List
 from .. import UserError
 from .base import ArrayFile
 
+__all__ = ["Hdf5File"]
+
 
 class Hdf5File(ArrayFile):
     """An HDF5 file: one dataset (``FILE:KEY`` by its path in the file, the default

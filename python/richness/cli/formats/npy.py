@@ -9,6 +9,8 @@ from .. import UserError
 from ..raw import c_strides
 from .base import ArrayFile
 
+__all__ = ["NpyFile"]
+
 
 def npy_data(af: ArrayFile, f, offset: int, header: "_bounded_io.NpyHeader") -> None:
     """Read ``af``'s .npy array, whose data starts at ``offset`` of the open file ``f``

@@ -13,6 +13,8 @@ from ... import _bounded_io
 from .base import ArrayFile
 from .npy import npy_data
 
+__all__ = ["NpzFile"]
+
 
 class NpzFile(ArrayFile):
     """A ``.npz`` file: one member (``FILE:KEY``, the default key, or the only one)

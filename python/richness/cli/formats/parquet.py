@@ -10,6 +10,8 @@ import numpy as np
 from .. import UserError
 from .base import ArrayFile
 
+__all__ = ["ParquetFile"]
+
 
 class ParquetFile(ArrayFile):
     """A Parquet file: one column (``FILE:KEY``, the default key, or the only one),

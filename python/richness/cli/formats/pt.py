@@ -15,6 +15,8 @@ from .. import UserError
 from ..raw import mapped_file_offset
 from .base import ArrayFile
 
+__all__ = ["TorchFile"]
+
 
 class TorchFile(ArrayFile):
     """A ``.pt`` file: ``torch.load(weights_only=True, mmap=True)`` finds the tensor

@@ -10,6 +10,8 @@ from .. import UserError, reason
 from ..raw import c_strides, safetensors_offset
 from .base import ArrayFile
 
+__all__ = ["SafetensorsFile"]
+
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
               "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
 
