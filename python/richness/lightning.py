@@ -20,6 +20,8 @@ from typing import Any, Callable, List, Optional
 
 from ._optional import pip_extra
 
+__all__ = ["RichnessCallback", "pair_labels"]
+
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - the older package name

@@ -32,6 +32,8 @@ from typing import Any, List, Optional, Tuple
 
 from ._optional import pip_extra
 
+__all__ = ["RichnessCallback"]
+
 try:
     from transformers import TrainerCallback
 except ImportError as _e:

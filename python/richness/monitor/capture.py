@@ -7,6 +7,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 from ..torch.batches import label_kwargs, select_rows
 from ..torch.hooks import ModelHook, pooled_rows
 
+__all__ = []
+
 
 def grad_enabled() -> bool:
     import torch

@@ -19,6 +19,8 @@ from ..finish.diagnostics import CLASS_MEANS, MEASURES, SPECTRAL, check_measures
 from ..torch.batches import POOLS, layer_layouts, layer_pooler, pool_rows
 from ..torch.hooks import resolve_head
 
+__all__ = []
+
 # What a record carries besides step, mode, n, dlr, rank, nc1, effective_dim and time.
 RECORD_MEASURES = MEASURES
 

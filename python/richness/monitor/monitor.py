@@ -43,6 +43,8 @@ from ..finish.isotropic import SAMPLES_PER_FEATURE, undersampled
 from ..torch.threads import BlasThreads
 from .._warnings import RichnessWarning
 
+__all__ = ["Monitor"]
+
 
 class Monitor:
     """DLR over training steps, from forward hooks on the head.

@@ -17,6 +17,8 @@ from ..finish import GramRows, check_rtol, finish_gram_rows, rtol_for
 from ..finish.isotropic import normalized
 from ..finish.diagnostics import measures_of_gram_rows
 
+__all__ = []
+
 
 @contextlib.contextmanager
 def _ieee_matmul(device_type: str) -> Iterator[None]:

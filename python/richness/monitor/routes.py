@@ -44,6 +44,8 @@ from .layer import RECORD_MEASURES, layer_rows, monitor_measures, pooled_output,
 from .onebatch import GroupMeta, OneBatchRoute, StepMeta, core_route, finish_group
 from .window import WindowRoute
 
+__all__ = ["Window", "EveryStep", "Probe", "Head", "Layer"]
+
 _V = TypeVar("_V", bound="_Value")
 
 

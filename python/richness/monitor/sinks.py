@@ -11,6 +11,8 @@ from typing import Any, Callable
 from .._optional import require_mlflow, require_wandb
 from ..finish.diagnostics import MEASURES  # the representation diagnostics: None in a record unless measured
 
+__all__ = []
+
 FIELDS = ("step", "mode", "n", "dlr", "dlr_isotropic", "dlr_normalized", "rank", "nc1", "effective_dim") + MEASURES \
     + ("time",)
 # the numbers a record sends to a tracker (Lightning's loggers, Hugging Face's Trainer, W&B, MLflow)

@@ -14,6 +14,8 @@ from ..finish.isotropic import reference
 from ..finish.policy import DlrOnlyResult
 from ..finish.diagnostics import measure_values
 
+__all__ = []
+
 
 class WindowValues(NamedTuple):
     """What a window's emission finishes (``WindowRoute.finish``)."""

@@ -24,6 +24,8 @@ from .._report import Report
 from ..torch.hooks import HeadHook
 from .tensors import _STATES, _TORCH_DTYPE, _from_tensors, _host, _kept, _padded, _widths_of
 
+__all__ = ["DLR"]
+
 
 class DLR(Metric):
     """DLR (0 = rich, 1 = lazy) of the features and outputs seen by ``update``.

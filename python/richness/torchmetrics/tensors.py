@@ -11,6 +11,8 @@ import torch
 
 from .. import _state
 
+__all__ = []
+
 _FIELDS = tuple(f.name for f in _state.FIELDS)
 _STATES = _FIELDS + ("widths",)
 _TORCH_DTYPE: Dict[type, Any] = {np.float64: torch.float64, np.int64: torch.int64}
