@@ -18,7 +18,7 @@ a mean), their int64 labels (``--classes`` classes) and float32 head weights
   reads it; ``--copy-reads``: read into memory by ``np.load``, as the recipe
   did before), one chunk per shard; with the default ``chunks_per_task``
   (about two tasks per worker thread), one state per shard, and one per
-  ``--chunks-per-task`` shards (default 5); then ``compute(head=W)``.
+  ``--chunks-per-task`` shards (default 5); then ``compute(head_weights=W)``.
   Wall time from building the graph to the report, and to the reduced
   ``Moments`` (the cluster's start is given apart) and each worker's peak resident set (VmHWM, read on the
   worker after the run; it includes the worker's own interpreter, whose
@@ -145,7 +145,7 @@ def run_dask(folder: str, workers: int, per_task: int, mmap: bool = True) -> dic
         del heads, lheads
         m = richness.dask.moments(feats, labels=labels, **({"chunks_per_task": per_task} if per_task else {}))
         reduce_s = time.time() - t0
-        rep = m.compute(head=np.load(os.path.join(folder, "head.npy")))
+        rep = m.compute(head_weights=np.load(os.path.join(folder, "head.npy")))
         wall = time.time() - t0
         peak = client.run(proc_mb, "VmHWM")
     finally:

@@ -117,7 +117,7 @@ def run_stream_method(method: str, meta: dict, n: int, batch: int = BATCH) -> di
                 m.update(x)
         t1 = time.perf_counter()
         hwm = proc_status_mb("VmHWM")
-        d = (m.compute() if method == "richness" else m.compute(head=(W, b))).dlr
+        d = (m.compute() if method == "richness" else m.compute(head_weights=(W, b))).dlr
         return {"stream_s": t1 - t0, "finish_s": time.perf_counter() - t1, "dlr": d, "hwm_stream_mb": hwm}
     if method.startswith("torch"):
         import torch
@@ -587,7 +587,7 @@ def section_finish(args) -> dict:
         cases = {
             "dlr_only_head": rec("dlr_only_head", lambda: _finish.dlr_of_state(m.state_dict(), W64, rtol)[0]),
             "dlr_only_streamed": rec("dlr_only_streamed", lambda: _finish.dlr_of_state(m.state_dict(), None, rtol)[0]),
-            "report_head": rec("report_head", lambda: m.compute(head=(W, bias)).dlr),
+            "report_head": rec("report_head", lambda: m.compute(head_weights=(W, bias)).dlr),
             "report_streamed": rec("report_streamed", lambda: m.compute().dlr),
         }
         reps = args.repeats if p <= 2048 else 1  # an O(p^3) eigh at p = 4096 takes seconds on 2 cores

@@ -4,7 +4,7 @@ Same data, same precision (float32 products), same run:
     torch:  S.addmm_(X.T, X); XF.addmm_(X.T, F); FF.addmm_(F.T, F); column sums
     torch, one GEMM: S.addmm_(X.T, X) alone (the full p x p product a batch)
     ours:   Moments.update(X, F)            (streamed-outputs mode)
-            Moments.update(X) + head=(W, b) (head mode: only M is streamed)
+            Moments.update(X) + compute(head_weights=(W, b)) (head mode: only M is streamed)
 
 Also: DLR error against a float64 reference at this size, and peak resident
 memory at two n (each in a fresh subprocess, data generated per batch).
@@ -164,7 +164,7 @@ def main() -> int:
     med = {k: float(np.median(v)) for k, v in times.items()}
     ref = reference_dlr(X, F, steps)
     d_out = m_out.compute().dlr
-    d_head = m_head.compute(head=(W, b)).dlr
+    d_head = m_head.compute(head_weights=(W, b)).dlr
     rss_small = float("nan") if args.no_rss else peak_rss_mb(16384, args.p, args.c, args.batch)
     rss_large = float("nan") if args.no_rss else peak_rss_mb(262144, args.p, args.c, args.batch)
     result = {

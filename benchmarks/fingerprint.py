@@ -85,7 +85,7 @@ def routes() -> dict:
         _put(out, f"moments_{name}_state", m.state_dict())
         _put(out, f"moments_{name}_report", _report(m.compute()))
         _put(out, f"moments_{name}_nospectrum", _report(m.compute(spectrum=False)))
-        _put(out, f"moments_{name}_head", _report(m.compute(head=W)))
+        _put(out, f"moments_{name}_head", _report(m.compute(head_weights=W)))
         g = richness.Moments(groups=4, group_seed=3)
         g.update(X, F, labels=y)
         _put(out, f"jackknife_{name}", _report(g.compute()))

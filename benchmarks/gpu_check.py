@@ -218,7 +218,7 @@ def benchmark(torch, args) -> dict:
     # -- DLR of each state (agreement across precisions at scale) ------------------------
     Wd = W.double()
     for prec, (m_out, m_head) in states.items():
-        results["dlr"][prec] = {"outputs": m_out.compute().dlr, "head": m_head.compute(head=Wd).dlr}
+        results["dlr"][prec] = {"outputs": m_out.compute().dlr, "head": m_head.compute(head_weights=Wd).dlr}
         log(f"DLR {prec}: outputs {results['dlr'][prec]['outputs']:.6f}, head {results['dlr'][prec]['head']:.6f}")
 
     # -- staging: Moments(stack_rows=N), same stream; the time includes the last flush ---------
@@ -231,7 +231,7 @@ def benchmark(torch, args) -> dict:
                 key = f"{prec}/{mode}/{rows}"
                 try:
                     t, m = run_ours(prec, mode != "head", keep=True, stack=rows, joint=joint)
-                    d = m.compute(head=Wd).dlr if mode == "head" else m.compute().dlr
+                    d = m.compute(head_weights=Wd).dlr if mode == "head" else m.compute().dlr
                     results["dlr_stacked"][key] = d
                     del m
                 except Exception as e:  # a failing variant must not stop the run

@@ -50,4 +50,4 @@ def test_torch_addmm_loop(benchmark, batch):
 def test_compute_dlr_head(benchmark, batch):
     m = richness.Moments()
     m.update(batch[0])
-    benchmark(lambda: m.compute(head=(batch[2], None)))
+    benchmark(lambda: m.compute(head_weights=(batch[2], None)))

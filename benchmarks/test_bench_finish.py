@@ -47,7 +47,7 @@ def test_dlr_only_streamed(benchmark, state):
 
 def test_report_head(benchmark, state):
     m, w = state
-    benchmark.pedantic(lambda: m.compute(head=(w, None)), rounds=5, iterations=1)
+    benchmark.pedantic(lambda: m.compute(head_weights=(w, None)), rounds=5, iterations=1)
 
 
 def test_report_streamed(benchmark, state):

@@ -280,7 +280,7 @@ def run(args: Any) -> Dict[str, Any]:
         m.update(feats, labels=y_tr)
         row: Dict[str, Any] = {"step": step, "cuts": []}
         for factor in RTOL_FACTORS:
-            rep = m.compute(head=model.head, rtol=rtol_ref["rtol"] * factor, spectrum=False)
+            rep = m.compute(head_weights=model.head, rtol=rtol_ref["rtol"] * factor, spectrum=False)
             row["cuts"].append({"rtol": rtol_ref["rtol"] * factor, "dlr": C._f(rep.dlr), "rank": rep.rank})
         rank_cuts.append(row)
 

@@ -72,7 +72,7 @@ def test_dlr_gpu_vs_cpu_vs_reference(dtype_name, precision):
     assert rep.precision == precision and rep.rank == r
     assert isinstance(rep.eigenvalues, np.ndarray) and isinstance(rep.dlr, float)
     assert abs(rep.dlr - want) < tol, (rep.dlr, want)
-    assert abs(gpu_head.compute(head=(W, b)).dlr - want_head) < tol
+    assert abs(gpu_head.compute(head_weights=(W, b)).dlr - want_head) < tol
 
     # The CPU backend on the same values (fp64 or fp32 products).
     cpu = richness.Moments(device="cpu", precision="fp64" if precision == "fp64" else "fp32")
@@ -483,7 +483,7 @@ def test_stacked_matches_unstacked_and_reference(dtype_name, precision, mode):
         rs, rp, ref = stack.compute(), plain.compute(), want
         assert rs.rank == r
     else:
-        rs, rp, ref = stack.compute(head=(W, b)), plain.compute(head=(W, b)), want_head
+        rs, rp, ref = stack.compute(head_weights=(W, b)), plain.compute(head_weights=(W, b)), want_head
     assert abs(rs.dlr - ref) < tol, (rs.dlr, ref)
     assert abs(rs.dlr - rp.dlr) < tol
 
@@ -657,7 +657,7 @@ def test_stacked_product_algorithms_agree(algo, block, precision):
             m.update(X[sl], F[sl])
             h.update(X[sl])
         assert abs(m.compute().dlr - want) < TOL[precision]
-        assert abs(h.compute(head=(W, b)).dlr - want_head) < TOL[precision]
+        assert abs(h.compute(head_weights=(W, b)).dlr - want_head) < TOL[precision]
 
 
 @needs_gpu

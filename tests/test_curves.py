@@ -42,7 +42,7 @@ def test_utilization_reaches_one_at_feature_rank(streamed):
     F = X @ W.T + b
     m = richness.Moments()
     m.update(X, F) if streamed else m.update(X)
-    rep = m.compute() if streamed else m.compute(head=(W, b))
+    rep = m.compute() if streamed else m.compute(head_weights=(W, b))
     assert rep.feature_rank == r
     u = rep.utilization
     assert u.shape == (p,)
@@ -58,7 +58,7 @@ def test_utilization_full_rank_features_reaches_one_at_p():
     W = rng.normal(size=(3, 7))
     m = richness.Moments()
     m.update(X)
-    u = m.compute(head=W).utilization
+    u = m.compute(head_weights=W).utilization
     assert abs(u[-1] - 1.0) < 1e-12
     np.testing.assert_allclose(u, training_curve(X, X @ W.T), rtol=0, atol=1e-12)
 
@@ -173,7 +173,7 @@ def test_head_mode_equals_streamed_outputs():
     mh.update(X)
     ts.update(Xt, Xt @ W.T + b)
     th.update(Xt)
-    rs, rh = ms.compute(test=ts), mh.compute(head=(W, b), test=th)
+    rs, rh = ms.compute(test=ts), mh.compute(head_weights=(W, b), test=th)
     assert rs.rank == rh.rank == C
     assert abs(rs.dlr - rh.dlr) < 1e-12
     np.testing.assert_allclose(rh.logit_eigenvalues, rs.logit_eigenvalues, rtol=1e-10)
@@ -249,7 +249,7 @@ def test_heldout_with_head():
     train, test = richness.Moments(), richness.Moments()
     train.update(X)
     test.update(Xt)
-    rep = train.compute(head=(W, b), test=test)
+    rep = train.compute(head_weights=(W, b), test=test)
     want, _ = heldout_reference(X, Xt, Xt @ W.T + b)
     np.testing.assert_allclose(rep.test_utilization, want, rtol=1e-10)
     assert rep.test_quality is None
@@ -379,7 +379,7 @@ def test_curves_with_more_outputs_than_features():
     train, test = richness.Moments(), richness.Moments()
     train.update(X)
     test.update(Xt)
-    rep = train.compute(head=(W, b), test=test)
+    rep = train.compute(head_weights=(W, b), test=test)
     np.testing.assert_allclose(rep.utilization, training_curve(X, X @ W.T + b), rtol=0, atol=1e-12)
     want, _ = heldout_reference(X, Xt, Xt @ W.T + b)
     np.testing.assert_allclose(rep.test_utilization, want, rtol=1e-10)

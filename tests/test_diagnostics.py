@@ -52,7 +52,7 @@ def test_fields_match_oracle_over_batch_splits(splits):
     m = richness.Moments()
     for idx in np.array_split(np.arange(len(y)), splits):
         m.update(X[idx], labels=y[idx])
-    rep = m.compute(head=W)
+    rep = m.compute(head_weights=W)
     check(rep, oracle(X, y, W), 1e-9)
     assert rep.alpha_req_range == (11, X.shape[1])  # the reference range k = 11..100, clipped to p
     d = rep.to_dict()
@@ -68,11 +68,11 @@ def test_merge_and_float32_inputs():
     a.update(X[:400], labels=y[:400])
     b.update(X[400:], labels=y[400:])
     a.merge(b)
-    check(a.compute(head=W), oracle(X, y, W), 1e-9)
+    check(a.compute(head_weights=W), oracle(X, y, W), 1e-9)
     X32 = X.astype(np.float32)
     m = richness.Moments()
     m.update(X32, labels=y)
-    rep = m.compute(head=W)
+    rep = m.compute(head_weights=W)
     assert rep.precision == "fp32"
     check(rep, oracle(X32.astype(np.float64), y, W, rtol=rep.rtol), 2e-4)
 
@@ -82,14 +82,14 @@ def test_spectrum_false_only_when_asked():
     X, y, W = class_clusters(rng)
     m = richness.Moments()
     m.update(X, labels=y)
-    full = m.compute(head=W)
-    quick = m.compute(head=W, spectrum=False)
+    full = m.compute(head_weights=W)
+    quick = m.compute(head_weights=W, spectrum=False)
     assert all(getattr(quick, name) is None for name in NAMES)
-    asked = m.compute(head=W, spectrum=False, measures=("rankme", "nc3"))
+    asked = m.compute(head_weights=W, spectrum=False, measures=("rankme", "nc3"))
     assert asked.rankme == pytest.approx(full.rankme, rel=1e-12)
     assert asked.nc3 == pytest.approx(full.nc3, rel=1e-12)
     assert asked.alpha_req is None and asked.nc2_equinorm is None
-    every = m.compute(head=W, spectrum=False, measures="all")
+    every = m.compute(head_weights=W, spectrum=False, measures="all")
     for name in NAMES:
         assert getattr(every, name) == pytest.approx(getattr(full, name), rel=1e-10)
     with pytest.raises(ValueError, match="unknown measures"):
@@ -183,7 +183,7 @@ def test_simplex_etf_gives_nc2_zero_and_head_equal_means_nc3_zero():
     X = means[y] + 1.0  # collapsed onto the ETF, balanced classes
     m = richness.Moments()
     m.update(X, labels=y)
-    rep = m.compute(head=2.5 * means)  # any positive multiple of the class means
+    rep = m.compute(head_weights=2.5 * means)  # any positive multiple of the class means
     assert rep.nc2_equinorm == pytest.approx(0.0, abs=1e-12)
     assert rep.nc2_equiangle == pytest.approx(0.0, abs=1e-12)
     assert rep.nc3 == pytest.approx(0.0, abs=1e-12)
@@ -191,7 +191,7 @@ def test_simplex_etf_gives_nc2_zero_and_head_equal_means_nc3_zero():
     X2, y2, W2 = class_clusters(rng)
     m2 = richness.Moments()
     m2.update(X2, labels=y2)
-    r2 = m2.compute(head=W2)
+    r2 = m2.compute(head_weights=W2)
     assert r2.nc2_equiangle > 0.01 and r2.nc3 > 0.1
 
 
@@ -203,7 +203,7 @@ def test_jackknife_standard_errors_match_leave_one_group_out_oracle():
     chunks = np.array_split(np.arange(len(y)), 8)
     for idx in chunks:  # updates go to the groups in turn
         m.update(X[idx], X[idx] @ W.T, labels=y[idx])
-    rep = m.compute(head=W, uncertainty=True)
+    rep = m.compute(head_weights=W, uncertainty=True)
     groups = [np.concatenate([chunks[i] for i in range(len(chunks)) if i % k == g]) for g in range(k)]
     for name in NAMES:
         theta = []
@@ -258,7 +258,7 @@ def test_one_class_gives_none_with_warning():
     X = rng.normal(size=(100, 5))
     m = richness.Moments()
     m.update(X, labels=np.full(100, 2))
-    rep = m.compute(head=rng.normal(size=(3, 5)))
+    rep = m.compute(head_weights=rng.normal(size=(3, 5)))
     assert rep.nc2_equinorm is None and rep.nc2_equiangle is None and rep.nc3 is None
     assert any("1 class" in w for w in rep.warnings)
     m1 = richness.Moments(num_classes=1)
@@ -272,8 +272,8 @@ def test_head_width_and_rows():
     m = richness.Moments()
     m.update(X, labels=y)
     with pytest.raises(ValueError, match="input columns"):
-        m.compute(head=rng.normal(size=(5, X.shape[1] + 1)))
-    rep = m.compute(head=W[:3])  # fewer rows than classes: NC3 undefined, DLR still there
+        m.compute(head_weights=rng.normal(size=(5, X.shape[1] + 1)))
+    rep = m.compute(head_weights=W[:3])  # fewer rows than classes: NC3 undefined, DLR still there
     assert rep.nc3 is None and rep.dlr is not None
     assert any("NC3 not reported" in w for w in rep.warnings)
 
@@ -294,5 +294,5 @@ def test_no_warning_noise_for_defined_values():
     m.update(X, labels=y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        rep = m.compute(head=W)
+        rep = m.compute(head_weights=W)
     assert not [w for w in rep.warnings if "undefined" in w or "not reported" in w]

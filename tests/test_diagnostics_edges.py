@@ -61,7 +61,7 @@ def test_one_row_head_and_one_class():
     X = rng.normal(size=(60, 4))
     m = richness.Moments()
     m.update(X, labels=np.zeros(60, dtype=np.int64))
-    rep = m.compute(head=rng.normal(size=(1, 4)))  # C = 1: NC2 and NC3 compare two or more classes
+    rep = m.compute(head_weights=rng.normal(size=(1, 4)))  # C = 1: NC2 and NC3 compare two or more classes
     assert rep.nc2_equinorm is None and rep.nc2_equiangle is None and rep.nc3 is None
     assert any("1 class" in w for w in rep.warnings)
     assert rep.rankme == pytest.approx(rankme_naive(X), rel=1e-9)  # the spectrum is still defined

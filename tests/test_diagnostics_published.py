@@ -183,13 +183,13 @@ def test_nc_paper_and_script_conventions():
     m = richness.Moments(5)
     for idx in np.array_split(np.arange(len(y)), 4):
         m.update(X[idx], labels=y[idx])
-    paper = m.compute(head=W)
+    paper = m.compute(head_weights=W)
     equinorm, equiangle = nc2_naive(X, y)
     assert paper.nc1 == pytest.approx(nc1_naive(X, y), rel=1e-9)
     assert paper.nc2_equinorm == pytest.approx(equinorm, rel=1e-10)
     assert paper.nc2_equiangle == pytest.approx(equiangle, rel=1e-10)
     assert paper.nc3 == pytest.approx(nc3_naive(X, y, W), rel=1e-10)
-    script = m.compute(head=W, measure_options={"nc_convention": "papyan_script"})
+    script = m.compute(head_weights=W, measure_options={"nc_convention": "papyan_script"})
     want = nc_script_naive(X, y, W)
     for name in ("nc1", "nc2_equinorm", "nc2_equiangle", "nc3"):
         assert getattr(script, name) == pytest.approx(want[name], rel=1e-8), name

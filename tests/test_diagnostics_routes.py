@@ -262,7 +262,7 @@ def test_torchmetrics_measures():
     X = rng.normal(size=(300, 8)) @ rng.normal(size=(8, 8)) + 1.0
     y = rng.integers(0, 3, 300)
     W = rng.normal(size=(3, 8))
-    metric = DLR(head=torch.from_numpy(W), measures="all")
+    metric = DLR(head_weights=torch.from_numpy(W), measures="all")
     for i in range(0, 300, 100):
         metric.update(torch.from_numpy(X[i:i + 100] @ W.T), torch.from_numpy(y[i:i + 100]),
                       features=torch.from_numpy(X[i:i + 100]))
@@ -271,7 +271,7 @@ def test_torchmetrics_measures():
     close(float(out["rankme"]), rankme_naive(X), 1e-9)
     close(float(out["nc2_equiangle"]), nc2_naive(X, y)[1], 1e-9)
     close(float(out["nc3"]), nc3_naive(X, y, W), 1e-9)
-    plain = DLR(head=torch.from_numpy(W))
+    plain = DLR(head_weights=torch.from_numpy(W))
     plain.update(torch.from_numpy(X @ W.T), features=torch.from_numpy(X))
     assert float(plain.compute()) == pytest.approx(float(out["dlr"]), rel=1e-10)
     with pytest.raises(ValueError, match="unknown measures"):

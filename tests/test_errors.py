@@ -234,8 +234,8 @@ def test_tiny_and_huge_scales_give_the_unscaled_dlr():
         r = m.compute()
         assert abs(r.dlr - ref) < 1e-10, (sx, sf)
         np.testing.assert_allclose(r.utilization, util, rtol=1e-9)
-        assert abs(m.compute(head=W * sw).dlr - ref_head) < 1e-10, (sx, sw)
-        rw = m.compute(head=Wwide * sw)
+        assert abs(m.compute(head_weights=W * sw).dlr - ref_head) < 1e-10, (sx, sw)
+        rw = m.compute(head_weights=Wwide * sw)
         assert abs(rw.dlr - ref_wide) < 1e-10, (sx, sw)
         assert np.isfinite(rw.utilization).all()
 
@@ -245,7 +245,7 @@ def test_finishing_failures_are_value_errors():
     before = m.state_dict()
     # A's eigenvalues (W M W^T) pass float64: no LinAlgError, no "constant outputs"
     with pytest.raises(ValueError, match=r"compute\(\) failed in float64 .*head weights up to 1e\+300.*rescale"):
-        m.compute(head=np.full((C, P), 1e300))
+        m.compute(head_weights=np.full((C, P), 1e300))
     st = m.state_dict()
     st["M"] = np.full((P, P), 1e300) + np.diag(np.arange(1.0, P + 1) * 1e300)
     st["B"] = np.full((P, C), 1e300)
@@ -264,7 +264,7 @@ def test_constant_outputs_and_zero_head():
     mh = richness.Moments()
     mh.update(X)
     with pytest.raises(ValueError, match=r"constant"):
-        mh.compute(head=(np.zeros((C, P)), np.ones(C)))
+        mh.compute(head_weights=(np.zeros((C, P)), np.ones(C)))
 
 
 @pytest.mark.parametrize("head,exc,pattern", [
@@ -278,7 +278,7 @@ def test_constant_outputs_and_zero_head():
     ((np.ones((C, P)), np.array([np.nan, 1.0])), ValueError, r"head bias contains NaN or Inf"),
     ((np.ones((C, P)), np.array([1.0, np.inf])), ValueError, r"head bias contains NaN or Inf"),
     (torch.nn.Linear(P + 1, C), ValueError, r"head weight has 5 input columns"),
-    ((np.ones((C, P)), np.ones(C), np.ones(C)), ValueError, r"head must be \(W, b\)"),
+    ((np.ones((C, P)), np.ones(C), np.ones(C)), ValueError, r"head_weights must be \(W, b\)"),
     ("not a head", TypeError, r"head weight is not a float array"),
 ])
 def test_bad_head(head, exc, pattern):
@@ -286,7 +286,7 @@ def test_bad_head(head, exc, pattern):
     m.update(X, F)
     before = m.state_dict()
     with pytest.raises(exc, match=pattern):
-        m.compute(head=head)
+        m.compute(head_weights=head)
     assert states_equal(m.state_dict(), before)
 
 
@@ -312,7 +312,8 @@ def test_bad_compute_arguments():
     targets.update(X, F, targets=F[:, 0])  # targets the training state never streamed
     with pytest.raises(ValueError, match=r"test state has 1 targets, the training state no targets"):
         m.compute(test=targets)
-    assert m.compute(test=narrow, head=np.ones((2, X.shape[1]))).test_utilization is not None  # head: outputs unused
+    # head weights: the outputs are unused
+    assert m.compute(test=narrow, head_weights=np.ones((2, X.shape[1]))).test_utilization is not None
     tiny = richness.Moments()
     tiny.update(X[:1], F[:1])
     with pytest.raises(ValueError, match=r"test state needs at least 2 samples"):
@@ -356,7 +357,7 @@ def test_stack_rows_is_a_cuda_option():
 
 
 def test_dlr_needs_outputs_or_head():
-    with pytest.raises(ValueError, match=r"needs outputs or a head"):
+    with pytest.raises(ValueError, match=r"needs outputs or head_weights"):
         richness.dlr(X)
 
 

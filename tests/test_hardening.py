@@ -254,7 +254,7 @@ def test_unreadable_inputs_are_refused_and_change_nothing():
         m.update(X, F, labels=y)
         before = m.state_dict()
         for call in (lambda: m.update(make(X)), lambda: m.update(X, make(F)),
-                     lambda: m.update(X, F, labels=make(y)), lambda: m.compute(head=make(W))):
+                     lambda: m.update(X, F, labels=make(y)), lambda: m.compute(head_weights=make(W))):
             with pytest.raises(TypeError, match=why):
                 call()
         after = m.state_dict()

@@ -212,7 +212,7 @@ def test_large_batch_threaded_passes():
             states.append(m.state_dict())
             np.testing.assert_allclose(m.state_dict()["mean"], Xd.mean(axis=0), rtol=1e-15)
             from reference import dlr_thin
-            assert abs(m.compute(head=W).dlr - dlr_thin(Xd, Xd @ W.T)[0]) < 1e-6
+            assert abs(m.compute(head_weights=W).dlr - dlr_thin(Xd, Xd @ W.T)[0]) < 1e-6
             # a strided view gives the identical state at the same thread count
             big = np.zeros((n, p + 3), dtype=np.float32)
             big[:, 1:-2] = X

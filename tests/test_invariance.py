@@ -113,7 +113,7 @@ def test_invertible_mixing_of_outputs(prob):
     W = rng.normal(size=(F.shape[1], X.shape[1]))
     m = richness.Moments()
     m.update(X)
-    assert abs(m.compute(head=(G.T @ W, None)).dlr - m.compute(head=W).dlr) < TOL[dtype]
+    assert abs(m.compute(head_weights=(G.T @ W, None)).dlr - m.compute(head_weights=W).dlr) < TOL[dtype]
 
 
 @SETTINGS
@@ -187,7 +187,7 @@ def test_repeated_compute_leaves_state_unchanged(prob):
     test.update(X[: n // 2] * dtype(2), F[: n // 2], labels=y[: n // 2], targets=T[: n // 2])
     before, before_test = m.state_dict(), test.state_dict()
     W = rng.normal(size=(3, p))
-    reports = [m.compute(), m.compute(head=W), m.compute(test=test), m.compute(centered=False),
+    reports = [m.compute(), m.compute(head_weights=W), m.compute(test=test), m.compute(centered=False),
                m.compute(rtol=1e-3), m.compute()]
     assert states_equal(m.state_dict(), before)
     assert states_equal(test.state_dict(), before_test)

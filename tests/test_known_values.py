@@ -35,21 +35,21 @@ def test_random_linear_head_three_ways(dtype, tol):
     assert rep.rank == C
     assert abs(rep.dlr - want) < tol
 
-    # head=(W, b): only M is streamed; the reference uses the exact linear outputs.
+    # head_weights=(W, b): only M is streamed; the reference uses the exact linear outputs.
     want_head, _ = dlr_naive(X, X.astype(np.float64) @ W.T + b)
-    assert abs(features_only.compute(head=(W, b)).dlr - want_head) < tol
-    assert abs(features_only.compute(head=W).dlr - want_head) < tol
+    assert abs(features_only.compute(head_weights=(W, b)).dlr - want_head) < tol
+    assert abs(features_only.compute(head_weights=W).dlr - want_head) < tol
 
     lin = torch.nn.Linear(p, C).double()
     with torch.no_grad():
         lin.weight.copy_(torch.from_numpy(W))
         lin.bias.copy_(torch.from_numpy(b))
-    rep_lin = features_only.compute(head=lin)
+    rep_lin = features_only.compute(head_weights=lin)
     assert rep_lin.rank == C
     assert abs(rep_lin.dlr - want_head) < tol
     # the one-shot function agrees
     assert abs(richness.dlr(X, F) - want) < tol
-    assert abs(richness.dlr(X, head=lin) - want_head) < tol
+    assert abs(richness.dlr(X, head_weights=lin) - want_head) < tol
 
 
 def test_float32_linear_module_head():
@@ -60,7 +60,7 @@ def test_float32_linear_module_head():
     want, _ = dlr_naive(X, X @ W.T)
     m = richness.Moments()
     m.update(X)
-    assert abs(m.compute(head=lin).dlr - want) < 1e-12
+    assert abs(m.compute(head_weights=lin).dlr - want) < 1e-12
 
 
 # -- neural collapse -------------------------------------------------------------------
@@ -78,7 +78,7 @@ def test_perfect_neural_collapse_balanced_is_zero(K, p, per_class):
     rep = m.compute()
     assert rep.rank == K - 1
     assert 0.0 <= rep.dlr < 1e-12
-    assert m.compute(head=(W, None)).dlr < 1e-12
+    assert m.compute(head_weights=(W, None)).dlr < 1e-12
     ref, _ = dlr_naive(X, F)
     assert abs(ref) < 1e-12
 
@@ -113,7 +113,7 @@ def test_isotropic_features_near_limit():
     m = richness.Moments()
     for chunk in np.array_split(np.arange(n), 4):
         m.update(X[chunk])
-    got = m.compute(head=W).dlr
+    got = m.compute(head_weights=W).dlr
     ref, r = dlr_thin(X, X @ W.T)
     assert r == C
     assert abs(got - ref) < 1e-12
@@ -133,7 +133,7 @@ def test_isotropic_bias_toward_rich_at_small_n():
         W = rng.normal(size=(C, p))
         m = richness.Moments()
         m.update(X)
-        rep = m.compute(head=W)
+        rep = m.compute(head_weights=W)
         ref, _ = dlr_thin(X, X @ W.T)
         assert abs(rep.dlr - ref) < 1e-12
         assert abs(rep.dlr - spec) < band
@@ -157,7 +157,7 @@ def test_float32_large_mean_small_spread():
     for chunk in np.array_split(np.arange(n), 3):
         m.update(X32[chunk])
     assert m.compute().precision == "fp32"
-    assert abs(m.compute(head=W).dlr - want_head) < 1e-6
+    assert abs(m.compute(head_weights=W).dlr - want_head) < 1e-6
 
     # streamed float32 outputs whose mean is large too
     F32 = (X @ W.T).astype(np.float32)
@@ -202,7 +202,7 @@ def test_duplicated_logits_rank(dtype):
     # head mode with a duplicated row
     mh = richness.Moments()
     mh.update(X)
-    rep_h = mh.compute(head=W)
+    rep_h = mh.compute(head_weights=W)
     assert rep_h.rank == C - 1
     ref_h, _ = dlr_naive(X, X.astype(np.float64) @ np.delete(W, 3, axis=0).T)
     assert abs(rep_h.dlr - ref_h) < tol
@@ -239,7 +239,7 @@ def test_near_rich_low_rank_features(noise, dtype, tol):
     F = X.astype(np.float64) @ W.T
     m = richness.Moments()
     m.update(X)
-    rep = m.compute(head=W)
+    rep = m.compute(head_weights=W)
     ref, r = dlr_naive(X, F)
     assert rep.rank == r == C
     assert abs(rep.dlr - ref) < tol
@@ -262,7 +262,7 @@ def test_richer_features_give_lower_dlr():
     got, ref = [], []
     for noise in (1.0, 0.3, 0.1, 0.01):
         X = Z @ L + noise * N
-        got.append(richness.dlr(X, head=W))
+        got.append(richness.dlr(X, head_weights=W))
         ref.append(dlr_naive(X, X @ W.T)[0])
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-12)
     assert all(a > b for a, b in zip(got, got[1:]))
@@ -282,7 +282,7 @@ def test_more_outputs_than_features(dtype, tol):
     assert r == p
     m = richness.Moments()
     m.update(X)
-    rep = m.compute(head=(W, b))
+    rep = m.compute(head_weights=(W, b))
     assert rep.rank == p
     assert abs(rep.dlr - ref) < tol
     ms = richness.Moments()

@@ -120,7 +120,7 @@ def test_first_block_runs_and_agrees_with_the_reference(trackers_offline):
     want, _ = dlr_naive(ns["features"], ns["outputs"])
     assert abs(richness.dlr(ns["features"], ns["outputs"]) - want) < 1e-10
     head_want, _ = dlr_naive(ns["features"], ns["features"] @ ns["W"].T + ns["b"])
-    assert abs(richness.dlr(ns["features"], head=(ns["W"], ns["b"])) - head_want) < 1e-10
+    assert abs(richness.dlr(ns["features"], head_weights=(ns["W"], ns["b"])) - head_want) < 1e-10
     # the example's last lines: a saved and reloaded state, then reset
     assert os.path.exists("state.npz") and ns["m"].n == 0
     assert ns["r"].dlr_stderr is not None and ns["r"].dlr_stderr > 0

@@ -55,7 +55,7 @@ def test_str_without_dlr_has_no_reference_and_counts_the_head():
     assert text.startswith("DLR n/a") and "isotropic reference" not in text and "how to read" not in text
     assert "\np 6 (6 active)   NC1 n/a" in text  # no outputs: no C
     W = rng.normal(size=(9, 6))  # a head of C = 9 > p rows (the many-outputs route)
-    assert "   C 9   " in str(m.compute(head=W))
+    assert "   C 9   " in str(m.compute(head_weights=W))
 
 
 def test_repr_puts_dlr_beside_its_reference_and_ipython_prints_the_text():

@@ -18,4 +18,4 @@ def test_dlr_matches_naive_random_linear_head(dtype, tol):
     rep = m.compute()
     assert rep.rank == r == 5
     assert abs(rep.dlr - want) < tol
-    assert abs(m.compute(head=(W, b)).dlr - want) < tol
+    assert abs(m.compute(head_weights=(W, b)).dlr - want) < tol

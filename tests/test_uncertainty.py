@@ -159,7 +159,7 @@ def test_isotropic_reference_matches_monte_carlo(p, C, n):
         W = rng.normal(size=(C, p))
         rep = richness.Moments()
         rep.update(X)
-        r = rep.compute(head=(W, None))
+        r = rep.compute(head_weights=(W, None))
         values.append(r.dlr)
         refs.append(r.dlr_isotropic)
         # for isotropic features the normalised value reads "lazy"
@@ -188,7 +188,7 @@ def test_normalized_dlr_is_near_zero_for_collapse():
     W = means - means.mean(0)
     m = richness.Moments()
     m.update(X)
-    r = m.compute(head=(W, None))
+    r = m.compute(head_weights=(W, None))
     assert r.dlr_normalized < 0.01
 
 
@@ -225,7 +225,7 @@ def test_many_outputs_p_space_equals_direct_formula():
     m = richness.Moments()
     m.update(X, F)
     streamed = m.compute()
-    head = m.compute(head=(W, None))
+    head = m.compute(head_weights=(W, None))
     want, r = dlr_naive(X, F)
     assert head.rank == streamed.rank == r == p
     assert abs(head.dlr - want) < 1e-9
@@ -234,7 +234,7 @@ def test_many_outputs_p_space_equals_direct_formula():
     # low-rank head: C > p but the span has rank 3
     W3 = rng.normal(size=(C, 3)) @ rng.normal(size=(3, p))
     want3, r3 = dlr_naive(X, X @ W3.T)
-    h3 = m.compute(head=(W3, None))
+    h3 = m.compute(head_weights=(W3, None))
     assert h3.rank == r3 == 3
     assert abs(h3.dlr - want3) < 1e-9
 
@@ -247,7 +247,7 @@ def test_many_outputs_in_bounded_memory():
         m.update(rng.normal(size=(2048, p)).astype(np.float32))
     W = rng.normal(size=(C, p)).astype(np.float32)
     tracemalloc.start()
-    r = m.compute(head=(W, None))
+    r = m.compute(head_weights=(W, None))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     # A C x C float64 matrix would be 8.6 GB; W itself is 67 MB in float64.

@@ -177,18 +177,19 @@ def _torch_int(y: Any) -> Any:
     return y.to(torch.int64)
 
 
-def weights_of(head: Any) -> tuple:
-    """``head`` as float64 numpy ``(W, b)``: a ``(W, b)`` / ``(W,)`` pair, a bare
-    ``W`` (C x p), or any module with ``weight`` and ``bias`` (``torch.nn.Linear``)."""
-    if hasattr(head, "weight"):
-        w = head.weight
-        b = getattr(head, "bias", None)
-    elif isinstance(head, (tuple, list)):
-        if not 1 <= len(head) <= 2:
-            raise ValueError(f"head must be (W, b) or (W,), got a sequence of length {len(head)}")
-        w, b = head[0], (head[1] if len(head) == 2 else None)
+def weights_of(weights: Any) -> tuple:
+    """Read-out weights (``head_weights=``) as float64 numpy ``(W, b)``: a
+    ``(W, b)`` / ``(W,)`` pair, a bare ``W`` (C x p), or any module with
+    ``weight`` and ``bias`` (``torch.nn.Linear``)."""
+    if hasattr(weights, "weight"):
+        w = weights.weight
+        b = getattr(weights, "bias", None)
+    elif isinstance(weights, (tuple, list)):
+        if not 1 <= len(weights) <= 2:
+            raise ValueError(f"head_weights must be (W, b) or (W,), got a sequence of length {len(weights)}")
+        w, b = weights[0], (weights[1] if len(weights) == 2 else None)
     else:
-        w, b = head, None
+        w, b = weights, None
     w = to_numpy64(w, "head weight")
     if w.ndim != 2:
         raise ValueError(f"head weight must be 2-D (C, p), got shape {w.shape}")

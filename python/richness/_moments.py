@@ -8,7 +8,7 @@ import os
 import re
 import threading
 import warnings
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, TypeVar, cast
 
 import numpy as np
 
@@ -23,6 +23,25 @@ from ._warnings import RichnessWarning
 # ``cuda_product``: an algorithm's name, optionally with ":block" (the CUDA
 # core checks the name and the block size when the device accumulator is made).
 _PRODUCT = re.compile(r"[a-z_]+(:[0-9]{1,9})?")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _refuses_head(fn: _F) -> _F:
+    """``fn`` (which takes the read-out weights as ``head_weights=``), except
+    that ``head=`` raises a TypeError saying so: ``head=`` names a module in
+    ``evaluate``, ``Monitor`` and the callbacks, and a weight given under that
+    name would otherwise fail with Python's bare unknown-keyword error. The
+    signature seen by ``inspect`` and type checkers is ``fn``'s."""
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if "head" in kwargs:
+            raise TypeError(f"{fn.__name__}() got an unexpected keyword argument 'head': read-out weights "
+                            "((W, b), W or an nn.Linear) go to head_weights= (head= names the module to hook in "
+                            "evaluate, Monitor and the callbacks)")
+        return fn(*args, **kwargs)
+    return cast(_F, checked)
+
 
 # The largest Moments(groups=k) (_state.MAX_GROUPS: also the bound of a saved file's groups).
 MAX_GROUPS = _state.MAX_GROUPS
@@ -263,15 +282,19 @@ class Moments(Lockable):
 
     # -- finishing ------------------------------------------------------------
 
-    def compute(self, *, head: Any = None, test: Optional["Moments"] = None, rtol: Optional[float] = None,
+    @_refuses_head
+    def compute(self, *, head_weights: Any = None, test: Optional["Moments"] = None, rtol: Optional[float] = None,
                 centered: bool = True, uncertainty: bool = False, spectrum: bool = True,
                 measures: Any = None, measure_options: Optional[dict] = None) -> Report:
         """Finish a ``Report`` (float64); the state is not modified.
 
         Args:
-            head: linear read-out weights ``(W, b)``, ``W`` or a ``torch.nn.Linear``;
-                then DLR uses ``B = M W^T``, ``A = W M W^T`` and outputs need not
-                be streamed. Otherwise streamed outputs are used.
+            head_weights: linear read-out weights ``(W, b)``, ``W`` or a
+                ``torch.nn.Linear`` (its weights); then DLR uses ``B = M W^T``,
+                ``A = W M W^T`` and outputs need not be streamed. Otherwise
+                streamed outputs are used. (``head=`` elsewhere, in
+                ``evaluate``, ``Monitor`` and the callbacks, names the module to
+                hook.)
             test: a ``Moments`` over held-out samples: adds ``test_quality``,
                 ``test_utilization`` and ``test_eigenfunction_norms``.
             rtol: eigenvalue cut; default by product precision (docs/MATH.md, "Rank cut").
@@ -294,7 +317,7 @@ class Moments(Lockable):
                 jackknife, and ``measures_stderr`` for the measures set; needs
                 ``Moments(groups=k)``.
         """
-        W = _adapt.weights_of(head)[0] if head is not None else None
+        W = _adapt.weights_of(head_weights)[0] if head_weights is not None else None
         test_state = None
         if test is not None:
             if not isinstance(test, Moments):
@@ -461,15 +484,17 @@ def batch_precision(precision: Optional[str], batch: Batch) -> str:
     return _state.default_precision(precision, all(d == _adapt.F64 for d in floats))
 
 
-def dlr(features: Any, outputs: Any = None, *, head: Any = None, rtol: Optional[float] = None) -> Optional[float]:
+@_refuses_head
+def dlr(features: Any, outputs: Any = None, *, head_weights: Any = None,
+        rtol: Optional[float] = None) -> Optional[float]:
     """DLR of one set of samples (0 = rich, 1 = lazy); None where it is
     undefined (as ``Report.dlr``).
 
-    Give ``outputs`` (n, C), or ``head`` (``(W, b)``, ``W`` or a ``torch.nn.Linear``)
-    for the linear-head shortcut.
+    Give ``outputs`` (n, C), or ``head_weights`` (``(W, b)``, ``W`` or a
+    ``torch.nn.Linear``) for the linear-head shortcut.
     """
-    if outputs is None and head is None:
-        raise ValueError("dlr needs outputs or a head: the learned function space is undefined without them")
+    if outputs is None and head_weights is None:
+        raise ValueError("dlr needs outputs or head_weights: the learned function space is undefined without them")
     m = Moments()
     m.update(features, outputs)
-    return m.compute(head=head, rtol=rtol).dlr
+    return m.compute(head_weights=head_weights, rtol=rtol).dlr

@@ -69,7 +69,7 @@ class Report:
         ``measure_options={"nc_convention": "papyan_script"}``: NC1-NC3 as the
         widely copied measurement script computes them (docs/MATH.md).
     nc3: || W / ||W|| - U / ||U|| ||_F^2, head against class means (labels and
-        ``compute(head=...)``). These seven are computed from the spectrum
+        ``compute(head_weights=...)``). These seven are computed from the spectrum
         and class sums already there; with ``spectrum=False`` only those asked
         for with ``measures=`` (docs/MATH.md, representation diagnostics).
     measures_stderr: with ``uncertainty=True``, the jackknife standard error

@@ -185,7 +185,7 @@ def eval_cmd(args: argparse.Namespace) -> int:
         test = _stream(test_shards, test_layout, chunk=args.chunk, precision=args.precision,
                        num_classes=args.num_classes, progress=progress, desc="richness eval (held-out)")
     try:
-        rep = m.compute(head=W, test=test, rtol=args.rtol)
+        rep = m.compute(head_weights=W, test=test, rtol=args.rtol)
     except ValueError as e:
         raise UserError(f"{layout.label}: {e}") from None
     if "outputs" not in layout.streams and W is None:
@@ -259,7 +259,7 @@ def plot_cmd(args: argparse.Namespace) -> int:
                 m = Moments.load(path)
                 test = Moments.load(args.test) if args.test else None
                 W = head_weights(args.head)
-                rep = m.compute(head=W, test=test)
+                rep = m.compute(head_weights=W, test=test)
                 paths = plot.curves(rep, out, title=args.title or f"{name}: DLR "
                                     + ("n/a" if rep.dlr is None else f"{rep.dlr:.3f}") + f", n = {rep.n}")
             else:

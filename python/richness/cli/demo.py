@@ -195,7 +195,7 @@ def demo(args: argparse.Namespace) -> int:
         Htr, _ = forward(Xtr)
         mh = Moments(num_classes=10)
         mh.update(Htr, labels=ytr)
-        assert abs(rep.dlr - mh.compute(head=head).dlr) < 1e-8  # linear head: streamed == shortcut
+        assert abs(rep.dlr - mh.compute(head_weights=head).dlr) < 1e-8  # linear head: streamed == shortcut
         reports[name] = rep
         rows.append((name, rep.dlr, rep.dlr_normalized, rep.nc1, acc, rep.effective_dim, rep.utilization[9]))
     print(f"{'setting':<24} {'DLR':>7} {'DLR/iso':>8} {'NC1':>8} {'test acc':>9} {'eff. dim':>9} {'Pi_hat(C)':>10}")

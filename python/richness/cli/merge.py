@@ -124,7 +124,7 @@ def merge_cmd(args: argparse.Namespace) -> int:
     report = None
     if args.json:  # before writing: a merge whose report fails writes nothing
         try:
-            report = kind.report(merged) if W is None else merged.compute(head=W).to_dict()
+            report = kind.report(merged) if W is None else merged.compute(head_weights=W).to_dict()
         except ValueError as e:
             raise UserError(f"{args.out}: the merged state ({merged.n} samples) has no report: {e}") from None
         if kind.name == "moments" and W is None and widths[0].get("c", -1) < 0 and report.get("dlr") is None:

@@ -392,7 +392,7 @@ def class_report(st: dict, W: Any, wanted: tuple, asked: bool = False, conventio
         warnings += [warning] if warning else []
     elif "nc3" in wanted and asked:
         warnings.append("NC3 not reported: it compares the head with the class means; pass the head "
-                        "(compute(head=...))")
+                        "(compute(head_weights=...))")
     return out, warnings
 
 

@@ -608,7 +608,7 @@ class _ProbeRun:
         if target.head is None:
             target.head = head
         try:
-            rep = moments.compute(head=head if isinstance(head, torch.nn.Linear) else None, rtol=mon.rtol)
+            rep = moments.compute(head_weights=head if isinstance(head, torch.nn.Linear) else None, rtol=mon.rtol)
         except ValueError as e:
             warnings.warn(f"richness.Monitor: step {mon._step_label()}: the probe set's DLR is undefined ({e}); "
                           "its record has dlr, rank and nc1 None", RichnessWarning, stacklevel=3)

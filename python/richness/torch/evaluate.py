@@ -142,7 +142,7 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
         head: the module whose input are the features and whose output are the
             logits, as a submodule or a dotted name (``"fc"``, ``"lm_head"``).
             Default: the last ``nn.Linear`` whose output is the model's output.
-            (In ``Moments.compute``, ``head`` means weights instead.)
+            (``Moments.compute`` takes read-out weights as ``head_weights``.)
         test_loader: held-out batches: adds the Nystrom-extended test curves.
         device: where batches are sent (default: the model's device). The model
             is not moved.
@@ -203,7 +203,7 @@ def evaluate(model: Any, loader: Iterable, *, head: Any = None, test_loader: Opt
         if moments.n == 0:
             raise ValueError("the loaders of all ranks yielded no samples")
     w = head_mod if _is_linear(head_mod) else None
-    report = moments.compute(head=w, test=test, rtol=rtol)
+    report = moments.compute(head_weights=w, test=test, rtol=rtol)
     if layers:
         report.layers = {name: lm.compute(rtol=rtol) for name, lm in layer_moments.items()}
     log.info("evaluate: %d samples, head %s, DLR %s", report.n, type(head_mod).__name__,

@@ -59,7 +59,7 @@ def resolve_head(model: Any, head: Any) -> Optional[Tuple[str, Any]]:
         raise ValueError(f"head {type(head).__name__} is not a submodule of the model; "
                          f"candidates: {candidate_list(model)}")
     raise TypeError(f"head must be a submodule or its dotted name (str), got {type(head).__name__}; "
-                    "(weights go to Moments.compute(head=...), not here)")
+                    "(weights go to Moments.compute(head_weights=...), not here)")
 
 
 def output_tensors(out: Any) -> List[Any]:

@@ -32,13 +32,15 @@ class DLR(Metric):
 
     Args:
         num_classes: fix the label range (see ``Moments``); labels are optional.
-        head: the read-out. A ``torch.nn.Linear``, a weight ``W`` (C x p) or a
-            pair ``(W, b)``: DLR uses its weights at ``compute`` time (the
-            linear-head shortcut, docs/MATH.md) and outputs are not streamed.
-            Any ``torch.nn.Module``: a forward hook keeps its latest input as
+        head: the read-out module. A forward hook keeps its latest input as
             the features of the next ``update`` without ``features=``, so that
-            ``MetricCollection.update(logits, y)`` works; a module that is not
-            an ``nn.Linear`` has its outputs streamed from ``preds``.
+            ``MetricCollection.update(logits, y)`` works. A ``torch.nn.Linear``:
+            DLR uses its weights at ``compute`` time (the linear-head
+            shortcut, docs/MATH.md) and outputs are not streamed; any other
+            module has its outputs streamed from ``preds``.
+        head_weights: fixed read-out weights instead, ``W`` (C x p) or
+            ``(W, b)``: the linear-head shortcut without a hook (features
+            then come with ``features=``). Not with ``head``.
         precision: precision of the products (``Moments``).
         rtol: eigenvalue cut (default by precision).
         measures: representation diagnostics to return beside DLR (names from
@@ -84,18 +86,24 @@ class DLR(Metric):
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
 
-    def __init__(self, num_classes: Optional[int] = None, *, head: Any = None, precision: Optional[str] = None,
-                 rtol: Optional[float] = None, measures: Any = None, **kwargs: Any) -> None:
+    def __init__(self, num_classes: Optional[int] = None, *, head: Any = None, head_weights: Any = None,
+                 precision: Optional[str] = None, rtol: Optional[float] = None, measures: Any = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.measures = _finish.check_measures(measures)
         Moments(num_classes, precision=precision)  # validates the arguments
         self.num_classes, self.precision, self.rtol = num_classes, precision, _finish.check_rtol(rtol)
+        if head is not None and not isinstance(head, torch.nn.Module):
+            raise TypeError(f"head must be a torch.nn.Module (the read-out to hook), got {type(head).__name__}; "
+                            "fixed weights, W or (W, b), go to head_weights=")
+        if head is not None and head_weights is not None:
+            raise ValueError("give head= (the read-out module) or head_weights= (fixed weights), not both")
         # a plain attribute, not a registered submodule: the head belongs to the model
         object.__setattr__(self, "head", head)
-        self._uses_weights = head is not None and (not isinstance(head, torch.nn.Module)
-                                                   or isinstance(head, torch.nn.Linear))
+        object.__setattr__(self, "head_weights", head_weights)
+        self._uses_weights = head_weights is not None or isinstance(head, torch.nn.Linear)
         if self._uses_weights:
-            _adapt.weights_of(head)  # a bad head fails here, not at the end of an epoch
+            self._read_out()  # bad weights fail here, not at the end of an epoch
             # compute() reads the head's current weights besides the states,
             # and they change between updates: a cached value would be stale
             self.compute_with_cache = False
@@ -386,9 +394,13 @@ class DLR(Metric):
         return {k: torch.tensor(math.nan if v is None else float(v), dtype=torch.float64, device=self.device)
                 for k, v in out.items()}
 
+    def _read_out(self) -> np.ndarray:
+        """The read-out weight W (C x p) now: ``head_weights``, or the head's."""
+        return _adapt.weights_of(self.head if self.head_weights is None else self.head_weights)[0]
+
     def _head_weights(self, p: int) -> np.ndarray:
         """The head's weight W (C x p) now, checked against the feature width."""
-        W = _adapt.weights_of(self.head)[0]
+        W = self._read_out()
         if W.shape[1] != p:
             raise ValueError(f"head weight has {W.shape[1]} input columns but the features have {p}")
         return W
