@@ -23,9 +23,8 @@ batch state for the batch's value before merging it. ``compute``, ``sync``,
 torchmetrics' ``reset``, ``load_state_dict``, ``merge_state`` and device
 moves replace them, and a user's in-place writes are the state.
 
-What that costs (benchmarks/RESULTS.md, torchmetrics metric): the batch
-state's own pass besides the merge's, measured against the earlier design
-that kept a second accumulator beside the tensors.
+What that costs is measured in benchmarks/RESULTS.md ("torchmetrics metric"):
+the batch state's own pass besides the merge's.
 """
 
 from .._optional import pip_extra
