@@ -140,8 +140,9 @@ def benchmark(torch, args) -> dict:
         Xs, Fs = inputs(prec)
         best, m = float("inf"), None
         for _ in range(2):
-            m = richness.Moments(device="cuda", precision=prec, stack_rows=stack, stack_joint=joint,
-                                 cuda_product=f"{algo}:{block}")
+            m = richness.Moments(device="cuda", precision=prec,
+                                 cuda=richness.CudaOptions(stack_rows=stack, stack_joint=joint,
+                                                           product=f"{algo}:{block}"))
 
             def step(i):
                 if with_outputs:
@@ -184,7 +185,7 @@ def benchmark(torch, args) -> dict:
         name = f"{prec} {'outputs' if with_outputs else 'head'}" + (f" staged {stack}" if stack else "")
         try:
             Xs, Fs = inputs(prec)
-            m = richness.Moments(device="cuda", precision=prec, stack_rows=stack)
+            m = richness.Moments(device="cuda", precision=prec, cuda=richness.CudaOptions(stack_rows=stack))
 
             def upd(i, m=m, Xs=Xs, Fs=Fs, with_outputs=with_outputs):
                 m.update(Xs[i % nbuf], Fs[i % nbuf]) if with_outputs else m.update(Xs[i % nbuf])
@@ -221,7 +222,7 @@ def benchmark(torch, args) -> dict:
         results["dlr"][prec] = {"outputs": m_out.compute().dlr, "head": m_head.compute(head_weights=Wd).dlr}
         log(f"DLR {prec}: outputs {results['dlr'][prec]['outputs']:.6f}, head {results['dlr'][prec]['head']:.6f}")
 
-    # -- staging: Moments(stack_rows=N), same stream; the time includes the last flush ---------
+    # -- staging: Moments(cuda=CudaOptions(stack_rows=N)), same stream; the time includes the last flush ---------
     # (opt-in, not the default path; each state's DLR is compared with the unstaged one above)
     results["stacked"], results["dlr_stacked"] = {}, {}
     for prec in ("fp32", "tf32", "bf16"):
@@ -324,7 +325,7 @@ def stacked_table(results: dict) -> list:
     if not st:
         return []
     cols = [(r, "joint") for r in STACK_ROWS]
-    lines = ["staging (Moments(stack_rows=N); opt-in; times include the last flush; "
+    lines = ["staging (Moments(cuda=CudaOptions(stack_rows=N)); opt-in; times include the last flush; "
              "dDLR = |DLR staged - DLR unstaged| of the same stream)"]
     head = f"{'precision':<10}{'mode':<9}{'unstaged':>17}"
     for rows, _ in cols:

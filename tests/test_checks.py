@@ -134,7 +134,7 @@ def test_monitor_still_refuses_bools_and_floats():
             make()
 
 
-def test_moments_groups_and_stack_rows_take_numpy_integers():
+def test_moments_groups_and_cuda_stack_rows_take_numpy_integers():
     import richness
     from reference import states_equal
 
@@ -142,7 +142,7 @@ def test_moments_groups_and_stack_rows_take_numpy_integers():
     X, F, y = rng.normal(size=(90, 5)), rng.normal(size=(90, 3)), rng.integers(0, 3, 90)
     states = []
     for groups, seed in ((3, 11), (np.int64(3), np.int64(11))):
-        m = richness.Moments(groups=groups, group_seed=seed, stack_rows=np.int64(0))
+        m = richness.Moments(groups=groups, group_seed=seed, cuda=richness.CudaOptions(stack_rows=np.int64(0)))
         for i in range(0, 90, 30):
             m.update(X[i:i + 30], F[i:i + 30], y[i:i + 30])
         states.append(m.state_dict())

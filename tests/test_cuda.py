@@ -99,7 +99,7 @@ def test_fp32_large_mean_small_spread(n, batches, stack):
     W = rng.normal(size=(C, p))
     F = (torch.from_numpy(Xv @ W.T + 1e-3 * rng.normal(size=(n, C)))).to(DEV, torch.float32)
     want, _ = dlr_naive(Xv, F.double().cpu().numpy())
-    m = richness.Moments(device="cuda", precision="fp32", stack_rows=stack)
+    m = richness.Moments(device="cuda", precision="fp32", cuda=richness.CudaOptions(stack_rows=stack))
     for chunk in torch.arange(n).chunk(batches):
         m.update(X[chunk], F[chunk])
     assert abs(m.compute().dlr - want) < 1e-6
@@ -385,7 +385,7 @@ def test_update_with_labels_without_num_classes_captures_in_cuda_graph():
 @needs_gpu
 def test_product_algorithms_agree(algo, block, precision):
     X, F, Xv, Fv, W, b, want, want_head, r = problem("float32")
-    m = richness.Moments(device="cuda", precision=precision, cuda_product=f"{algo}:{block}")
+    m = richness.Moments(device="cuda", precision=precision, cuda=richness.CudaOptions(product=f"{algo}:{block}"))
     m.update(X[:8], F[:8])
     m.update(X[8:], F[8:])
     assert abs(m.compute().dlr - want) < TOL[precision]
@@ -426,7 +426,7 @@ def test_cuda_device_without_gpu_raises_clearly():
         richness.Moments(device="cuda")
 
 
-# -- staging (Moments(stack_rows=...)) ------------------------------------------------------
+# -- staging (Moments(cuda=CudaOptions(stack_rows=...))) ----------------------------------
 #
 # Staged and per-batch accumulation narrow the same centered rows (each batch on
 # its own float64 mean), so their states differ only by the products'
@@ -445,8 +445,9 @@ def row_slices(sizes):
     return [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def stacked(stack=STACK, joint=True, *args, **kwargs):
-    return richness.Moments(*args, device="cuda", stack_rows=stack, stack_joint=joint, **kwargs)
+def stacked(stack=STACK, joint=True, *args, product=None, **kwargs):
+    options = richness.CudaOptions(stack_rows=stack, stack_joint=joint, product=product)
+    return richness.Moments(*args, device="cuda", cuda=options, **kwargs)
 
 
 def assert_states_close(got, want, keys, eps, err=""):
@@ -651,8 +652,8 @@ def test_stacked_product_algorithms_agree(algo, block, precision):
     # falls back to block rows; test_product_algorithms_agree covers head tiles).
     X, F, Xv, Fv, W, b, want, want_head, r = problem("float32", p=56)
     for joint in (True, False):
-        m = stacked(1000, joint, precision=precision, cuda_product=f"{algo}:{block}")
-        h = stacked(1000, precision=precision, cuda_product=f"{algo}:{block}")
+        m = stacked(1000, joint, precision=precision, product=f"{algo}:{block}")
+        h = stacked(1000, precision=precision, product=f"{algo}:{block}")
         for sl in row_slices(UNEVEN):
             m.update(X[sl], F[sl])
             h.update(X[sl])

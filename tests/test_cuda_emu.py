@@ -1268,7 +1268,7 @@ def test_device_moments_copies_and_pickles_through_its_state(emu, monkeypatch, h
     X, F, T, y = problem(n=300, k=5, seed=21)
     cpu = richness.Moments(5)
     cpu.update(X[:200], F[:200], y[:200], T[:200])
-    m = richness.Moments(5, device="cuda:0", stack_rows=64)
+    m = richness.Moments(5, device="cuda:0", cuda=richness.CudaOptions(stack_rows=64))
     m.load_state_dict(cpu.state_dict())
     before = m.state_dict()
     dup = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda o: pickle.loads(pickle.dumps(o))}[how](m)
@@ -1293,8 +1293,8 @@ def test_device_moments_cuda_options_reach_the_core_and_survive_copies(emu, monk
     monkeypatch.setattr(_backend, "_cuda_core", lambda num_classes, device: emu.mod.CudaMoments(num_classes, 0))
     X, F, T, y = problem(n=120, k=5, seed=22)
     for groups in (None, 2):
-        m = richness.Moments(5, device="cuda:0", stack_rows=64, stack_joint=False, cuda_product="tiles:16",
-                             groups=groups)
+        options = richness.CudaOptions(stack_rows=64, stack_joint=False, product="tiles:16")
+        m = richness.Moments(5, device="cuda:0", cuda=options, groups=groups)
         # the options as the device accumulator (and each group's) holds them: no public view of those
         backend = m._backend if groups is None else m._backend.parts[1]
         assert m.staged_rows == 0 and m.staged_batches == 0
@@ -1305,7 +1305,7 @@ def test_device_moments_cuda_options_reach_the_core_and_survive_copies(emu, monk
     auto = richness.Moments(device="cuda:0")._backend.core
     assert auto.stack_rows == 0 and auto.product == "auto"
     with pytest.raises(ValueError, match="product must be auto, syrk, gemm, block_rows or tiles"):
-        richness.Moments(device="cuda:0", cuda_product="fastest")
+        richness.Moments(device="cuda:0", cuda=richness.CudaOptions(product="fastest"))
     with pytest.raises(ValueError, match="block size must be at least 16"):
-        richness.Moments(device="cuda:0", cuda_product="tiles:8")
+        richness.Moments(device="cuda:0", cuda=richness.CudaOptions(product="tiles:8"))
 

@@ -341,17 +341,18 @@ def test_stack_rows_is_a_cuda_option():
     # The CPU backend has no staging: a clear error, raised before any state exists.
     for bad in (-1, 2.5, True, "1024", 2**31):
         with pytest.raises(ValueError, match=r"stack_rows must be an integer"):
-            richness.Moments(stack_rows=bad)
-    with pytest.raises(ValueError, match=r"stack_rows is an option of the CUDA backend"):
-        richness.Moments(device="cpu", stack_rows=1024)
-    m = richness.Moments(stack_rows=1024)  # device from the first batch
-    with pytest.raises(ValueError, match=r"stack_rows is an option of the CUDA backend"):
+            richness.CudaOptions(stack_rows=bad)
+    staged = richness.CudaOptions(stack_rows=1024)
+    with pytest.raises(ValueError, match=r"CudaOptions\(stack_rows=...\) is an option of the CUDA backend"):
+        richness.Moments(device="cpu", cuda=staged)
+    m = richness.Moments(cuda=staged)  # device from the first batch
+    with pytest.raises(ValueError, match=r"CudaOptions\(stack_rows=...\) is an option of the CUDA backend"):
         m.update(X, F)
     assert m.device is None and m.n == 0
-    with pytest.raises(ValueError, match=r"stack_rows is an option of the CUDA backend"):
+    with pytest.raises(ValueError, match=r"CudaOptions\(stack_rows=...\) is an option of the CUDA backend"):
         m.load_state_dict(started().state_dict())
     assert m.n == 0
-    off = richness.Moments(device="cpu", stack_rows=0)  # 0 = off, the default
+    off = richness.Moments(device="cpu", cuda=richness.CudaOptions(stack_rows=0))  # 0 = off, the default
     off.update(X, F)
     assert off.n == N
 
@@ -565,11 +566,11 @@ def test_failed_allocation_records_no_width():
 
 def test_cuda_options_are_checked():
     for bad in ("tiles:16x", "Tiles", 16, ("tiles", 16)):
-        with pytest.raises(ValueError, match="cuda_product must be None or an algorithm's name"):
-            richness.Moments(cuda_product=bad)
-    with pytest.raises(ValueError, match="cuda_product is an option of the CUDA backend"):
-        richness.Moments(device="cpu", cuda_product="tiles:16")
-    m = richness.Moments(cuda_product="gemm")  # device from the first batch: the CPU refuses it then
-    with pytest.raises(ValueError, match="cuda_product is an option of the CUDA backend"):
+        with pytest.raises(ValueError, match="product must be None or an algorithm's name"):
+            richness.CudaOptions(product=bad)
+    with pytest.raises(ValueError, match=r"CudaOptions\(product=...\) is an option of the CUDA backend"):
+        richness.Moments(device="cpu", cuda=richness.CudaOptions(product="tiles:16"))
+    m = richness.Moments(cuda=richness.CudaOptions(product="gemm"))  # device from the first batch: refused then
+    with pytest.raises(ValueError, match=r"CudaOptions\(product=...\) is an option of the CUDA backend"):
         m.update(np.ones((4, 3)) * np.arange(4)[:, None])
     assert m.n == 0 and m.device is None and m.staged_rows == 0

@@ -36,6 +36,7 @@ _logging.getLogger("richness").addHandler(_logging.NullHandler())
 
 if _typing.TYPE_CHECKING:
     from ._core import blas_info
+    from ._cuda_options import CudaOptions
     from ._moments import Moments, dlr
     from ._report import Report
     from ._similarity import Similarity, SimilarityReport, cka
@@ -48,6 +49,7 @@ if _typing.TYPE_CHECKING:
 # works where the compiled core cannot load, and the accumulators raise one
 # clear ImportError (``_native``) when first used there.
 _PUBLIC = {"blas_info": "._native", "Moments": "._moments", "dlr": "._moments", "Report": "._report",
+           "CudaOptions": "._cuda_options",
            "Similarity": "._similarity", "SimilarityReport": "._similarity", "cka": "._similarity",
            "Monitor": ".monitor", "Window": ".monitor", "EveryStep": ".monitor", "Probe": ".monitor",
            "Head": ".monitor", "Layer": ".monitor", "RichnessWarning": "._warnings", "evaluate": ".torch.evaluate",
@@ -74,4 +76,5 @@ def __dir__():
 
 
 __all__ = ["Moments", "Monitor", "Report", "RichnessWarning", "dlr", "evaluate", "blas_info", "__version__",
-           "Similarity", "SimilarityReport", "cka", "similarity", "Window", "EveryStep", "Probe", "Head", "Layer"]
+           "Similarity", "SimilarityReport", "cka", "similarity", "Window", "EveryStep", "Probe", "Head", "Layer",
+           "CudaOptions"]

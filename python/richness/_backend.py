@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol
 import numpy as np
 
 from . import _state
+from ._cuda_options import CudaOptions
 from ._native import _core
 
 
@@ -75,37 +76,34 @@ def _current_stream(tensor: Any) -> int:
         return 0
 
 
+NO_CUDA_OPTIONS = CudaOptions()  # the defaults: what a CPU backend takes
+
+
 class CoreBackend:
     """One compiled accumulator on ``device`` ("cpu" or "cuda:N").
 
-    The CUDA options are the constructor's: ``stack_rows`` and
-    ``stack_joint`` (staging; see ``Moments``) and ``product`` (how X^T X is
-    formed: ``"auto"``, measured once per shape, or ``"syrk"``, ``"gemm"``,
-    ``"block_rows"``, ``"tiles"``, with an optional ``":block"``; None
-    leaves the core's default, ``RICHNESS_CUDA_PRODUCT`` or auto). The CPU
-    backend takes none of them.
+    ``cuda`` tunes the CUDA backend (``CudaOptions``: staging and how
+    X^T X is formed); the CPU backend refuses any but the defaults.
     """
 
-    def __init__(self, device: str, num_classes: Optional[int], stack_rows: int = 0, stack_joint: bool = True,
-                 product: Optional[str] = None) -> None:
+    def __init__(self, device: str, num_classes: Optional[int], cuda: CudaOptions = NO_CUDA_OPTIONS) -> None:
         nc = -1 if num_classes is None else int(num_classes)
         self.device = device
-        self.stack_rows, self.stack_joint, self.product = stack_rows, stack_joint, product
+        self.cuda = cuda
         self._num_classes = num_classes
         self.core: Any  # _core.CpuMoments or _cuda.CudaMoments
         if device == "cpu":
-            if stack_rows:
-                raise ValueError(STACK_CPU)
-            if product is not None:
-                raise ValueError(PRODUCT_CPU)
+            refusal = cuda.cpu_refusal()
+            if refusal is not None:
+                raise ValueError(refusal)
             self.core = _core.CpuMoments(nc)
             return
         self.core = _cuda_core(nc, device)
-        if product is not None:
-            algo, _, block = product.partition(":")
+        if cuda.product is not None:
+            algo, _, block = cuda.product.partition(":")
             self.core.set_product(algo, int(block) if block else 512)
-        if stack_rows:
-            self.core.set_stack(stack_rows, stack_joint)
+        if cuda.stack_rows:
+            self.core.set_stack(cuda.stack_rows, cuda.stack_joint)
 
     @property
     def staged_rows(self) -> int:
@@ -118,7 +116,7 @@ class CoreBackend:
         return 0 if self.device == "cpu" else int(self.core.staged_batches)
 
     def empty_like(self) -> "CoreBackend":
-        return CoreBackend(self.device, self._num_classes, self.stack_rows, self.stack_joint, self.product)
+        return CoreBackend(self.device, self._num_classes, self.cuda)
 
     def update(self, batch: Batch, precision: str) -> None:
         args = (*batch.args(), precision)
@@ -176,12 +174,11 @@ class CoreBackend:
     # the state dict (``_state``), exact, and a new accumulator on the same
     # device (CUDA: the state passes through the host).
     def __getstate__(self) -> dict:
-        return {"device": self.device, "num_classes": self._num_classes, "stack_rows": self.stack_rows,
-                "stack_joint": self.stack_joint, "product": self.product, "state": self.to_state()}
+        return {"device": self.device, "num_classes": self._num_classes, "cuda": self.cuda,
+                "state": self.to_state()}
 
     def __setstate__(self, st: dict) -> None:
-        CoreBackend.__init__(self, st["device"], st["num_classes"], st["stack_rows"], st.get("stack_joint", True),
-                             st.get("product"))
+        CoreBackend.__init__(self, st["device"], st["num_classes"], st["cuda"])
         self.from_state(st["state"])
 
 
@@ -371,12 +368,6 @@ class GroupedBackend(Lockable):
             out[i] = loo.to_state()
             suffix.merge(self.parts[i])
         return out
-
-
-STACK_CPU = ("stack_rows is an option of the CUDA backend (it stages rows before one device product); "
-             "the CPU backend has no staging: use stack_rows=0 with CPU data")
-PRODUCT_CPU = ("cuda_product is an option of the CUDA backend (how its device product is formed); "
-               "the CPU backend multiplies with its BLAS: leave cuda_product=None with CPU data")
 
 
 def _device_state(core: Any, device: str) -> dict:

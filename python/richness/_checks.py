@@ -63,6 +63,15 @@ def check_int(value: object, name: str, *, low: Optional[int] = None, high: Opti
     return int(value)
 
 
+def check_bool(value: object, name: str) -> bool:
+    """``value`` when it is True or False, else a TypeError naming ``name``
+    and the type given (numpy bools and integers are refused: an explicit
+    bool is asked for)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    return value
+
+
 def check_bool_or_none(value: object, name: str) -> Optional[bool]:
     """``value`` when it is True, False or None, else a TypeError naming
     ``name`` and the type given (numpy bools are refused: an explicit bool is

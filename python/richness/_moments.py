@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import re
 import threading
 import warnings
 from typing import Any, Callable, Optional, TypeVar, cast
@@ -16,13 +15,9 @@ from . import _adapt, _state, _statefile
 from . import finish as _finish
 from ._checks import check_int
 from ._backend import Backend, Batch, CoreBackend, GroupedBackend, Lockable
+from ._cuda_options import CudaOptions
 from ._report import Report
 from ._warnings import RichnessWarning
-
-
-# ``cuda_product``: an algorithm's name, optionally with ":block" (the CUDA
-# core checks the name and the block size when the device accumulator is made).
-_PRODUCT = re.compile(r"[a-z_]+(:[0-9]{1,9})?")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -71,31 +66,10 @@ class Moments(Lockable):
             (k float64 states of ``8 (p^2 + pC + C^2 + ...)`` bytes once filled);
             at most ``MAX_GROUPS`` (1024).
         group_seed: seed for the random assignment of updates to groups.
-        stack_rows: CUDA only (a ``ValueError`` on the CPU). 0 (default): one
-            product and one float64 merge per batch. N > 0: each batch is
-            centered on its own float64 mean and staged (narrowed to the
-            product precision) until the next would pass N rows; then one
-            product over all staged rows and one exact multi-batch merge.
-            Meant to fill the tensor cores better (not yet measured on a GPU;
-            benchmarks/RESULTS.md, "CUDA backend on an H200"). Costs ``N * (p + C
-            + T)`` device elements in the product precision (4 bytes fp32/tf32,
-            2 bf16, 8 fp64) plus a ``(p + C + T)^2`` product, per Moments (per
-            group with ``groups``). The state, ``n``, ``state_dict`` and
-            ``compute`` are those of the per-batch path up to the products'
-            rounding (staged rows are merged before anything reads the state);
-            ``update`` still never waits for the device. An ``update`` captured
-            in a CUDA graph takes the per-batch path (a replay must add its
-            batch again); rows staged before the capture are merged later.
-            ``staged_rows`` and ``staged_batches`` say what waits in the stage.
-        stack_joint: with ``stack_rows``, one product over the staged rows of
-            features, outputs and targets side by side (default), or one
-            product per block (False).
-        cuda_product: CUDA only. How the device forms X^T X: ``"auto"``
-            (measured once per shape, the fastest kept), ``"syrk"``, ``"gemm"``,
-            ``"block_rows"`` or ``"tiles"``, optionally with a block size
-            (``"tiles:16"``; default 512). None: ``RICHNESS_CUDA_PRODUCT`` if
-            set, else auto. The products agree up to their rounding; for
-            benchmarks and checks.
+        cuda: a ``CudaOptions`` that tunes the CUDA backend (staging rows
+            before one device product, how X^T X is formed), for benchmarks
+            and checks; None: the defaults. A state on the CPU refuses
+            non-default options with a ``ValueError``.
 
     ``update`` adds a batch; ``merge`` adds another state; ``compute`` finishes
     a ``Report`` without touching the state. Invalid input raises and leaves
@@ -111,8 +85,7 @@ class Moments(Lockable):
 
     def __init__(self, num_classes: Optional[int] = None, *, device: Optional[str] = None,
                  precision: Optional[str] = None, groups: Optional[int] = None,
-                 group_seed: Optional[int] = None, stack_rows: int = 0, stack_joint: bool = True,
-                 cuda_product: Optional[str] = None) -> None:
+                 group_seed: Optional[int] = None, cuda: Optional[CudaOptions] = None) -> None:
         groups = check_int(groups, "groups", low=2, high=MAX_GROUPS, allow_none=True,
                            note="each group holds a whole state: k groups cost k times the memory")
         if group_seed is not None and groups is None:
@@ -128,16 +101,11 @@ class Moments(Lockable):
                 device = "cuda:0"
         if device == "cpu" and precision is not None:
             _state.check_runs_on_cpu(precision)
-        stack_rows = check_int(stack_rows, "stack_rows", low=0, high=2**31 - 1, what="an integer in [0, 2**31)")
-        if cuda_product is not None and (not isinstance(cuda_product, str)
-                                         or not _PRODUCT.fullmatch(cuda_product)):
-            raise ValueError(f"cuda_product must be None or an algorithm's name, optionally with ':block' "
-                             f"(an integer), as in 'tiles:16'; got {cuda_product!r}")
-        # stack_rows and cuda_product on the CPU are refused by CoreBackend, where the device is
+        if cuda is not None and not isinstance(cuda, CudaOptions):
+            raise TypeError(f"cuda must be a richness.CudaOptions or None, got {type(cuda).__name__}")
+        # non-default options on the CPU are refused by CoreBackend, where the device is
         # known: here below (device given) or at the first batch, merge or load.
-        self.stack_rows = int(stack_rows)
-        self.stack_joint = bool(stack_joint)
-        self.cuda_product = cuda_product
+        self._cuda = CudaOptions() if cuda is None else cuda
         self.num_classes = None if num_classes is None else int(num_classes)
         self.precision = precision
         self._device = device
@@ -151,7 +119,7 @@ class Moments(Lockable):
     # -- routing ---------------------------------------------------------------
 
     def _make_backend(self, device: str) -> CoreBackend:
-        return CoreBackend(device, self.num_classes, self.stack_rows, self.stack_joint, self.cuda_product)
+        return CoreBackend(device, self.num_classes, self._cuda)
 
     def _new_backend(self, device: str) -> Backend:
         if self._groups is None:
@@ -171,7 +139,7 @@ class Moments(Lockable):
 
     @property
     def staged_rows(self) -> int:
-        """Rows staged on the device (``stack_rows``) and not yet in the state;
+        """Rows staged on the device (``CudaOptions.stack_rows``) and not yet in the state;
         0 without staging. Host-known: reading it never waits for the device."""
         return 0 if self._backend is None else self._backend.staged_rows
 
