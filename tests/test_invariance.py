@@ -109,8 +109,9 @@ def test_invertible_mixing_of_outputs(prob):
     G = well_conditioned(rng, F.shape[1])
     Fm = (F.astype(np.float64) @ G).astype(dtype)
     assert abs(dlr_of(X, Fm) - dlr_of(X, F)) < TOL[dtype]
-    # head mode: mixing the head's rows (and bias) is mixing its outputs
-    W = rng.normal(size=(F.shape[1], X.shape[1]))
+    # head mode: mixing the head's rows (and bias) is mixing its outputs; the head is well
+    # conditioned too (rows of a well-conditioned p x p matrix: C <= p here)
+    W = well_conditioned(rng, X.shape[1])[:F.shape[1]]
     m = richness.Moments()
     m.update(X)
     assert abs(m.compute(head_weights=(G.T @ W, None)).dlr - m.compute(head_weights=W).dlr) < TOL[dtype]
