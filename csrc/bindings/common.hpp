@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../common/merge.hpp"
+#include "../common/moments.hpp"
 #include "../common/parallel.hpp"
 #include "../common/state.hpp"
 #include "../common/types.hpp"
@@ -73,6 +74,72 @@ inline py::list precision_table() {
     out.append(d);
   }
   return out;
+}
+
+// Raises an instance of the exception class `cls` with message `what` and
+// the attributes stream, row and limit (None where empty or negative). If
+// making it fails (out of memory), that error is what is raised.
+inline void raise_input_error(py::handle cls, const char* what, const std::string& stream, int64_t row,
+                              const std::string& limit) {
+  PyObject* e = PyObject_CallFunction(cls.ptr(), "s", what);
+  if (!e) return;
+  auto none = [] {
+    Py_INCREF(Py_None);  // (Py_NewRef is Python 3.10 on)
+    return Py_None;
+  };
+  PyObject* values[3] = {stream.empty() ? none() : PyUnicode_FromString(stream.c_str()),
+                         row < 0 ? none() : PyLong_FromLongLong((long long)row),
+                         limit.empty() ? none() : PyUnicode_FromString(limit.c_str())};
+  const char* names[3] = {"stream", "row", "limit"};
+  bool ok = true;
+  for (int i = 0; i < 3; ++i) {
+    ok = ok && values[i] && PyObject_SetAttrString(e, names[i], values[i]) == 0;
+    Py_XDECREF(values[i]);
+  }
+  if (ok) PyErr_SetObject(cls.ptr(), e);
+  else if (!PyErr_Occurred()) PyErr_NoMemory();
+  Py_DECREF(e);
+}
+
+// The exceptions for refused inputs, both with the attributes stream
+// ("features", "outputs", "labels", "targets" or None for the batch as a
+// whole), row (the row where known, else None) and limit (the limit broken,
+// common/types.hpp's input_error, or None): InputError (a ValueError) and
+// DTypeError (a TypeError: an element type; row and limit None). _core
+// defines them (`define`); _cuda takes _core's, so one class is caught
+// whichever backend refused. Registered at import, with the translator that
+// fills the attributes.
+inline void register_input_errors(py::module_& m, bool define) {
+  static py::handle input, dtype;
+  if (define) {
+    input = py::register_local_exception<input_error>(m, "InputError", PyExc_ValueError);
+    dtype = py::register_local_exception<type_error>(m, "DTypeError", PyExc_TypeError);
+    for (py::handle cls : {input, dtype}) {
+      cls.attr("stream") = py::none();
+      cls.attr("row") = py::none();
+      cls.attr("limit") = py::none();
+    }
+    input.attr("__doc__") =
+        "An input the core refuses (a ValueError): stream names the input it lies in ('features', 'outputs', "
+        "'labels', 'targets'; None for the batch as a whole), row the row where known, limit the limit it "
+        "breaks ('finite', 'overflow', 'underflow', 'num_classes', 'non-negative', 'class growth', 'int64'; "
+        "None for a shape or a stream).";
+  } else {
+    const py::module_ core = py::module_::import("richness._core");
+    input = py::object(core.attr("InputError")).release();  // held for the life of the process, as the translator is
+    dtype = py::object(core.attr("DTypeError")).release();
+    m.attr("InputError") = input;
+    m.attr("DTypeError") = dtype;
+  }
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const input_error& e) {
+      raise_input_error(input, e.what(), e.stream, e.row, e.limit);
+    } catch (const type_error& e) {
+      raise_input_error(dtype, e.what(), e.stream, -1, "");
+    }
+  });
 }
 
 // A constructor's num_classes: -1 (the classes grow with the labels) or a
@@ -303,6 +370,13 @@ inline py::list state_field_table() {
   return out;
 }
 
+// The widths of a dict with the keys p, c, t, k, num_classes (and n, where
+// `with_n`; else n is 0).
+inline Widths widths_of(const py::dict& d, bool with_n = true) {
+  return Widths{with_n ? d["n"].cast<int64_t>() : 0, d["p"].cast<int64_t>(), d["c"].cast<int64_t>(),
+                d["t"].cast<int64_t>(), d["k"].cast<int64_t>(), d["num_classes"].cast<int64_t>()};
+}
+
 // A state dict's scalars (n, widths, num_classes, precision) into s (a State or StateArrays).
 template <typename S>
 void import_scalars(const py::dict& d, S& s) {
@@ -315,6 +389,8 @@ void import_scalars(const py::dict& d, S& s) {
   s.precision = precision_of(d["precision"].cast<std::string>());
 }
 
+// A state dict as a State (each array of the size its widths give; its
+// consistency is Moments::set_state's to check).
 inline State import_state(const py::dict& d) {
   State s;
   import_scalars(d, s);
@@ -322,8 +398,7 @@ inline State import_state(const py::dict& d) {
 #define RICHNESS_IMPORT(name, type, rows, cols, sym) s.name = take<type>(d, #name, s.size(rows) * s.size(cols));
   RICHNESS_STATE_ARRAYS(RICHNESS_IMPORT)
 #undef RICHNESS_IMPORT
-  s.check_consistent();
-  return s;
+  return s;  // Moments::set_state checks it (State::check_consistent)
 }
 
 }  // namespace pystate

@@ -24,7 +24,7 @@ PYBIND11_MODULE(_core, m) {
   // tables now, at import. Created lazily, they would be allocated while the
   // first exception is translated, and a std::bad_alloc there (under a memory
   // limit) would end the process instead of raising MemoryError.
-  py::register_local_exception<type_error>(m, "DTypeError", PyExc_TypeError);
+  register_input_errors(m, /*define=*/true);
 
   py::register_local_exception_translator([](std::exception_ptr e) {
     try {
@@ -57,7 +57,10 @@ PYBIND11_MODULE(_core, m) {
             self.update(args.batch(), prec);
           },
           RICHNESS_BATCH_ARGS, py::arg("precision") = "fp32", "Add a batch.")
-      .def("merge", &CpuMoments::merge, py::arg("other"), release())
+      .def(
+          "merge", [](CpuMoments& self, CpuMoments& other) { self.merge_from(other); }, py::arg("other"), release(),
+          "Chan's merge of another state into this one (the merge rule first: "
+          "check_compatible_for_merge).")
       .def("reset", &CpuMoments::reset, release())
       .def("get_state",
            [](const CpuMoments& self) {
@@ -162,13 +165,13 @@ PYBIND11_MODULE(_core, m) {
             State head;
             {
               py::gil_scoped_release release;
-              head = self.widths();
+              head = self.scalars();
             }
             return shape_of(head);
           },
           "Widths, class count and precision (the same keys as the CUDA backend's shape()).")
       .def_property_readonly("n",
-                             [](const CpuMoments& self) {
+                             [](CpuMoments& self) {
                                py::gil_scoped_release release;
                                return self.n();
                              })
@@ -183,13 +186,26 @@ PYBIND11_MODULE(_core, m) {
       "check_batch",
       [](const py::dict& widths, const MatrixArg& features, std::optional<MatrixArg> outputs,
          std::optional<MatrixArg> labels, std::optional<MatrixArg> targets) {
-        Widths w{0, widths["p"].cast<int64_t>(), widths["c"].cast<int64_t>(), widths["t"].cast<int64_t>(),
-                 widths["k"].cast<int64_t>(), widths["num_classes"].cast<int64_t>()};
         const BatchArgs args(features, outputs, labels, targets);
-        validate_batch(w, args.batch());
+        validate_batch(widths_of(widths, false), args.batch());
       },
       py::arg("widths"), RICHNESS_BATCH_ARGS,
       "Raise unless the batch fits a state of these widths (shapes and streams; reads no data).");
+  m.def(
+      "check_compatible_for_merge",
+      [](const std::vector<py::dict>& metas) {
+        std::vector<Widths> all;
+        for (const py::dict& d : metas) all.push_back(widths_of(d));
+        Moments::check_compatible_for_merge(all);
+      },
+      py::arg("widths"),
+      "Raise ValueError unless states of these widths (dicts of n, p, c, t, k, num_classes) merge: the merge "
+      "rule of every merge (python/richness/_state.py's check_compatible calls it).");
+  m.def(
+      "check_state",
+      [](const py::dict& d) { import_state(d).check_consistent(); }, py::arg("state"),
+      "Raise ValueError unless the state dict is one the core imports (widths, sizes, class counts: "
+      "State::check_consistent).");
   m.def(
       "centered_grams",
       [](const MatrixArg& x, int64_t per, const std::string& precision, uintptr_t out, uintptr_t norms) {
@@ -243,6 +259,10 @@ PYBIND11_MODULE(_core, m) {
   m.def("state_fields", &state_field_table,
         "The state's arrays in order: name, element type, row and column widths, symmetric "
         "(python/richness/_state.py lists the same; a test compares the two).");
+  m.def("available_memory", &available_memory,
+        "Bytes this process can still allocate now: MemAvailable (physical memory where /proc does not say) "
+        "and, under an address-space limit, the limit less VmSize (the check every update makes before "
+        "allocating; python/richness/_bounded_io.py asks it too).");
   m.def("blas_info", &blas_info);
   m.def("blas_get_num_threads", &blas_get_num_threads);
   m.def("blas_set_num_threads", &blas_set_num_threads, py::arg("n"));

@@ -46,7 +46,7 @@ PYBIND11_MODULE(_cuda, m) {
   // tables now, at import. Created lazily, they would be allocated while the
   // first exception is translated, and a std::bad_alloc there (under a memory
   // limit) would end the process instead of raising MemoryError.
-  py::register_local_exception<type_error>(m, "DTypeError", PyExc_TypeError);
+  register_input_errors(m, /*define=*/false);
 
   py::class_<LockedCudaMoments>(m, "CudaMoments",
                                 "Streamed float64 co-moments on a CUDA device. Thread-safe: one object may be "
@@ -77,23 +77,23 @@ PYBIND11_MODULE(_cuda, m) {
             py::gil_scoped_release release;
             if (&other == &self) {
               std::lock_guard<std::mutex> lock(self.mu);
-              self.merge(other);
+              self.merge_from(other);
               return;
             }
             std::scoped_lock lock(self.mu, other.mu);  // std::lock order: a.merge(b) beside b.merge(a) is safe
-            self.merge(other);
+            self.merge_from(other);
           },
           py::arg("other"))
       .def("reset", [](LockedCudaMoments& self) { locked(self, [](CudaMoments& s) { s.reset(); }); })
       .def("get_state",
            [](LockedCudaMoments& self) {
-             State s = locked(self, [](CudaMoments& c) { return c.download(); });
+             State s = locked(self, [](CudaMoments& c) { return c.get_state(); });
              return export_state(s);
            })
       .def("set_state",
            [](LockedCudaMoments& self, const py::dict& d) {
-             const State s = import_state(d);
-             locked(self, [&](CudaMoments& c) { c.upload(s); });
+             State s = import_state(d);
+             locked(self, [&](CudaMoments& c) { c.set_state(std::move(s)); });
            })
       .def(
           "export_to",

@@ -1,6 +1,7 @@
 // State's methods: reset, the merge of two states and of a state into the
 // caller's arrays (one merge, common/merge.hpp), the feature co-moment's norm.
 #include "merge.hpp"
+#include "moments.hpp"
 #include "msg.hpp"
 
 #include <algorithm>
@@ -32,10 +33,16 @@ Block<double> block_of(const State& o) {
   return b;
 }
 
+// The merge rule (Moments::check_compatible_for_merge), asked before a state
+// without samples is skipped.
 template <typename S>
-void check_merge(const S& s, const State& o, const Block<double>& b) {
-  check_mergeable({s.n, s.p, s.c, s.t, s.k, s.num_classes}, {o.n, o.p, o.c, o.t, o.k, o.num_classes});
-  check_count_fits(s.n, o.n, "nothing was merged");
+void check_compatible(const S& s, const State& o) {
+  Moments::check_compatible_for_merge(Widths{s.n, s.p, s.c, s.t, s.k, s.num_classes},
+                                      Widths{o.n, o.p, o.c, o.t, o.k, o.num_classes});
+}
+
+template <typename S>
+void check_overflow(const S& s, const Block<double>& b) {
   const int which = overflow_of(s, b);
   if (which >= 0)
     throw std::invalid_argument(std::string("cannot merge: the merged ") + stream_name(which) +
@@ -44,9 +51,10 @@ void check_merge(const S& s, const State& o, const Block<double>& b) {
 }  // namespace
 
 void State::merge(const State& o, int64_t workers) {
+  check_compatible(*this, o);
   if (o.p < 0 || o.n == 0) return;
   const Block<double> b = block_of(o);
-  check_merge(*this, o, b);
+  check_overflow(*this, b);
   Target target(*this, o.p, o.c, o.t, o.k < 0 ? -1 : std::max<int64_t>(o.k, num_classes));
   MergeWork work(b.width);
   target.grow();
@@ -59,9 +67,10 @@ void State::merge(const State& o, int64_t workers) {
 }
 
 void merge_into(StateArrays& s, const State& o, int64_t workers) {
+  check_compatible(s, o);
   if (o.p < 0 || o.n == 0) return;
   const Block<double> b = block_of(o);
-  check_merge(s, o, b);
+  check_overflow(s, b);
   State merged;  // the merged widths, as State::merge's Target sizes them
   if (s.n == 0 || s.p < 0) {
     merged = o.scalars();

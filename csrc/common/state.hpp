@@ -16,38 +16,16 @@
 
 namespace richness {
 
-// Throws unless a state of widths `a` may absorb one of widths `b` (b is not
-// empty). An empty `a` takes b's widths, within its own num_classes.
-inline void check_mergeable(const Widths& a, const Widths& b) {
-  auto differ = [](const char* what, int64_t x, int64_t y) {
-    Msg os;
-    os << "cannot merge: " << what << " differ (" << x << " here, " << y << " in the other)";
-    throw std::invalid_argument(os.str());
-  };
-  if (a.p >= 0 && a.n > 0) {
-    if (b.p != a.p) differ("feature widths", a.p, b.p);
-    if ((b.c < 0) != (a.c < 0)) throw std::invalid_argument("cannot merge: only one side streamed outputs");
-    if ((b.t < 0) != (a.t < 0)) throw std::invalid_argument("cannot merge: only one side streamed targets");
-    if ((b.k < 0) != (a.k < 0)) throw std::invalid_argument("cannot merge: only one side streamed labels");
-    if (a.c >= 0 && b.c != a.c) differ("output widths", a.c, b.c);
-    if (a.t >= 0 && b.t != a.t) differ("target widths", a.t, b.t);
-    if (a.k >= 0 && a.num_classes >= 0 && b.k > a.num_classes) differ("class counts", a.num_classes, b.k);
-  } else if (a.num_classes >= 0 && b.k > a.num_classes) {
-    Msg os;
-    os << "cannot merge: the other state has " << b.k << " classes, more than num_classes=" << a.num_classes;
-    throw std::invalid_argument(os.str());
-  }
-}
-
-// Refuses, before anything changes, a merge or an update that would take the
-// sample count n past int64 (class counts add up to n, so they cannot wrap
-// first). `unchanged` ends the message: what was left as it was.
+// Refuses, before anything changes, an update that would take the sample
+// count n past int64 (class counts add up to n, so they cannot wrap first).
+// `unchanged` ends the message: what was left as it was. (A merge's bound is
+// part of the merge rule, Moments::check_compatible_for_merge.)
 inline void check_count_fits(int64_t n, int64_t more, const char* unchanged) {
   if (more <= std::numeric_limits<int64_t>::max() - n) return;
   Msg os;
   os << "the sample count would pass 2**63 - 1 (" << n << " + " << more << "), the largest an int64 holds; "
      << unchanged;
-  throw std::invalid_argument(os.str());
+  throw input_error(os.str(), "", -1, "int64");
 }
 
 // Without num_classes the class arrays grow to the largest label; a stray
@@ -160,17 +138,23 @@ inline State State::scalars() const {
 }
 
 // Header-inline so that the device backend (which does not link the CPU
-// core) validates imported states with the same rules.
+// core) validates imported states with the same rules. The structural rules
+// of a state (widths in range, array sizes, class counts adding up to n):
+// python/richness/_state.py's validator (`checked`) refuses every state this
+// refuses, and adds the rules on values (finite, symmetric, semi-definite,
+// class sums against the mean) that only Python checks; tests/test_core_rules.py
+// generates states and checks the two agree on these rules.
 inline void State::check_consistent() const {
   auto need = [](bool ok, const char* what) {
     if (!ok) throw std::invalid_argument(std::string("inconsistent state: ") + what);
   };
   need(n >= 0, "n is negative");
-  if (n == 0 && p < 0) return;
-  need(p >= 1, "feature width must be positive");
+  need(p == -1 || p >= 1, "feature width must be -1 (not yet known) or positive");
+  need(n == 0 || p >= 1, "samples without a feature width");
   need(c == -1 || c >= 1, "output width");
   need(t == -1 || t >= 1, "target width");
-  need(k == -1 || k >= 0, "class count");
+  need(k >= -1, "class count");
+  need(num_classes == -1 || num_classes >= 1, "num_classes must be -1 (not fixed) or positive");
 #define RICHNESS_CHECK_SIZE(name, type, rows, cols, sym) \
   need((int64_t)name.size() == size(rows) * size(cols), #name " does not match the widths");
   RICHNESS_STATE_ARRAYS(RICHNESS_CHECK_SIZE)
@@ -179,6 +163,7 @@ inline void State::check_consistent() const {
   int64_t total = 0;
   for (int64_t v : class_counts) {
     need(v >= 0, "negative class count");
+    need(v <= n - total, "class counts do not add up to n");  // total + v, without wrapping past int64
     total += v;
   }
   need(k < 0 || total == n, "class counts do not add up to n");

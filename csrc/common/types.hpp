@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "msg.hpp"
 
@@ -48,9 +49,28 @@ struct Matrix {
   DType dtype = DType::f32;
 };
 
-// Raised for inputs of the wrong element type; bindings map it to TypeError.
+// An input the core refuses, with where it lies: the stream ("features",
+// "outputs", "labels", "targets"; empty for the batch as a whole), the row
+// where one is known (-1 otherwise) and the limit it breaks ("finite",
+// "overflow" and "underflow" of the values or their products, "num_classes",
+// "non-negative" and "class growth" of the labels, "int64" of the sample
+// count; empty for a shape, a stream or a dtype). what() is the whole message. Bindings raise
+// richness._core.InputError (a ValueError) with stream, row and limit as
+// attributes (None where empty), so callers attribute an error without
+// reading its text (the command line names the file of the stream).
+struct input_error : std::invalid_argument {
+  std::string stream, limit;
+  int64_t row = -1;
+  input_error(const std::string& what, std::string stream_, int64_t row_ = -1, std::string limit_ = "")
+      : std::invalid_argument(what), stream(std::move(stream_)), limit(std::move(limit_)), row(row_) {}
+};
+
+// Raised for inputs of the wrong element type, naming the stream; bindings
+// map it to TypeError (richness._core.DTypeError, with a stream attribute).
 struct type_error : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
+  std::string stream;
+  explicit type_error(const std::string& what, std::string stream_ = "")
+      : std::invalid_argument(what), stream(std::move(stream_)) {}
 };
 
 // One batch as the CPU backend sees it.
@@ -69,29 +89,29 @@ inline void check_float_shape(const Matrix& m, const char* name, int64_t rows, i
   if (!is_float(m.dtype)) {
     Msg os;
     os << name << " must be float32, float64, float16 or bfloat16, got " << dtype_name(m.dtype);
-    throw type_error(os.str());
+    throw type_error(os.str(), name);
   }
   if (m.cols < 1) {
     Msg os;
     os << name << " must have at least one column, got shape (" << m.rows << ", " << m.cols << ")";
-    throw std::invalid_argument(os.str());
+    throw input_error(os.str(), name);
   }
   if (m.rows != rows) {
     Msg os;
     os << name << " has " << m.rows << " rows but features have " << rows;
-    throw std::invalid_argument(os.str());
+    throw input_error(os.str(), name);
   }
   if (width >= 0 && m.cols != width) {
     Msg os;
     os << name << " have " << m.cols << " columns but earlier updates had " << width;
-    throw std::invalid_argument(os.str());
+    throw input_error(os.str(), name);
   }
   if (m.rows > 1 && m.ld < m.cols) {
     Msg os;
     os << name << ": row stride " << m.ld << " is smaller than the width " << m.cols;
-    throw std::invalid_argument(os.str());
+    throw input_error(os.str(), name);
   }
-  if (m.rows > 0 && m.ptr == nullptr) throw std::invalid_argument(std::string(name) + ": null pointer");
+  if (m.rows > 0 && m.ptr == nullptr) throw input_error(std::string(name) + ": null pointer", name);
 }
 
 // Widths of a state (-1: not streamed, or num_classes not fixed): what a batch
@@ -109,18 +129,20 @@ inline void validate_batch(const Widths& s, const Batch& b) {
   if (!is_float(x.dtype)) {
     Msg os;
     os << "features must be float32, float64, float16 or bfloat16, got " << dtype_name(x.dtype);
-    throw type_error(os.str());
+    throw type_error(os.str(), "features");
   }
-  if (x.rows < 0) throw std::invalid_argument("features: negative row count");
+  if (x.rows < 0) throw input_error("features: negative row count", "features");
   const bool started = s.p >= 0;
   if (started) {
     auto stream = [](bool had, bool has, const char* name) {
       if (had && !has)
-        throw std::invalid_argument(std::string("this Moments streamed ") + name + " before; pass " + name +
-                                    "= on every update");
+        throw input_error(std::string("this Moments streamed ") + name + " before; pass " + name +
+                              "= on every update",
+                          name);
       if (!had && has)
-        throw std::invalid_argument(std::string("this Moments was started without ") + name +
-                                    "; a stream cannot be added later (use a new Moments)");
+        throw input_error(std::string("this Moments was started without ") + name +
+                              "; a stream cannot be added later (use a new Moments)",
+                          name);
     };
     stream(s.c >= 0, b.outputs != nullptr, "outputs");
     stream(s.t >= 0, b.targets != nullptr, "targets");
@@ -134,14 +156,14 @@ inline void validate_batch(const Widths& s, const Batch& b) {
     if (y.dtype != DType::i32 && y.dtype != DType::i64) {
       Msg os;
       os << "labels must be integers (int32 or int64), got " << dtype_name(y.dtype);
-      throw type_error(os.str());
+      throw type_error(os.str(), "labels");
     }
     if (y.rows != x.rows) {
       Msg os;
       os << "labels has " << y.rows << " rows but features have " << x.rows;
-      throw std::invalid_argument(os.str());
+      throw input_error(os.str(), "labels");
     }
-    if (y.rows > 0 && y.ptr == nullptr) throw std::invalid_argument("labels: null pointer");
+    if (y.rows > 0 && y.ptr == nullptr) throw input_error("labels: null pointer", "labels");
   }
 }
 

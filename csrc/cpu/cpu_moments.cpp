@@ -7,10 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <type_traits>
 #include <atomic>
+#include <chrono>
 #include <limits>
 #include <optional>
 #include <set>
@@ -281,7 +284,7 @@ void means_checked(const Matrix& m, const char* name, std::vector<double>& mu, d
        << " (NaN or Inf); the batch was not added";
   else
     os << name << " overflow float64 when summed; rescale them; the batch was not added";
-  throw std::invalid_argument(os.str());
+  throw input_error(os.str(), name, -1, bad > 0 ? "finite" : "overflow");
 }
 
 // ---- products -------------------------------------------------------------
@@ -302,14 +305,6 @@ void center_rows(const Matrix& m, const std::vector<double>& mu, T* out, int64_t
   });
 }
 
-// Bytes this machine can give one process: physical memory, or less under a
-// ulimit -v. A request above it cannot succeed, so it is refused unallocated.
-double memory_limit() {
-  double limit = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGE_SIZE);
-  struct rlimit rl;
-  if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) limit = std::min(limit, (double)rl.rlim_cur);
-  return limit > 0 ? limit : std::numeric_limits<double>::infinity();
-}
 
 // OpenBLAS maps a 32 MiB buffer (BUFFER_SIZE on x86-64) for each thread the
 // first time it calls BLAS (freed when the thread ends), and ends the process
@@ -360,6 +355,56 @@ int64_t blas_workers(int64_t wanted, ScratchOf&& scratch_of) {
 
 }  // namespace
 
+// ---- memory -----------------------------------------------------------------
+
+namespace {
+// A "Field:  N kB" line of a /proc file, in bytes (negative where unreadable).
+double proc_kib(const char* path, const char* field) {
+  FILE* f = std::fopen(path, "r");
+  if (!f) return -1.0;
+  char line[256];
+  const size_t len = std::strlen(field);
+  double out = -1.0;
+  while (std::fgets(line, sizeof line, f)) {
+    if (std::strncmp(line, field, len) == 0 && line[len] == ':') {
+      char* end = nullptr;
+      const double kib = std::strtod(line + len + 1, &end);
+      if (end != line + len + 1) out = kib * 1024.0;
+      break;
+    }
+  }
+  std::fclose(f);
+  return out;
+}
+
+// MemAvailable, read at most every 50 ms (reading /proc/meminfo takes about
+// 10 us, which a small batch's update would notice; the system's figure moves
+// with other processes anyway).
+double system_available() {
+  static std::atomic<int64_t> read_at{-1};  // -1: never read
+  static std::atomic<double> value{0.0};
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  const int64_t at = read_at.load(std::memory_order_acquire);
+  if (at >= 0 && now - at < 50) return value.load(std::memory_order_relaxed);
+  double avail = proc_kib("/proc/meminfo", "MemAvailable");
+  if (avail < 0.0) avail = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGE_SIZE);
+  value.store(avail, std::memory_order_relaxed);
+  read_at.store(now, std::memory_order_release);
+  return avail;
+}
+}  // namespace
+
+double available_memory() {
+  double avail = system_available();
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    const double used = proc_kib("/proc/self/status", "VmSize");
+    avail = std::min(avail, (double)rl.rlim_cur - std::max(used, 0.0));
+  }
+  return std::max(avail, 0.0);
+}
+
 // ---- labels -----------------------------------------------------------------
 
 // A batch's labels, read from the caller's memory once: the range check, the
@@ -383,13 +428,13 @@ void check_labels(const std::vector<int64_t>& y, int64_t num_classes, int64_t p)
       os << "labels out of range: label " << v << " at row " << i;
       if (num_classes >= 0) os << " (num_classes=" << num_classes << ")";
       else os << " (labels must be >= 0)";
-      throw std::invalid_argument(os.str());
+      throw input_error(os.str(), "labels", (int64_t)i, num_classes >= 0 ? "num_classes" : "non-negative");
     }
     if (num_classes < 0 && v >= growth_cap) {
       Msg os;
       os << "label " << v << " at row " << i << " would grow the class sums past 1 GiB (" << growth_cap
          << " classes at p=" << p << "); pass num_classes to Moments if this many classes is intended";
-      throw std::invalid_argument(os.str());
+      throw input_error(os.str(), "labels", (int64_t)i, "class growth");
     }
   }
 }
@@ -464,7 +509,7 @@ struct BatchClasses {
       Msg os;
       os << "features: the sums of class " << classes[g] << " are not finite (a value changed to NaN or Inf "
          << "while the batch was read, or the sums overflow float64); the batch was not added";
-      throw std::invalid_argument(os.str());
+      throw input_error(os.str(), "features", -1, "finite");
     }
   }
 
@@ -530,12 +575,13 @@ void CpuMoments::update(const Batch& b, Precision precision) {
   update_locked(b, precision);
 }
 
-void CpuMoments::merge(const CpuMoments& other) {
+void CpuMoments::merge_same(Moments& from) {
+  const CpuMoments& other = static_cast<const CpuMoments&>(from);
   const ParkWorkers park;
   if (&other == this) {  // merging with itself doubles it: read a copy first
     const State copy = snapshot();
     std::lock_guard<std::mutex> lock(mu_);
-    state_.merge(copy, blas_get_num_threads());
+    state_.merge(copy, blas_get_num_threads());  // the merge rule first (Moments::check_compatible_for_merge)
     return;
   }
   std::scoped_lock lock(mu_, other.mu_);  // std::lock order: no deadlock between a.merge(b) and b.merge(a)
@@ -552,17 +598,22 @@ State CpuMoments::snapshot() const {
   return state_;
 }
 
-State CpuMoments::widths() const {
+State CpuMoments::scalars() const {
   std::lock_guard<std::mutex> lock(mu_);
   return state_.scalars();
 }
 
-void CpuMoments::set_state(State s) {
+Widths CpuMoments::widths() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Widths{state_.n, state_.p, state_.c, state_.t, state_.k, state_.num_classes};
+}
+
+void CpuMoments::replace_state(State s) {
   std::lock_guard<std::mutex> lock(mu_);
   state_ = std::move(s);
 }
 
-int64_t CpuMoments::n() const {
+int64_t CpuMoments::n() {
   std::lock_guard<std::mutex> lock(mu_);
   return state_.n;
 }
@@ -588,7 +639,7 @@ void check_spread(const Batch& b, const BatchMeans& means, Precision precision) 
        << precision_name(precision) << " products: their squares underflow "
        << (fp64 ? "float64" : "float32") << "; rescale them (DLR does not depend on the scale)"
        << (fp64 ? "" : " or use precision='fp64'") << "; the batch was not added";
-    throw std::invalid_argument(os.str());
+    throw input_error(os.str(), stream_name(i), -1, "underflow");
   }
 }
 
@@ -628,7 +679,7 @@ void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, in
   const double square = 8.0 * P * P;
   const double state = first ? 8.0 * (P + C + Tt + per_part + K * (P + 1)) : 0.0;
   const double classes = !first && K > (double)st.k ? 8.0 * K * (P + 1) : 0.0;
-  const double need = scratch + state + classes, limit = memory_limit();
+  const double need = scratch + state + classes, limit = available_memory();
   if (need <= limit) return;
   Msg os;
   os << "this batch needs " << Sci{need} << " bytes";
@@ -845,7 +896,7 @@ void CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels
        << " (largest magnitude in the batch " << Sci{means.magnitude[which]}
        << "); rescale them (DLR does not depend on the scale)"
        << (std::is_same<T, float>::value ? " or use precision='fp64'" : "") << "; the batch was not added";
-    throw std::invalid_argument(os.str());
+    throw input_error(os.str(), stream_name(which), -1, "overflow");
   }
   std::optional<BatchClasses> classes;
   if (b.labels) classes.emplace(x, labels, state_, sc.class_sums);

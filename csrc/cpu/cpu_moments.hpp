@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../common/merge.hpp"
+#include "../common/moments.hpp"
 #include "../common/state.hpp"
 #include "../common/types.hpp"
 
@@ -38,8 +39,18 @@ struct memory_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// CPU backend: centers each batch on its float64 mean, multiplies with BLAS
-// (GEMM tiles shared by the workers, cpu/products.hpp), merges with State::merge semantics.
+// Bytes this process can still allocate now: the memory the system reports
+// available (MemAvailable; physical memory where /proc does not say) and,
+// under a limit on the address space (ulimit -v), what is left of it (the
+// limit less VmSize). The one memory model of richness: every update checks
+// its state and scratch against it before allocating, and Python's
+// _bounded_io.check_memory (files of unknown origin) asks it through
+// _core.available_memory.
+double available_memory();
+
+// CPU backend (a Moments, common/moments.hpp): centers each batch on its
+// float64 mean, multiplies with BLAS (GEMM tiles shared by the workers,
+// cpu/products.hpp), merges with State::merge.
 //
 // Thread-safe: every public method holds the object's mutex for its whole
 // call, so several threads may update, merge into and read one CpuMoments;
@@ -49,10 +60,10 @@ struct memory_error : std::runtime_error {
 // Fork-safe: a fork waits for the calls in progress on every CpuMoments to
 // finish (pthread_atfork holds all their mutexes across the fork), so the
 // child gets each object unlocked, with a state between whole batches.
-class CpuMoments {
+class CpuMoments final : public Moments {
  public:
   explicit CpuMoments(int64_t num_classes = -1);
-  ~CpuMoments();
+  ~CpuMoments() override;
   CpuMoments(const CpuMoments&) = delete;
   CpuMoments& operator=(const CpuMoments&) = delete;
 
@@ -60,8 +71,13 @@ class CpuMoments {
   // inputs are widened to float after centering). tf32/bf16 are GPU modes.
   // On any error (bad input, overflow, out of memory) the state is unchanged.
   void update(const Batch& b, Precision precision);
-  void merge(const CpuMoments& other);
-  void reset();
+
+  // Moments (common/moments.hpp)
+  const char* backend() const override { return "cpu"; }
+  Widths widths() override;
+  int64_t n() override;
+  void reset() override;
+  State get_state() override { return snapshot(); }
 
   State snapshot() const;      // a consistent copy of the state
   // fn(state) under the object's lock: reads the state in place (no copy).
@@ -70,10 +86,12 @@ class CpuMoments {
     std::lock_guard<std::mutex> lock(mu_);
     fn(static_cast<const State&>(state_));
   }
-  State widths() const;        // its scalar fields only (n, widths, precision), no arrays
-  void set_state(State s);     // replaces the state (s already validated)
-  int64_t n() const;
+  State scalars() const;       // its scalar fields only (n, widths, precision), no arrays
   int64_t p() const;
+
+ protected:
+  void replace_state(State s) override;
+  void merge_same(Moments& other) override;  // State::merge, under both objects' locks
 
  private:
   mutable std::mutex mu_;  // guards state_ and the scratch

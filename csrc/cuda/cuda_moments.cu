@@ -579,26 +579,32 @@ void CudaMoments::export_to(const Targets& o) {
 
 // ---- merge of two states --------------------------------------------------------
 
-void CudaMoments::merge(CudaMoments& other) {
+Widths CudaMoments::widths() {
+  const int64_t here = n();  // synchronises: raises a pending error, settles the classes
+  return Widths{here, p_, c_, t_, k_, num_classes_};
+}
+
+void CudaMoments::merge_same(Moments& from) {
+  CudaMoments& other = static_cast<CudaMoments&>(from);
   if (&other == this) {
     State s = download();
     CudaMoments tmp(num_classes_, device_);
     tmp.upload(s);
-    merge(tmp);
+    merge_same(tmp);
     return;
   }
   sync_and_check();
-  const int64_t on = other.n();  // raises the other's pending error, if any
+  const Widths theirs = other.widths();  // raises the other's pending error, if any
+  const Widths mine = widths();
+  check_compatible_for_merge(mine, theirs);  // the merge rule, before anything changes
+  const int64_t on = theirs.n, here = mine.n;
   if (other.p_ < 0 || on == 0) return;
   if (other.device_ != device_) {
     CudaMoments tmp(other.num_classes_, device_);
     tmp.upload(other.download());
-    merge(tmp);
+    merge_same(tmp);
     return;
   }
-  const int64_t here = n();
-  check_mergeable({here, p_, c_, t_, k_, num_classes_}, {on, other.p_, other.c_, other.t_, other.k_, other.num_classes_});
-  check_count_fits(here, on, "nothing was merged");
   if (p_ < 0 || here == 0) {
     DeviceGuard g(device_);
     CUDA_CHECK(cudaDeviceSynchronize());

@@ -36,7 +36,8 @@
 #include <utility>
 #include <vector>
 
-#include "../common/state.hpp"  // State (data only)
+#include "../common/moments.hpp"  // the Moments interface
+#include "../common/state.hpp"    // State (data only)
 #include "../common/types.hpp"  // DType, Precision, Matrix
 
 typedef struct cublasContext* cublasHandle_t;
@@ -143,23 +144,28 @@ struct DeviceState {
   }
 };
 
-class CudaMoments {
+// A Moments (common/moments.hpp) whose state lives on a CUDA device.
+class CudaMoments : public Moments {
  public:
   CudaMoments(int64_t num_classes, int device);
-  ~CudaMoments();
+  ~CudaMoments() override;
   CudaMoments(const CudaMoments&) = delete;
   CudaMoments& operator=(const CudaMoments&) = delete;
 
   // Enqueues one batch on `stream` (cudaStream_t; 0 = legacy default stream).
   void update(const Matrix& features, const Matrix* outputs, const Matrix* labels, const Matrix* targets,
               Precision precision, cudaStream_t stream);
-  void merge(CudaMoments& other);  // synchronises both
-  void reset();
 
+  // Moments (common/moments.hpp). merge_from synchronises both.
+  const char* backend() const override { return "cuda"; }
+  void reset() override;
   // Synchronising accessors: each raises a pending device-side error first.
-  int64_t n();
+  int64_t n() override;
+  Widths widths() override;
+  State get_state() override { return download(); }
+
   State download();                 // float64 host copy (symmetric matrices filled)
-  void upload(const State& s);      // replaces the state
+  void upload(const State& s);      // replaces the state (consistent: set_state checks it)
   // Copies the state into caller-allocated device buffers (symmetric matrices
   // filled); keys as in State. Returns after the copies have completed.
   // A null target is skipped.
@@ -334,6 +340,10 @@ class CudaMoments {
   void flush_stage(cudaStream_t stream);  // enqueues the reduction of the staged rows on `stream`
   void flush_pending();                   // outside update: waits for the device, flushes, leaves it queued
   void merge_state_device(const CudaMoments& other, int64_t other_n);
+
+ protected:
+  void replace_state(State s) override { upload(s); }
+  void merge_same(Moments& other) override;
 };
 
 // "NVIDIA H200 (sm_90), driver 13.0, runtime 13.0, cuBLAS 130100"

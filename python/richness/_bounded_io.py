@@ -10,10 +10,9 @@ other saved states (``_statefile``), the command line's array files
 from __future__ import annotations
 
 import os
-import resource
 import stat
 import zipfile
-from typing import IO, BinaryIO, Dict, NamedTuple, Optional, Tuple
+from typing import IO, BinaryIO, Dict, NamedTuple, Tuple
 
 import numpy as np
 
@@ -59,30 +58,15 @@ def open_regular(path: str) -> BinaryIO:
         raise
 
 
-def _proc_kib(path: str, field: str) -> Optional[float]:
-    """A ``field: N kB`` line of a /proc file, in bytes (None where unreadable)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return float(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def available_memory() -> float:
-    """Bytes this process can still allocate: the memory the system reports
-    available (physical memory where it does not say), and under a limit on
-    the address space, what is left of it."""
-    avail = _proc_kib("/proc/meminfo", "MemAvailable")
-    if avail is None:
-        avail = float(os.sysconf("SC_PHYS_PAGES")) * float(os.sysconf("SC_PAGE_SIZE"))
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        used = _proc_kib("/proc/self/status", "VmSize") or 0.0
-        avail = min(avail, float(soft) - used)
-    return max(avail, 0.0)
+    """Bytes this process can still allocate now: the memory the system
+    reports available (physical memory where it does not say), and under a
+    limit on the address space, what is left of it. The compiled core's
+    ``available_memory`` (csrc/cpu/cpu_moments.hpp), the model every update
+    checks its allocations against."""
+    from ._native import _core
+
+    return float(_core.available_memory())
 
 
 def check_memory(need: float, what: str) -> None:

@@ -2,12 +2,12 @@
 
 from typing import Any, Dict, List, Optional, Union
 
+from ._core import DTypeError as DTypeError  # the refused-input exceptions are _core's
+from ._core import InputError as InputError
 from ._core import MatrixArg
 
 # Precision modes, finest to coarsest (python/richness/_state.py agrees).
 PRECISIONS: List[str]
-
-class DTypeError(TypeError): ...
 
 class CudaMoments:
     def __init__(self, num_classes: int = -1, device: int = 0) -> None: ...

@@ -486,34 +486,14 @@ def check_compatible(metas: List[Dict[str, int]]) -> None:
     """Raise the same ValueError for every caller when states of widths
     ``metas`` (dicts of WIDTHS) cannot merge: the one merge rule of richness
     (``Moments.merge``, the many-state and distributed merges, ``richness
-    merge``, ``richness.dask``; the core's own pairwise check,
-    ``check_mergeable`` in csrc/common/state.hpp, accepts everything this
-    accepts and stays as a backstop). States that fix num_classes must fix the
-    same one; empty states merge with anything else."""
-    fixed = sorted({m["num_classes"] for m in metas if m["num_classes"] >= 0})
-    if len(fixed) > 1:
-        raise ValueError(f"cannot merge: states fix different num_classes {fixed}")
-    live = [m for m in metas if m["n"] > 0]
-    for key, what in (("p", "feature widths"), ("c", "output widths"), ("t", "target widths")):
-        vals = sorted({m[key] for m in live})
-        if len(vals) > 1:
-            raise ValueError(f"cannot merge: states hold different {what} {vals} (-1 = not streamed)")
-    if len({m["k"] >= 0 for m in live}) > 1:
-        raise ValueError("cannot merge: some states streamed labels and others did not")
-    if fixed:
-        k = max((m["k"] for m in metas), default=-1)
-        if k > fixed[0]:
-            raise ValueError(f"cannot merge: a state has {k} classes, more than num_classes={fixed[0]}")
-    check_sample_count([m["n"] for m in live])
+    merge``, ``richness.dask``), which lives in the compiled core
+    (``Moments::check_compatible_for_merge``, csrc/common/moments.hpp) and is
+    asked there by every merge the backends run. States that fix num_classes
+    must fix the same one; empty states merge with anything else; the merged
+    sample count fits int64."""
+    from ._native import _core
 
-
-def check_sample_count(counts: Iterable[int]) -> None:
-    """Raise when the merged sample count would overflow int64 (a merge adds
-    counts), in the words of the core's own check (csrc/common/state.hpp)."""
-    total = sum(int(n) for n in counts)
-    if total > INT64_MAX:
-        raise ValueError(f"the sample count would pass 2**63 - 1 ({total}), the largest an int64 holds; "
-                         "nothing was merged")
+    _core.check_compatible_for_merge([{key: int(m[key]) for key in WIDTHS} for m in metas])
 
 
 def merged_widths(metas: List[Dict[str, int]]) -> Dict[str, int]:
