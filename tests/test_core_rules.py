@@ -230,3 +230,25 @@ def test_the_rule_refuses_any_order_of_the_same_states():
         verdicts = {_refused(_core.check_compatible_for_merge, list(p)) is None
                     for p in itertools.permutations(metas)}
         assert len(verdicts) == 1, metas
+
+
+@pytest.mark.parametrize("bad, file", [("growth", "y.npy"), ("nan_outputs", "f.npy"), ("nan_features", "x.npy")])
+def test_the_command_line_names_the_file_of_the_stream_the_core_names(tmp_path, capsys, bad, file):
+    from richness.cli import main
+
+    rng = np.random.default_rng(25)
+    x, f = rng.standard_normal((40, 3)), rng.standard_normal((40, 2))
+    y = rng.integers(0, 3, 40)
+    if bad == "growth":
+        y[30] = 2**40  # "label ... would grow the class sums": the labels' file, though the text starts "label "
+    elif bad == "nan_outputs":
+        f[12, 1] = np.nan
+    else:
+        x[5, 0] = np.inf
+    for name, a in (("x.npy", x), ("f.npy", f), ("y.npy", y)):
+        np.save(tmp_path / name, a)
+    code = main(["eval", str(tmp_path / "x.npy"), "--outputs", str(tmp_path / "f.npy"),
+                 "--labels", str(tmp_path / "y.npy")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert code == 2
+    assert err.startswith(f"richness: error: {tmp_path / file}: rows 0..39: "), err

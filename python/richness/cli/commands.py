@@ -16,7 +16,7 @@ from .. import _bounded_io, _statefile
 from .._optional import pip_extra
 from . import UserError
 from .files import check_targets
-from .formats import open_array, split_spec
+from .formats import ArrayFile, open_array, split_spec
 from .shards import Layout, Shard, Shards, scan
 
 __all__ = []
@@ -116,8 +116,20 @@ def _width(shape: Optional[tuple]) -> int:
     return shape[0] if shape else 1
 
 
+def _source(e: BaseException, shard: Shard) -> ArrayFile:
+    """The file of ``shard`` an update's error lies in: the stream the core
+    names (``_core.InputError`` and ``DTypeError`` carry it as ``stream``);
+    for the errors raised before the core sees the chunk (the adapter's,
+    which carry no stream) the stream their message starts with; else the
+    features' file (a refusal of the batch as a whole)."""
+    stream = getattr(e, "stream", None)
+    if stream is None:
+        stream = next((w for w in Shard._fields if str(e).startswith(w)), "features")
+    return getattr(shard, stream, None) or shard.features
+
+
 def _stream_shard(m, shard: Shard, chunk: int, bar) -> None:
-    feats, outs, labels, targets = shard
+    feats = shard.features
     for a in range(0, feats.rows, chunk):
         b = min(a + chunk, feats.rows)
         # each chunk is added before the next is read, so the reads reuse one buffer a file
@@ -125,12 +137,7 @@ def _stream_shard(m, shard: Shard, chunk: int, bar) -> None:
         try:
             m.update(*args)
         except (ValueError, TypeError, MemoryError) as e:
-            msg = str(e)
-            src = feats
-            for word, f in (("labels", labels), ("outputs", outs), ("targets", targets)):
-                if f is not None and msg.startswith(word):
-                    src = f
-            raise UserError(f"{src.label}: rows {a}..{b - 1}: {msg}") from None
+            raise UserError(f"{_source(e, shard).label}: rows {a}..{b - 1}: {e}") from None
         del args
         for f in shard.files():
             f.release(b)
