@@ -498,3 +498,25 @@ def test_dtype_requests_between_batches_keep_float64_states_and_reset_follows_th
     assert int(a.widths[0]) == 0 and a.M.dtype == torch.float64 and a.M.device == a.device
     feed(a, X, F, y)
     assert abs(float(a.compute()) - dlr_naive(X, F)[0]) < 1e-12
+
+
+def test_forward_counts_as_an_update_and_clears_the_cached_compute():
+    """forward adds the batch to the state: a compute() cached before it is not returned after it, and
+    torchmetrics does not warn that compute ran before any update."""
+    rng = np.random.default_rng(11)
+    X = torch.tensor(rng.normal(size=(300, 6)) + 2.0)
+    F = X @ torch.tensor(rng.normal(size=(6, 3))) + torch.tanh(X[:, :3]) + 0.3 * torch.tensor(rng.normal(size=(300, 3)))
+    m = DLR()
+    m.update(F[:100], features=X[:100])
+    first = float(m.compute())
+    m(F[100:], features=X[100:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        after = float(m.compute())
+    assert abs(first - dlr_naive(X[:100].numpy(), F[:100].numpy())[0]) < 1e-10
+    assert abs(after - dlr_naive(X.numpy(), F.numpy())[0]) < 1e-10
+    fresh = DLR()
+    fresh(F, features=X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert abs(float(fresh.compute()) - dlr_naive(X.numpy(), F.numpy())[0]) < 1e-10

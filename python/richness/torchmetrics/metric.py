@@ -299,6 +299,10 @@ class DLR(Metric):
                 seen.merge(batch)
                 seen.all_reduce(group=self.process_group)
             value = self._value(seen.device_state())
+        # what torchmetrics' wrapped update does: the state changes here, so a
+        # cached compute() is stale and the metric counts as updated
+        self._computed = None
+        self._update_count += 1
         self._add(batch)
         self._forward_cache = value
         return value
