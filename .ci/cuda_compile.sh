@@ -25,7 +25,8 @@ if ldd "$MOD" | grep "not found"; then
   echo "cuda_compile: unresolved libraries" >&2
   exit 1
 fi
-# Import check: the module loads without a GPU; using it raises a Python error.
+# Import check: the module loads without a GPU (richness._core must be importable: _cuda
+# raises its error classes); using it raises a Python error.
 "$PY" - "$MOD" <<'PYEOF'
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("_cuda", sys.argv[1])
