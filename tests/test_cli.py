@@ -753,3 +753,27 @@ def test_compressed_member_larger_than_memory_is_streamed(tmp_path):
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert rep["n"] == rows and rep["feature_rank"] == 3  # four repeated rows, centered: rank 3
+
+
+@pytest.mark.parametrize("bad, file", [("labels", "y.npy"), ("outputs", "f.npy"), ("features", "x.npy")])
+def test_eval_names_the_file_of_a_chunk_the_adapter_refuses(tmp_path, capsys, bad, file):
+    # refused before the core sees the chunk: a label past int64 (uint64 labels), an element type the core
+    # does not read (float128 passes the floating-point check of the files); the file comes from the
+    # error's stream, not from its message
+    if not hasattr(np, "float128"):
+        pytest.skip("no float128 on this platform")
+    rng = np.random.default_rng(26)
+    x, f = rng.standard_normal((40, 3)), rng.standard_normal((40, 2))
+    y = rng.integers(0, 3, 40).astype(np.uint64)
+    if bad == "labels":
+        y[7] = 2**63 + 5
+    elif bad == "outputs":
+        f = f.astype(np.float128)
+    else:
+        x = x.astype(np.float128)
+    for name, a in (("x.npy", x), ("f.npy", f), ("y.npy", y)):
+        np.save(tmp_path / name, a)
+    line = run_error(["eval", str(tmp_path / "x.npy"), "--outputs", str(tmp_path / "f.npy"),
+                      "--labels", str(tmp_path / "y.npy"), "--no-progress"], capsys)
+    what = "labels out of range" if bad == "labels" else f"{bad} has dtype float128"
+    assert line.startswith(f"richness: error: {tmp_path / file}: rows 0..39: {what}"), line

@@ -3,6 +3,14 @@
 The core takes ``(pointer, rows, cols, row_stride, dtype_name)``; this module
 is the only place that knows about frameworks. Nothing here copies unless the
 layout forces it (columns not unit-strided, or a dtype numpy cannot view).
+
+A batch refused here raises the core's own classes, ``_core.InputError`` (a
+ValueError) and ``_core.DTypeError`` (a TypeError), with the same attributes
+``stream``, ``row`` and ``limit`` the core sets: a caller reads which input
+is at fault, and where, from one kind of error whichever side refused it,
+never from the message. The core's classes rather than Python twins: this
+module sits above the compiled core in the layers, so they are always here,
+and one class per refusal lets ``except _core.InputError`` catch both sides.
 """
 
 from __future__ import annotations
@@ -11,10 +19,24 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._core import DTypeError, InputError
+
 # Element types by the names the core knows (csrc/common/types.hpp, RICHNESS_DTYPES).
 F32, F64, F16, BF16, I32, I64 = "float32", "float64", "float16", "bfloat16", "int32", "int64"
 FLOAT_CODES = {np.dtype(np.float32): F32, np.dtype(np.float64): F64, np.dtype(np.float16): F16}
 INT_CODES = {np.dtype(np.int32): I32, np.dtype(np.int64): I64}
+STREAMS = ("features", "outputs", "labels", "targets")  # a batch's inputs, as the core names them
+
+
+def _refused(cls: type, message: str, name: str, row: Any = None, limit: Any = None) -> Exception:
+    """A refusal of input ``name`` as the core raises it: ``cls`` (InputError
+    or DTypeError) with ``stream`` (``name`` when it is one of a batch's
+    inputs, else None), ``row`` and ``limit``."""
+    e = cls(message)
+    e.stream = name if name in STREAMS else None
+    e.row = row
+    e.limit = limit
+    return e
 
 
 class Matrix(NamedTuple):
@@ -49,19 +71,19 @@ def refuse_unreadable(x: Any, name: str) -> None:
     scipy.sparse matrices (they convert to a 0-d object array), sparse torch
     tensors and tensors on the meta device (no data)."""
     if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(f"{name} is a numpy masked array; its mask would be ignored. Pass the rows to use "
-                        "(x[~np.ma.getmaskarray(x).any(axis=1)].data) or x.filled(value)")
+        raise _refused(DTypeError, f"{name} is a numpy masked array; its mask would be ignored. Pass the rows to use "
+                       "(x[~np.ma.getmaskarray(x).any(axis=1)].data) or x.filled(value)", name)
     module = type(x).__module__
     if module.startswith("scipy.sparse"):
-        raise TypeError(f"{name} is a scipy.sparse {type(x).__name__}; pass a dense array (x.toarray(), "
-                        "a block of rows at a time if it is large)")
+        raise _refused(DTypeError, f"{name} is a scipy.sparse {type(x).__name__}; pass a dense array (x.toarray(), "
+                       "a block of rows at a time if it is large)", name)
     if _is_torch(x) and hasattr(x, "layout"):
         import torch
 
         if x.layout != torch.strided:
-            raise TypeError(f"{name} is a sparse torch tensor ({x.layout}); pass x.to_dense()")
+            raise _refused(DTypeError, f"{name} is a sparse torch tensor ({x.layout}); pass x.to_dense()", name)
         if x.device.type == "meta":
-            raise TypeError(f"{name} is a tensor on the meta device: it has a shape but no data")
+            raise _refused(DTypeError, f"{name} is a tensor on the meta device: it has a shape but no data", name)
 
 
 def _torch_view(x: Any, name: str, ndim_ok: tuple) -> Matrix:
@@ -69,16 +91,17 @@ def _torch_view(x: Any, name: str, ndim_ok: tuple) -> Matrix:
 
     x = x.detach()
     if x.ndim not in ndim_ok:
-        raise ValueError(f"{name} must be {_ndim_words(ndim_ok)}, got a tensor of shape {tuple(x.shape)}")
+        raise _refused(InputError, f"{name} must be {_ndim_words(ndim_ok)}, got a tensor of shape {tuple(x.shape)}",
+                       name)
     if x.ndim == 1:
         x = x.reshape(-1, 1)
     if x.is_complex():
-        raise TypeError(f"{name} must be real, got {x.dtype}")
+        raise _refused(DTypeError, f"{name} must be real, got {x.dtype}", name)
     codes = {torch.float32: F32, torch.float64: F64, torch.float16: F16, torch.bfloat16: BF16,
              torch.int32: I32, torch.int64: I64}
     if x.dtype not in codes:
-        raise TypeError(f"{name} has dtype {x.dtype}; expected float32, float64, float16, bfloat16"
-                        " (features, outputs, targets) or int32/int64 (labels)")
+        raise _refused(DTypeError, f"{name} has dtype {x.dtype}; expected float32, float64, float16, bfloat16"
+                       " (features, outputs, targets) or int32/int64 (labels)", name)
     if x.shape[0] > 0 and (x.stride(1) != 1 or x.stride(0) < x.shape[1]):
         x = x.contiguous()
     ld = x.stride(0) if x.shape[0] > 1 else x.shape[1]
@@ -101,11 +124,12 @@ def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
             try:
                 x = np.from_dlpack(x)
             except (TypeError, BufferError, RuntimeError) as e:
-                raise TypeError(f"{name}: could not read {_describe(x)} through DLPack ({e})") from None
+                raise _refused(DTypeError, f"{name}: could not read {_describe(x)} through DLPack ({e})",
+                               name) from None
         else:
             x = np.asarray(x)
     if x.ndim not in ndim_ok:
-        raise ValueError(f"{name} must be {_ndim_words(ndim_ok)}, got shape {x.shape}")
+        raise _refused(InputError, f"{name} must be {_ndim_words(ndim_ok)}, got shape {x.shape}", name)
     if x.ndim == 1:
         x = x.reshape(-1, 1)
     if not x.dtype.isnative:  # before the dtype lookup: '>f8' does not compare equal to float64
@@ -121,14 +145,14 @@ def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
         # other integer widths: widen to int64, which holds every valid label
         if dt.kind == "u" and dt.itemsize >= 8 and x.size and (x > np.iinfo(np.int64).max).any():
             row = int(np.argmax(x.reshape(-1) > np.iinfo(np.int64).max))
-            raise ValueError(f"labels out of range: label {int(x.reshape(-1)[row])} at row {row} "
-                             "(larger than any class index)")
+            raise _refused(InputError, f"labels out of range: label {int(x.reshape(-1)[row])} at row {row} "
+                                       "(larger than any class index)", "labels", row=row, limit="int64")
         x, code = x.astype(np.int64), I64
     elif dt.kind in "iub":
-        raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got {dt}")
+        raise _refused(DTypeError, f"{name} must be float32, float64, float16 or bfloat16, got {dt}", name)
     else:
-        raise TypeError(f"{name} has dtype {dt}; expected float32, float64, float16, bfloat16"
-                        " (features, outputs, targets) or int32/int64 (labels)")
+        raise _refused(DTypeError, f"{name} has dtype {dt}; expected float32, float64, float16, bfloat16"
+                       " (features, outputs, targets) or int32/int64 (labels)", name)
     item = x.dtype.itemsize
     if x.shape[0] > 0 and (x.strides[1] != item or x.strides[0] % item or x.strides[0] < x.shape[1] * item):
         x = np.ascontiguousarray(x)
@@ -141,19 +165,19 @@ def as_labels(y: Any) -> Matrix:
     refuse_unreadable(y, "labels")
     if _is_torch(y) and hasattr(y, "data_ptr"):
         if y.ndim != 1:
-            raise ValueError(f"labels must be 1-D (n,), got a tensor of shape {tuple(y.shape)}")
+            raise _refused(InputError, f"labels must be 1-D (n,), got a tensor of shape {tuple(y.shape)}", "labels")
         if y.is_floating_point() or y.is_complex() or y.dtype not in _torch_int_dtypes():
             y = _torch_int(y)
         m = _torch_view(y, "labels", (1,))
     else:
         a = y if isinstance(y, np.ndarray) else (np.from_dlpack(y) if hasattr(y, "__dlpack__") else np.asarray(y))
         if a.ndim != 1:
-            raise ValueError(f"labels must be 1-D (n,), got shape {a.shape}")
+            raise _refused(InputError, f"labels must be 1-D (n,), got shape {a.shape}", "labels")
         if a.dtype.kind not in "iu":
-            raise TypeError(f"labels must be integers, got dtype {a.dtype}")
+            raise _refused(DTypeError, f"labels must be integers, got dtype {a.dtype}", "labels")
         m = as_matrix(a, "labels", allow_1d=True)
     if m.dtype not in (I32, I64):
-        raise TypeError("labels must be integers (int32 or int64)")
+        raise _refused(DTypeError, "labels must be integers (int32 or int64)", "labels")
     return m
 
 
@@ -167,13 +191,14 @@ def _torch_int(y: Any) -> Any:
     import torch
 
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise TypeError(f"labels must be integers, got dtype {y.dtype}")
+        raise _refused(DTypeError, f"labels must be integers, got dtype {y.dtype}", "labels")
     if y.dtype == getattr(torch, "uint64", None) and y.numel():
         # int64 wraps 2**63 and above to negative values: name the real label
         big = y.cpu().numpy() > np.iinfo(np.int64).max
         if big.any():
             row = int(np.argmax(big))
-            raise ValueError(f"labels out of range: label {int(y[row])} at row {row} (larger than any class index)")
+            raise _refused(InputError, f"labels out of range: label {int(y[row])} at row {row} "
+                                       "(larger than any class index)", "labels", row=row, limit="int64")
     return y.to(torch.int64)
 
 

@@ -117,14 +117,11 @@ def _width(shape: Optional[tuple]) -> int:
 
 
 def _source(e: BaseException, shard: Shard) -> ArrayFile:
-    """The file of ``shard`` an update's error lies in: the stream the core
-    names (``_core.InputError`` and ``DTypeError`` carry it as ``stream``);
-    for the errors raised before the core sees the chunk (the adapter's,
-    which carry no stream) the stream their message starts with; else the
-    features' file (a refusal of the batch as a whole)."""
-    stream = getattr(e, "stream", None)
-    if stream is None:
-        stream = next((w for w in Shard._fields if str(e).startswith(w)), "features")
+    """The file of ``shard`` an update's error lies in: the stream the error
+    names (``_core.InputError`` and ``DTypeError``, raised by the core and by
+    the adapter before it, carry it as ``stream``); else the features' file
+    (a refusal of the batch as a whole)."""
+    stream = getattr(e, "stream", None) or "features"
     return getattr(shard, stream, None) or shard.features
 
 
