@@ -91,8 +91,8 @@ class Moments(Lockable):
         if group_seed is not None and groups is None:
             raise ValueError("group_seed needs groups=k")
         num_classes = _state.check_num_classes(num_classes)
-        if precision is not None and precision not in _state.precisions():
-            raise ValueError(f"precision must be one of {_state.precisions()} or None, got {precision!r}")
+        if precision is not None:
+            _state.precision_mode(precision, _state.PRECISION_ARGUMENT)
         if device is not None:
             device = str(device)
             if device != "cpu" and not device.startswith("cuda"):

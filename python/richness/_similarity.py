@@ -250,8 +250,8 @@ class Similarity:
     """
 
     def __init__(self, precision: Optional[str] = None) -> None:
-        if precision is not None and precision not in _state.precisions():
-            raise ValueError(f"precision must be one of {_state.precisions()} or None, got {precision!r}")
+        if precision is not None:
+            _state.precision_mode(precision, _state.PRECISION_ARGUMENT)
         self.precision = precision
         self._names: Optional[List[str]] = None
         self._widths: Optional[List[int]] = None
@@ -318,6 +318,8 @@ class Similarity:
             raise TypeError("update: mix of torch tensors and other arrays; give one kind per batch")
         if next(iter(rows.values())) == 0:
             return
+        # Kept here, not left to the core: the core sees one joint batch ("features") and would refuse the
+        # same values, but cannot say which representation holds them or how many there are.
         for nm, x in zip(names, xs):
             bad_values = _nonfinite(x)
             if bad_values:

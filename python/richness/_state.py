@@ -61,11 +61,17 @@ def precisions() -> Tuple[str, ...]:
     return tuple(m.name for m in precision_modes())
 
 
-def precision_mode(name: str) -> Precision:
-    """The table entry of a precision named ``name`` (ValueError if unknown)."""
+# How a caller words an unknown precision name (``str.format`` with ``name`` and ``names``).
+PRECISION_ARGUMENT = "precision must be one of {names} or None, got {name!r}"  # a constructor's precision=
+PRECISION_ENTRY = "state entry 'precision' is {name!r}, expected one of {names}"  # a state dict's entry
+
+
+def precision_mode(name: object, refusal: str = "unknown precision {name!r}; expected one of {names}") -> Precision:
+    """The table entry of a precision named ``name``; ValueError if unknown,
+    worded by ``refusal``. The one place a precision name is validated."""
     mode = next((m for m in precision_modes() if m.name == name), None)
     if mode is None:
-        raise ValueError(f"unknown precision {name!r}; expected one of {precisions()}")
+        raise ValueError(refusal.format(name=name, names=precisions()))
     return mode
 
 
@@ -302,8 +308,7 @@ def checked(state: dict, *, gram: bool = True) -> dict:
     w = widths_of(state)
     if not isinstance(state["precision"], str):
         raise TypeError(f"state entry 'precision' must be a string, got {type(state['precision']).__name__}")
-    if state["precision"] not in precisions():
-        raise ValueError(f"state entry 'precision' is {state['precision']!r}, expected one of {precisions()}")
+    precision_mode(state["precision"], PRECISION_ENTRY)
     if w["n"] < 0:
         raise ValueError(f"state's sample count n is negative ({w['n']})")
     out: dict = dict(w, precision=str(state["precision"]))
