@@ -5,10 +5,12 @@ learned functions, the rank cut, the C >> p head route), ``spectrum`` (feature
 eigenpairs, projections, training and held-out curves), ``nc1``,
 ``isotropic`` (the finite-sample reference) and ``uncertainty`` (jackknife);
 ``policy`` holds the rules every route shares (the default rank cut, NC1's
-gating, undefined values) and the DLR-only routes built on them.
-Everything runs in float64 on p x p, p x C and C x C matrices (n never is a
-dimension), on numpy arrays or on torch tensors alike (``_xp.ns`` picks the
-namespace from the state), and ``finish`` assembles the Report.
+gating, undefined values) and the DLR-only routes built on them;
+``samplespace`` finishes one-batch states given as n x n Grams (n < p) with
+the same formulas. Everything else runs in float64 on p x p, p x C and C x C
+matrices (n never is a dimension), on numpy arrays or on torch tensors alike
+(``_xp.ns`` picks the namespace from the state), and ``finish`` assembles the
+Report.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from .spectrum import curve, held_out, spectrum as feature_spectrum, task_moment
 # Read as richness.finish.<name> by the package's own modules; not part of __all__.
 from .dlr import dlr_values, span_of_grams  # noqa: F401
 from .nc1 import nc1_from_grams  # noqa: F401
-from .policy import GramRows, check_rtol, finish_gram_rows  # noqa: F401
+from .policy import check_rtol  # noqa: F401
+from .samplespace import GramRows, finish_gram_rows  # noqa: F401
 from .uncertainty import add_jackknife, add_measure_jackknife  # noqa: F401
 
 __all__ = ["MEASURES", "dlr_of_state", "dlr_only", "finish", "isotropic_dlr", "rtol_for"]

@@ -436,32 +436,3 @@ def measure_values(st: dict, W: Any, rtol: float, wanted: tuple, lam: Any = None
     cls, warns = class_report(st, W, wanted, asked, opts["nc_convention"])
     out.update(cls)
     return out, warnings + warns
-
-
-def _listed(a) -> list:
-    return [None if not math.isfinite(float(x)) else float(x) for x in a]
-
-
-def measures_of_gram_rows(rows: Any, rtol: float, wanted: tuple) -> dict:
-    """The representation diagnostics of each step of stacked per-batch
-    states (``policy.GramRows``, float64, host): alpha-ReQ, the participation
-    ratio and the effective dimension from ``rows.eig`` (the centered n x n
-    Gram's eigenvalues: the nonzero spectrum of M), RankMe from
-    ``rows.eig_raw`` (the uncentered Gram's, the min(n, p) largest), NC2 from
-    ``rows.DDt`` and ``rows.counts``. Lists, one entry a step, None where not
-    wanted or undefined; NC3 needs the head's weights, which per-batch states
-    do not carry (None)."""
-    steps = int(rows.norm_m.shape[0])
-    out: dict = {name: [None] * steps for name in MEASURES + ("effective_dim",)}
-    if rows.eig is not None:
-        v = spectral_values(rows.eig, rtol, lam_u=getattr(rows, "eig_raw", None))
-        for name in SPECTRAL + ("effective_dim",):
-            if name in wanted or name == "effective_dim":
-                out[name] = _listed(v[name])
-    if rows.counts is not None and ("nc2_equinorm" in wanted or "nc2_equiangle" in wanted):
-        equinorm, equiangle = nc2_from_grams(rows.DDt, rows.counts)
-        bad = rows.invalid != 0
-        for name, a in (("nc2_equinorm", equinorm), ("nc2_equiangle", equiangle)):
-            if name in wanted:
-                out[name] = [None if b else x for x, b in zip(_listed(a), bad)]
-    return out

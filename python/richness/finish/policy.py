@@ -3,9 +3,8 @@ reported, and which values are undefined (fewer than two samples, constant
 features or outputs, an empty learned span).
 
 ``dlr_only`` is the monitoring route (DLR, rank and NC1, no spectrum);
-``finish`` in this package builds the full report on the same rules;
-``GramRows`` and ``finish_gram_rows`` finish stacked per-batch states given
-as small Gram matrices (docs/MATH.md, per-batch sample-space form).
+``finish`` in this package builds the full report on the same rules, and
+``samplespace`` the one-batch routes' values.
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from ._xp import ns
-from .dlr import default_rtol, dlr_of_state, dlr_values, span_of_grams
-from .nc1 import NC1_RESOLVED, nc1_error, nc1_from_grams, nc1_reliable, nc1_with_scale
+from .dlr import default_rtol, dlr_of_state
+from .nc1 import NC1_RESOLVED, nc1_error, nc1_reliable, nc1_with_scale
 
 __all__ = ["DlrOnlyResult", "dlr_only", "rtol_for"]
 
@@ -99,79 +97,3 @@ def dlr_only(st: dict, W: Any = None, rtol: Optional[float] = None, with_nc1: bo
         undefined = f"for the samples added ({e})"
     value, warning = nc1_reported(st, rtol) if with_nc1 else (None, None)
     return DlrOnlyResult(n, dlr, rank, value, undefined, (warning,) if warning else (), dlr_range)
-
-
-class GramRows(NamedTuple):
-    """Stacked per-batch states as small float64 Gram matrices (leading axis:
-    steps). With the centered features Xc (n x p), outputs Fc and class means
-    D = Yn^T Xc: ``norm_m`` = ||Xc^T Xc||_F; ``A``, ``Q`` = Fc^T Fc,
-    Fc^T G Fc (c = C), or Fc Fc^T, G in sample space (c = n); with labels
-    (k class columns) ``counts``, ``DDt`` = D D^T, ``DMD`` = D M D^T and
-    ``invalid`` (samples outside the classes); ``eig`` the eigenvalues of
-    G (descending; the nonzero spectrum of M) when the representation
-    diagnostics are asked for, ``eig_raw`` the min(n, p) largest of the
-    uncentered Gram X X^T's (RankMe's). Without outputs (a features-only Monitor)
-    ``A`` and ``Q`` are None (c = 0). ``pack`` lays them side by side in one
-    (steps, m) array (one copy to the host), ``unpack`` reads them back by
-    name."""
-
-    norm_m: Any
-    A: Any
-    Q: Any
-    counts: Any = None
-    DDt: Any = None
-    DMD: Any = None
-    invalid: Any = None
-    eig: Any = None
-    eig_raw: Any = None
-
-    @staticmethod
-    def shapes(c: int, k: int, e: int = 0, r: int = 0) -> dict:
-        """Each field's per-step shape, in packing order (labels only with k > 0,
-        the ``e`` and ``r`` eigenvalues only when those are > 0)."""
-        out = {"norm_m": (), "A": (c, c), "Q": (c, c)}
-        if k:
-            out.update(counts=(k,), DDt=(k, k), DMD=(k, k), invalid=())
-        if e:
-            out["eig"] = (e,)
-        if r:
-            out["eig_raw"] = (r,)
-        return out
-
-    def pack(self) -> Any:
-        steps = self.norm_m.shape[0]
-        parts = [v.reshape(steps, -1) for v in self if v is not None]
-        xp = ns(parts[0])
-        return xp.cat(parts, dim=1) if xp is not np else np.concatenate(parts, axis=1)
-
-    @classmethod
-    def unpack(cls, v: Any, c: int, k: int, e: int = 0, r: int = 0) -> "GramRows":
-        steps, pos, fields = v.shape[0], 0, {}
-        for name, shape in cls.shapes(c, k, e, r).items():
-            size = int(np.prod(shape, dtype=np.int64))
-            fields[name] = v[:, pos:pos + size].reshape((steps,) + shape)
-            pos += size
-        if pos != v.shape[1]:
-            raise ValueError(f"packed rows have {v.shape[1]} columns, the layout for c={c}, k={k}, e={e}, r={r} "
-                             f"has {pos}")
-        return cls(**fields)
-
-
-def finish_gram_rows(rows: GramRows, n: int, rtol: float, sample_space: bool) -> tuple:
-    """DLR, rank and NC1 of each step of ``rows`` (float64, host), on the
-    stacked matrices at once (no loop over steps): three lists, None where a
-    value is undefined (constant features or outputs; fewer than two classes;
-    labels outside the classes)."""
-    steps = rows.norm_m.shape[0]
-    # <G, P> over the kept eigenpairs (a_i, u_i) of A: ||B u_i||^2 / a_i = u_i^T Q u_i / a_i
-    # (C-space), or u_i^T G u_i for eigenvectors of Fc Fc^T (sample space)
-    a, terms = span_of_grams(rows.A, rows.Q, rtol, divide=not sample_space)
-    dlr, rank = dlr_values(rows.norm_m, a, terms, rtol)
-    ok = ~np.isnan(dlr)
-    dlrs = [float(d) if good else None for d, good in zip(dlr, ok)]
-    ranks = [int(r) if good else None for r, good in zip(rank, ok)]
-    nc1s: list = [None] * steps
-    if rows.counts is not None:
-        value, defined = nc1_from_grams(rows.DDt, rows.DMD, rows.counts, n, rtol)
-        nc1s = [float(x) if good else None for x, good in zip(value, defined & (rows.invalid == 0))]
-    return dlrs, ranks, nc1s

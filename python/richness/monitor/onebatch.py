@@ -13,9 +13,8 @@ from .._backend import centered_grams
 from .._state import default_precision
 from .capture import StepBuffer
 from ..torch.threads import BlasThreads
-from ..finish import GramRows, check_rtol, finish_gram_rows, rtol_for
-from ..finish.isotropic import normalized
-from ..finish.diagnostics import measures_of_gram_rows
+from ..finish import check_rtol, rtol_for
+from ..finish.samplespace import GramRows, finish_steps
 
 __all__ = []
 
@@ -409,24 +408,13 @@ class OneBatchRoute:
 
 
 def finish_group(v: np.ndarray, meta: GroupMeta, measures: tuple = ()) -> tuple:
-    """DLR, rank and NC1 of each row of ``BatchGroup.reduce`` (float64, host):
-    three lists, None where a value is undefined (``finish_gram_rows``; all
-    None without outputs, ``meta.c`` = 0), and a dict of the representation
-    diagnostics in ``measures`` (and the effective dimension, with the
-    ``meta.e`` eigenvalues of each Gram), lists by name; with outputs also
-    ``dlr_isotropic`` and ``dlr_normalized`` (``finish.isotropic.normalized``
-    at the batch's n, its active features and the rank)."""
-    steps = int(v.shape[0])
+    """DLR, rank, NC1 and the representation diagnostics in ``measures`` of
+    each row of ``BatchGroup.reduce`` (float64, host), as
+    ``finish.samplespace.finish_steps`` gives them: the packed ``GramRows``,
+    and with outputs (``meta.c`` > 0) one last column, each step's active
+    features."""
     active = None
     if meta.c > 0:  # the last column: each step's active features (BatchGroup.reduce)
         v, active = v[:, :-1], v[:, -1]
     rows = GramRows.unpack(v, meta.c, meta.k, meta.e, meta.r)
-    extra = measures_of_gram_rows(rows, meta.rtol, measures)
-    if active is None:
-        none = [None] * steps
-        return none, none, none, extra
-    dlrs, ranks, nc1s = finish_gram_rows(rows, meta.n, meta.rtol, meta.sample_space)
-    ref = [normalized(d, meta.n, int(a), r) for d, a, r in zip(dlrs, active, ranks)]
-    extra["dlr_isotropic"] = [iso for iso, _ in ref]
-    extra["dlr_normalized"] = [norm for _, norm in ref]
-    return dlrs, ranks, nc1s, extra
+    return finish_steps(rows, meta.n, meta.rtol, meta.sample_space, measures, active)

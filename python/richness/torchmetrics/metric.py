@@ -17,6 +17,7 @@ from torchmetrics.utilities.exceptions import TorchMetricsUserError
 
 from .. import _adapt, _state
 from .. import finish as _finish
+from ..finish.samplespace import GramRows, finish_gram_rows
 from .._backend import Batch, CoreBackend
 from .._moments import Moments
 from .._native import _core
@@ -309,7 +310,7 @@ class DLR(Metric):
 
     def _batch_value(self, feats: Any, streams: dict, W: Any, batch: Optional[Moments]) -> Any:
         """DLR of one CPU batch (n rows, C outputs), as the Monitor's
-        one-batch windows finish it (``finish_gram_rows``):
+        one-batch windows finish it (``finish.samplespace.finish_gram_rows``):
         ||M||_F, A = Fc^T Fc and Q = B^T B with B = Xc^T Fc, where Fc are
         the centered outputs (the head's on the features, or the streamed
         ones). ``streams``: the batch's outputs and targets as ``forward``
@@ -365,8 +366,8 @@ class DLR(Metric):
             norm_m = np.empty(1)
             centered_grams(feats, n, precision, G, norm_m)
             A, Q, sample_space = np.einsum("ik,jk->ij", Fc, Fc), G.astype(np.float64), True
-        rows = _finish.GramRows(norm_m[:1], A[None], Q[None])
-        (dlr,), _, _ = _finish.finish_gram_rows(rows, n, _finish.rtol_for(precision, self.rtol), sample_space)
+        rows = GramRows(norm_m[:1], A[None], Q[None])
+        (dlr,), _, _ = finish_gram_rows(rows, n, _finish.rtol_for(precision, self.rtol), sample_space)
         if dlr is None:
             return self._undefined("for the samples added (constant features or outputs)")
         return torch.tensor(dlr, dtype=torch.float64, device=self.device)
