@@ -9,8 +9,10 @@ ValueError) and ``_core.DTypeError`` (a TypeError), with the same attributes
 ``stream``, ``row`` and ``limit`` the core sets: a caller reads which input
 is at fault, and where, from one kind of error whichever side refused it,
 never from the message. The core's classes rather than Python twins: this
-module sits above the compiled core in the layers, so they are always here,
-and one class per refusal lets ``except _core.InputError`` catch both sides.
+module sits above the compiled core in the layers and imports it (through
+``_native``, which names the reason where it cannot be loaded) as the
+accumulators do, and one class per refusal lets ``except _core.InputError``
+catch both sides.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._core import DTypeError, InputError
+from ._native import _core
+
+InputError, DTypeError = _core.InputError, _core.DTypeError  # the core's classes of a refused input
 
 # Element types by the names the core knows (csrc/common/types.hpp, RICHNESS_DTYPES).
 F32, F64, F16, BF16, I32, I64 = "float32", "float64", "float16", "bfloat16", "int32", "int64"
