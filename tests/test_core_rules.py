@@ -7,6 +7,9 @@ memory model (one home, ``_core.available_memory``), and the structured input
 errors the command line reads (``_core.InputError``)."""
 
 import itertools
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -252,3 +255,32 @@ def test_the_command_line_names_the_file_of_the_stream_the_core_names(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert code == 2
     assert err.startswith(f"richness: error: {tmp_path / file}: rows 0..39: "), err
+
+
+HELD_SCRATCH = """
+import resource
+import numpy as np, richness
+rng = np.random.default_rng(0)
+X = rng.normal(size=(512, 1500)).astype(np.float32)
+F = rng.normal(size=(512, 10)).astype(np.float32)
+m = richness.Moments()
+m.update(X, outputs=F)
+m.update(X, outputs=F)
+vm = [int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize")][0]
+resource.setrlimit(resource.RLIMIT_AS, (vm + 4_000_000, resource.RLIM_INFINITY))
+try:
+    m.update(X, outputs=F)
+    print("added", m.n)
+except MemoryError as e:
+    print("refused", e)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc: Linux")
+def test_a_batch_that_reuses_the_scratch_it_holds_is_not_refused_for_it():
+    """The memory model counts only the scratch a batch adds: a third batch of the same shape reuses
+    the 12 MB the first allocated, so 4 MB of address space left is enough (it was refused, the held
+    scratch counted as if it were new)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", HELD_SCRATCH], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "added 1536", out.stdout + out.stderr

@@ -670,11 +670,15 @@ double scratch_bytes(int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, dou
 }
 
 // Refuses what cannot fit before allocating any of it (counted in double:
-// the products of the widths may pass int64). elem: the product type's size.
-void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, double elem) {
+// the products of the widths may pass int64). elem: the product type's size;
+// held: the bytes of scratch this object already holds from earlier batches,
+// which the available memory no longer counts and which a batch reuses, so
+// only the scratch beyond it is new.
+void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, int64_t k, double elem,
+                double held) {
   const double P = (double)p, C = (double)c, Tt = (double)t, K = (double)std::max<int64_t>(k, 0);
   const double per_part = comoment_elems(p, c, t);
-  const double scratch = scratch_bytes(nb, p, c, t, k, elem);
+  const double scratch = std::max(scratch_bytes(nb, p, c, t, k, elem) - held, 0.0);
   const bool first = st.p < 0 || st.n == 0;
   const double square = 8.0 * P * P;
   const double state = first ? 8.0 * (P + C + Tt + per_part + K * (P + 1)) : 0.0;
@@ -857,9 +861,13 @@ void CpuMoments::update_typed(const Batch& b, const std::vector<int64_t>& labels
     k_needed = state_.num_classes;
     for (int64_t v : labels) k_needed = std::max(k_needed, v + 1);
   }
-  check_fits(state_, nb, p, c, t, k_needed, (double)sizeof(T));
+  const double held = (double)sizeof(T) * (double)(sc.centered.capacity() + sc.products.capacity()) +
+                      8.0 * (double)sc.class_sums.capacity();
+  check_fits(state_, nb, p, c, t, k_needed, (double)sizeof(T), held);
   const int64_t workers =
-      blas_workers(wanted, [&](int64_t) { return scratch_bytes(nb, p, c, t, k_needed, (double)sizeof(T)); });
+      blas_workers(wanted, [&](int64_t) {
+        return std::max(scratch_bytes(nb, p, c, t, k_needed, (double)sizeof(T)) - held, 0.0);  // held: reused
+      });
   // All products go to scratch first: nothing below can leave the state half
   // updated (an allocation failure throws before the merge starts).
   const Layout<T> layout = centered_layout(b, sc);
