@@ -100,15 +100,45 @@ SPLITS = ["whole", "first_row_alone", "sizes_1_2_3", "random_cuts", "shuffled"]
 
 # -- the adapters ---------------------------------------------------------------------------------------
 
-class MomentsAdapter:
-    """``Moments(num_classes=4)`` streamed with features, outputs and labels."""
+class _StateObject:
+    """What Moments and Similarity share: compute().to_dict(), state_dict, merge, all_reduce, save/load."""
 
     copies = ("pickle", "copy", "deepcopy")
     has_files = True
-    groups = None
+    kind: type
 
     def require(self):
         pass
+
+    def full(self, obj):
+        return obj.compute().to_dict()
+
+    def state(self, obj):
+        return obj.state_dict()
+
+    def merge(self, into, other):
+        into.merge(other)
+
+    def all_reduce(self, obj):
+        obj.all_reduce()
+
+    def save(self, obj, path):
+        obj.save(path)
+
+    def load(self, path):
+        return self.kind.load(path)
+
+    def load_state(self, state):
+        obj = self.build()
+        obj.load_state_dict(state)
+        return obj
+
+
+class MomentsAdapter(_StateObject):
+    """``Moments(num_classes=4)`` streamed with features, outputs and labels."""
+
+    kind = richness.Moments
+    groups = None
 
     def build(self):
         return richness.Moments(num_classes=K, groups=self.groups)
@@ -122,29 +152,6 @@ class MomentsAdapter:
 
     def reference(self, rows):
         return {"dlr": dlr_naive(X[rows], F[rows])[0], "nc1": nc1_naive(X[rows], Y[rows]), "n": len(rows)}
-
-    def full(self, m):
-        return m.compute().to_dict()
-
-    def state(self, m):
-        return m.state_dict()
-
-    def merge(self, into, other):
-        into.merge(other)
-
-    def all_reduce(self, m):
-        m.all_reduce()
-
-    def save(self, m, path):
-        m.save(path)
-
-    def load(self, path):
-        return richness.Moments.load(path)
-
-    def load_state(self, state):
-        m = self.build()
-        m.load_state_dict(state)
-        return m
 
     # bad batches: name -> (exception types, message pattern, the refused call on rows)
     def nan_row(self, m, rows):
@@ -184,14 +191,10 @@ class GroupedMomentsAdapter(MomentsAdapter):
     groups = 4
 
 
-class SimilarityAdapter:
+class SimilarityAdapter(_StateObject):
     """``Similarity`` of three representations of the same rows."""
 
-    copies = ("pickle", "copy", "deepcopy")
-    has_files = True
-
-    def require(self):
-        pass
+    kind = richness.Similarity
 
     def build(self):
         return richness.Similarity()
@@ -209,29 +212,6 @@ class SimilarityAdapter:
         return {"cka": [[cka_naive(REPS[a][rows], REPS[b][rows]) for b in names] for a in names],
                 "cka_debiased": [[cka_debiased_naive(REPS[a][rows], REPS[b][rows]) for b in names] for a in names],
                 "n": len(rows)}
-
-    def full(self, s):
-        return s.compute().to_dict()
-
-    def state(self, s):
-        return s.state_dict()
-
-    def merge(self, into, other):
-        into.merge(other)
-
-    def all_reduce(self, s):
-        s.all_reduce()
-
-    def save(self, s, path):
-        s.save(path)
-
-    def load(self, path):
-        return richness.Similarity.load(path)
-
-    def load_state(self, state):
-        s = self.build()
-        s.load_state_dict(state)
-        return s
 
     def nan_row(self, s, rows):
         t = T[rows].copy()
