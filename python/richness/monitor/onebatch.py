@@ -337,8 +337,7 @@ class OneBatchRoute:
         self.inflight: list = []  # (meta, pinned host buffer, CUDA event) of records on their way
         self.classes: Optional[int] = None
 
-    def add(self, feats: Any, outs: Any, labels: Any, head: Any, meta: StepMeta, threads: BlasThreads,
-            core_route: Callable[[Any], bool]) -> None:
+    def add(self, feats: Any, outs: Any, labels: Any, head: Any, meta: StepMeta, threads: BlasThreads) -> None:
         """Queue one step; a step that does not fit the group reduces the group first."""
         import torch
 
@@ -349,7 +348,7 @@ class OneBatchRoute:
             parts["labels"] = labels
         g = self.group
         if g is not None and not g.fits(parts):
-            self.reduce(threads, core_route)
+            self.reduce(threads)
             g = self.group = None
         if g is None:
             if labels is not None and self.classes is None:
@@ -365,7 +364,7 @@ class OneBatchRoute:
         return g is not None and bool(g.metas) and (len(g.metas) >= g.capacity
                                                     or step - g.metas[0].step + 1 >= g.lag)
 
-    def reduce(self, threads: BlasThreads, core_route: Callable[[Any], bool]) -> None:
+    def reduce(self, threads: BlasThreads) -> None:
         """Reduce the queued one-batch windows. On the CPU their records are
         finished and dispatched at once; on a GPU the small matrices are copied
         to pinned host memory behind a CUDA event, and a later ``poll`` finishes

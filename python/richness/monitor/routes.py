@@ -41,7 +41,7 @@ from ..torch.evaluate import collect
 from ..torch.hooks import HeadHook, resolve_head
 from .capture import TrainingCapture, probe_batches, step_rows
 from .layer import RECORD_MEASURES, layer_rows, monitor_measures, pooled_output, resolve_layer
-from .onebatch import GroupMeta, OneBatchRoute, StepMeta, core_route, finish_group
+from .onebatch import GroupMeta, OneBatchRoute, StepMeta, finish_group
 from .window import WindowRoute
 
 __all__ = ["Window", "EveryStep", "Probe", "Head", "Layer"]
@@ -257,8 +257,6 @@ class _LayerRun:
     features_only = True
     refused_what = nonfinite_what = "the layer's output"
     head = None
-    tokens = "all"
-    wide = "outputs"
 
     def __init__(self, spec: Layer, model: Any) -> None:
         self.name, self.module = resolve_layer(model, spec.module)
@@ -441,7 +439,7 @@ class _WindowRun:
             self.labels = bool(lk)
         if self._one_batch_fits(feats, outs):
             meta = StepMeta(mon._step_label(), mon._elapsed())
-            self.one_batch.add(feats, outs, lk.get("labels"), target.head, meta, mon._threads, core_route)
+            self.one_batch.add(feats, outs, lk.get("labels"), target.head, meta, mon._threads)
             self.deferred = True
             return
         parts = {"features": feats}
@@ -466,21 +464,16 @@ class _WindowRun:
     def _finish_records(self, meta: GroupMeta, v: np.ndarray) -> None:
         """Finish a reduced group's rows (``finish_group``) and emit their records."""
         mon, target = self.mon, self.mon._target
-        measures = target.measures
         bad = {m.step for m, norm_m in zip(meta.steps, v[:, 0]) if math.isnan(norm_m)}  # _to_unit_spread
         if bad:
             warnings.warn(f"richness.Monitor: {target.nonfinite_what} had NaN or Inf values at step(s) "
                           f"{', '.join(map(str, sorted(bad)))}: their records have n 0 and dlr, rank and nc1 None",
                           RichnessWarning, stacklevel=5)
-        dlrs, ranks, nc1s, extra = finish_group(v, meta, measures)
-        none = [None] * len(meta.steps)
-        isos, norms = extra.get("dlr_isotropic", none), extra.get("dlr_normalized", none)
+        dlrs, ranks, nc1s, extra = finish_group(v, meta, target.measures)
         for i, (m, dlr, rank, nc1) in enumerate(zip(meta.steps, dlrs, ranks, nc1s)):
-            rec = {"step": m.step, "mode": "window", "n": 0 if m.step in bad else meta.n, "dlr": _num(dlr),
-                   "dlr_isotropic": _num(isos[i]), "dlr_normalized": _num(norms[i]), "rank": rank,
-                   "nc1": _num(nc1), "effective_dim": _num(extra["effective_dim"][i])}
-            rec.update({name: _num(extra[name][i]) if name in measures else None for name in RECORD_MEASURES})
-            rec.update(time=m.time, dlr_rtol_range=None, dlr_from="outputs")
+            row = {name: values[i] for name, values in extra.items()}
+            rec = record(m.step, m.time, 0 if m.step in bad else meta.n, dlr, rank, nc1, row, None, "window",
+                         isotropic=row.get("dlr_isotropic"), normalized=row.get("dlr_normalized"))
             if m.step not in bad:  # a bad step is warned about above
                 mon._warn_small_window(meta.n, meta.p)
                 mon._warn_undefined(rec, (), skip=("nc3",))  # per-batch states carry no weights: NC3 None
@@ -491,11 +484,11 @@ class _WindowRun:
 
     def after_step(self, step: int) -> None:
         if self.one_batch.due(step):
-            self.one_batch.reduce(self.mon._threads, core_route)
+            self.one_batch.reduce(self.mon._threads)
 
     def flush(self) -> None:
         """Finish the queued one-batch windows (waiting for the GPU if needed) and emit them."""
-        self.one_batch.reduce(self.mon._threads, core_route)
+        self.one_batch.reduce(self.mon._threads)
         self.one_batch.poll(wait=True)
 
     def emit(self) -> Optional[dict]:
