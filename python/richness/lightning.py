@@ -114,7 +114,7 @@ class RichnessCallback(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.monitor is None:
             return
-        if self.labels is not None:
+        if self.labels is not None and self.monitor.capturing:  # a step the Monitor keeps nothing of needs no labels
             y = self.labels(batch)
             if y is not None:
                 self._batch_labels.append(y)
