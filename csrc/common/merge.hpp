@@ -227,6 +227,11 @@ struct Target {
     if (s.p < 0 || s.n == 0) {
       fresh.num_classes = s.num_classes;
       fresh.precision = s.precision;
+      if (s.p < 0) {  // an unshaped state's arrays are empty: reuse their memory (State::reset keeps it)
+#define RICHNESS_TAKE(name, type, rows, cols, sym) fresh.name.swap(s.name);
+        RICHNESS_STATE_ARRAYS(RICHNESS_TAKE)
+#undef RICHNESS_TAKE
+      }
       shape_state(fresh, p, c, t, k);
       is_fresh = true;
     } else if (k > s.k) {  // labels streamed without num_classes: grow to k classes

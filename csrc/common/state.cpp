@@ -8,13 +8,22 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace richness {
 
 void State::reset() {
-  const int64_t nc = num_classes;
-  *this = State();
-  num_classes = nc;
+  // An empty state that keeps the arrays' memory: the next first batch sizes
+  // them again without new pages (a batch state reset for every batch, as the
+  // torchmetrics metric's, would otherwise map its p x p arrays each time).
+  State empty;
+  empty.num_classes = num_classes;
+#define RICHNESS_KEEP(name, type, rows, cols, sym) \
+  name.clear();                                  \
+  empty.name.swap(name);
+  RICHNESS_STATE_ARRAYS(RICHNESS_KEEP)
+#undef RICHNESS_KEEP
+  *this = std::move(empty);
 }
 
 namespace {
