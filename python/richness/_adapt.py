@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._checks import is_torch
 from ._native import _core
 
 InputError, DTypeError = _core.InputError, _core.DTypeError  # the core's classes of a refused input
@@ -58,12 +59,6 @@ class Matrix(NamedTuple):
         return (self.ptr, self.rows, self.cols, self.ld, self.dtype)
 
 
-def _is_torch(x: Any) -> bool:
-    """Whether ``x`` is an object of torch (a tensor or not: callers that need a tensor also check for
-    the attribute they use, ``data_ptr``, ``layout``, ``detach``); the one such test of the package."""
-    return type(x).__module__.split(".")[0] == "torch"
-
-
 def _describe(x: Any) -> str:
     shape = getattr(x, "shape", None)
     return f"{type(x).__name__} of shape {tuple(shape)}" if shape is not None else type(x).__name__
@@ -81,7 +76,7 @@ def refuse_unreadable(x: Any, name: str) -> None:
     if module.startswith("scipy.sparse"):
         raise _refused(DTypeError, f"{name} is a scipy.sparse {type(x).__name__}; pass a dense array (x.toarray(), "
                        "a block of rows at a time if it is large)", name)
-    if _is_torch(x) and hasattr(x, "layout"):
+    if is_torch(x) and hasattr(x, "layout"):
         import torch
 
         if x.layout != torch.strided:
@@ -121,7 +116,7 @@ def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
     """View ``x`` (numpy, torch, DLPack, or array-like) as a core Matrix."""
     ndim_ok = (1, 2) if allow_1d else (2,)
     refuse_unreadable(x, name)
-    if _is_torch(x) and hasattr(x, "data_ptr"):
+    if is_torch(x) and hasattr(x, "data_ptr"):
         return _torch_view(x, name, ndim_ok)
     if not isinstance(x, np.ndarray):
         if hasattr(x, "__dlpack__"):
@@ -167,7 +162,7 @@ def as_matrix(x: Any, name: str, *, allow_1d: bool = False) -> Matrix:
 def as_labels(y: Any) -> Matrix:
     """Labels: a 1-D vector of integers (int32/int64; other integer types widen)."""
     refuse_unreadable(y, "labels")
-    if _is_torch(y) and hasattr(y, "data_ptr"):
+    if is_torch(y) and hasattr(y, "data_ptr"):
         if y.ndim != 1:
             raise _refused(InputError, f"labels must be 1-D (n,), got a tensor of shape {tuple(y.shape)}", "labels")
         if y.is_floating_point() or y.is_complex() or y.dtype not in _torch_int_dtypes():
@@ -239,7 +234,7 @@ def weights_of(weights: Any) -> tuple:
 def to_numpy64(x: Any, name: str) -> np.ndarray:
     """A float64 numpy copy of any array-like (torch tensors on any device)."""
     refuse_unreadable(x, name)
-    if _is_torch(x) and hasattr(x, "detach"):
+    if is_torch(x) and hasattr(x, "detach"):
         if x.is_complex():  # .double() would drop the imaginary part
             raise ValueError(f"{name} must be real, got {x.dtype}")
         x = x.detach().to("cpu").double().numpy()

@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     from typing import TypeGuard  # Python 3.10; only read by the type checker
 
 
+
+def is_torch(x: object) -> bool:
+    """Whether ``x`` is an object of torch (a tensor or not: callers that need a tensor also check for
+    the attribute they use, ``data_ptr``, ``layout``, ``detach``); the one such test of the package,
+    here at the bottom so that modules which must not load the compiled core (finish/, baselines) use it."""
+    return type(x).__module__.split(".")[0] == "torch"
+
 def is_int(value: object) -> TypeGuard[Union[int, np.integer]]:
     """True for a Python int or a numpy integer; False for bools and numpy
     bools, floats, strings, arrays and everything else."""

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional, Tuple
 
 import numpy as np
 
-from ._adapt import _is_torch
+from ._checks import is_torch
 
 __all__ = ["InitSimilarity", "init_similarity", "parameter_norm"]
 
@@ -66,11 +66,11 @@ class InitSimilarity:
         """Add a batch: ``features_now`` (n, p_t) and ``features_init`` (n, p_0)
         on the same n inputs. Invalid input raises and leaves the state as it was."""
         a, b = features_now, features_init
-        if _is_torch(a) != _is_torch(b):  # one framework per batch: the numpy side follows the tensor
+        if is_torch(a) != is_torch(b):  # one framework per batch: the numpy side follows the tensor
             import torch
 
-            dev = (a if _is_torch(a) else b).device
-            a, b = (x if _is_torch(x) else torch.as_tensor(np.asarray(x), device=dev) for x in (a, b))
+            dev = (a if is_torch(a) else b).device
+            a, b = (x if is_torch(x) else torch.as_tensor(np.asarray(x), device=dev) for x in (a, b))
         shapes = [tuple(getattr(x, "shape", np.shape(x))) for x in (a, b)]
         if all(len(s) == 2 for s in shapes):
             if shapes[0][0] != shapes[1][0]:
@@ -128,7 +128,7 @@ def init_similarity(features_now: Any, features_init: Any) -> float:
 def _arrays_of(obj: Any) -> list:
     if hasattr(obj, "parameters") and callable(obj.parameters):
         return [p.detach() for p in obj.parameters()]
-    if _is_torch(obj) or isinstance(obj, np.ndarray):
+    if is_torch(obj) or isinstance(obj, np.ndarray):
         return [obj]
     if isinstance(obj, dict):
         return list(obj.values())
@@ -139,7 +139,7 @@ def _arrays_of(obj: Any) -> list:
 
 
 def _sumsq(x: Any) -> float:
-    if _is_torch(x):
+    if is_torch(x):
         import torch
 
         return float(torch.sum(x.detach().to(torch.float64) ** 2).item())
@@ -166,7 +166,7 @@ def parameter_norm(model_or_arrays: Any, reference: Any = None) -> float:
     for i, (x, r) in enumerate(zip(xs, rs)):
         if tuple(x.shape) != tuple(r.shape):
             raise ValueError(f"parameter {i} has shape {tuple(x.shape)} but the reference has {tuple(r.shape)}")
-        if _is_torch(x) or _is_torch(r):
+        if is_torch(x) or is_torch(r):
             import torch
 
             xt = torch.as_tensor(x).detach().to(torch.float64).cpu()

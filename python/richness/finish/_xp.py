@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from .._checks import is_torch
+
 
 class _TorchNamespace:
     """The numpy functions used here, on torch tensors: ``compute()`` of a CUDA
@@ -39,7 +41,7 @@ class _TorchNamespace:
 
 def ns(a):
     """numpy for numpy arrays; the torch shim for torch tensors (CUDA compute)."""
-    if isinstance(a, np.ndarray) or type(a).__module__.split(".")[0] != "torch":
+    if isinstance(a, np.ndarray) or not is_torch(a):
         return np
     import torch
 
