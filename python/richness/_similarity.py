@@ -29,7 +29,7 @@ from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _adapt, _state, _statefile
-from ._adapt import _is_torch
+from ._checks import is_torch
 from ._checks import is_int
 from ._moments import Moments
 from ._warnings import RichnessWarning
@@ -201,7 +201,7 @@ class SimilarityReport:
 def _as_batch(x: Any, name: str) -> Any:
     """A 2-D float batch: a torch tensor as given (detached), anything else as numpy."""
     _adapt.refuse_unreadable(x, name)
-    if _is_torch(x) and hasattr(x, "data_ptr"):  # a tensor (as _adapt.as_matrix tells one)
+    if is_torch(x) and hasattr(x, "data_ptr"):  # a tensor (as _adapt.as_matrix tells one)
         x = x.detach()
         if x.is_complex() or not x.is_floating_point():
             raise TypeError(f"{name} must be a real floating tensor, got {x.dtype}")
@@ -219,7 +219,7 @@ def _as_batch(x: Any, name: str) -> Any:
 
 def _nonfinite(x: Any) -> int:
     """The number of NaN or Inf values (for a CUDA tensor this waits for the device)."""
-    if _is_torch(x):
+    if is_torch(x):
         import torch
 
         return int((~torch.isfinite(x)).sum())
@@ -250,14 +250,12 @@ class Similarity:
     """
 
     def __init__(self, precision: Optional[str] = None) -> None:
-        if precision is not None:
-            _state.precision_mode(precision, _state.PRECISION_ARGUMENT)
         self.precision = precision
         self._names: Optional[List[str]] = None
         self._widths: Optional[List[int]] = None
         self._shift: Optional[np.ndarray] = None  # float64, the widths' sum
         self._scale: Optional[np.ndarray] = None  # float64 powers of two, one per representation
-        self._moments = Moments(precision=precision)
+        self._moments = Moments(precision=precision)  # checks the precision's name
 
     # -- accumulation ---------------------------------------------------------
 
@@ -313,7 +311,7 @@ class Similarity:
             raise ValueError(f"update: the representations have different row counts {rows}; "
                              "each must hold the same samples")
         self._check_names(names, widths)
-        kinds = {"torch" if _is_torch(x) else "numpy" for x in xs}
+        kinds = {"torch" if is_torch(x) else "numpy" for x in xs}
         if len(kinds) > 1:
             raise TypeError("update: mix of torch tensors and other arrays; give one kind per batch")
         if next(iter(rows.values())) == 0:
@@ -541,7 +539,7 @@ def cka(x: Any, y: Any, *, debiased: bool = False) -> float:
 
 
 def _mean64(x: Any) -> np.ndarray:
-    if _is_torch(x):
+    if is_torch(x):
         import torch
 
         return x.to(torch.float64).mean(dim=0).cpu().numpy()
@@ -570,7 +568,7 @@ def _joint(xs: List[Any], shift: np.ndarray, scale: Optional[np.ndarray],
     batch (``_scale_for``). Returns the batch and the scale."""
     offs = np.cumsum([0] + [int(x.shape[1]) for x in xs])
     g = [] if scale is None else [float(v) for v in scale]
-    if _is_torch(xs[0]):
+    if is_torch(xs[0]):
         import torch
 
         dt = torch.float64 if wide or all(x.dtype == torch.float64 for x in xs) else torch.float32
@@ -618,18 +616,18 @@ def _too_large(names: List[str], xs: List[Any], joint: Any, force: bool = False)
 
 def _range(x: Any) -> float:
     """The largest column range (max - min) of a batch, in float64."""
-    if _is_torch(x):
+    if is_torch(x):
         return float((x.amax(dim=0) - x.amin(dim=0)).max())
     return float((x.max(axis=0).astype(np.float64) - x.min(axis=0)).max())
 
 
 def _largest(col: Any) -> float:
     """The largest magnitude of a column (numpy or torch); inf where any value is not finite."""
-    if _is_torch(col):
-        import torch
-
-        return float(col.abs().max()) if bool(torch.isfinite(col).all()) else math.inf
-    return float(np.abs(col).max()) if np.isfinite(col).all() else math.inf
+    if is_torch(col):
+        v = float(col.abs().max())  # one pass: max propagates NaN
+    else:
+        v = float(np.abs(col).max())
+    return v if math.isfinite(v) else math.inf
 
 
 def _rescale(st: dict, widths: List[int], factor: np.ndarray) -> dict:
