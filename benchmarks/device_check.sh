@@ -17,12 +17,12 @@ mkdir -p "$OUT"
 export OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # gpu_check.py installs build/gpu_wheels, builds if richness._cuda does not
-# import, runs tests/test_cuda.py, then times (under 5 minutes). Its table
+# import, runs tests/engine/test_cuda.py, then times (under 5 minutes). Its table
 # (streaming against torch, each mode as a fraction of the tensor-core
 # ceiling) is printed again at the end.
 timeout 300 python3 benchmarks/gpu_check.py > "$OUT/gpu_check.log" 2>&1
 echo "gpu_check exit: $?"
-grep -E "tests/test_cuda.py|FAILED|passed|failed" "$OUT/gpu_check.log" | tail -8
+grep -E "tests/engine/test_cuda.py|FAILED|passed|failed" "$OUT/gpu_check.log" | tail -8
 # evaluate() on a ResNet-50 (bf16 autocast, channels_last, batch 256) against the plain loop, and the report alone.
 timeout 120 python3 benchmarks/bench_evaluate_gpu.py --images 25000 --rounds 2 --json "$OUT/bench_evaluate_gpu.json" \
   > "$OUT/bench_evaluate_gpu.log" 2>&1

@@ -55,7 +55,7 @@ def ensure_built() -> str:
 
 def run_tests() -> dict:
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/test_cuda.py"],
                        cwd=REPO, capture_output=True, text=True, timeout=240)
     out = r.stdout.strip().splitlines()
     summary = out[-1] if out else r.stderr[-500:]
@@ -432,7 +432,7 @@ def main() -> int:
         f"(CUDA {out['environment']['torch_cuda']}) | {out['environment']['date']}")
     log(f"backend: {out['environment']['backend']}")
     if "tests" in out:
-        log(f"tests/test_cuda.py: {out['tests']['summary']}")
+        log(f"tests/engine/test_cuda.py: {out['tests']['summary']}")
     if "bench" in out:
         log(table(out["bench"]))
     return 0 if out.get("tests", {}).get("returncode", 0) == 0 and "bench" in out else 1

@@ -1,6 +1,14 @@
-"""What the test files share: the tests folder on the import path (for
-``reference``, ``tiny_models`` and this file's helpers) and the data and
-ports several files need."""
+"""What the test files share: the tests folder and its subfolders on the import
+path (for ``reference``, ``tiny_models``, this file's helpers and the helpers one
+test file takes from another) and the data and ports several files need. The
+subfolders mirror the package: ``engine/`` (richness._engine: Moments,
+Similarity, inputs, state files, merges, the CUDA backend), ``finish/``,
+``models/`` (richness.torch: hooks, evaluate, similarity over models),
+``monitor/``, ``metric/`` (richness.torchmetrics) and ``cli/``; the top-level
+modules' tests and the package-wide ones (layers, public surface, README, the
+contract harness) sit here. No folder is named after a library (``torch``,
+``torchmetrics``): with this folder on the import path it would stand in for
+that library wherever the library is missing."""
 
 import os
 import socket
@@ -8,7 +16,11 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+TEST_DIRS = [TESTS] + sorted(
+    os.path.join(TESTS, d) for d in os.listdir(TESTS)
+    if os.path.isdir(os.path.join(TESTS, d)) and any(f.startswith("test_") for f in os.listdir(os.path.join(TESTS, d))))
+sys.path[:0] = [d for d in TEST_DIRS if d not in sys.path]
 
 
 def linear_data(n=300, p=10, c=3, seed=0, classes=None, shift=2.0, noise=0.3, head=False):
@@ -43,8 +55,9 @@ def torchrun(tmp_path, template, nproc=2, timeout=300):
 
     out = str(tmp_path / "rank")
     script = tmp_path / "run.py"
-    script.write_text(template.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    script.write_text(template.format(tests=TESTS, out=out))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(TEST_DIRS + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                         f"--master_port={free_port()}", str(script)], capture_output=True, text=True,
                        timeout=timeout, env=env)

@@ -15,9 +15,7 @@ LAYERS = [
     ("base", ["richness._warnings", "richness._checks", "richness._optional", "richness.finish._xp"]),
     ("schema", ["richness._native", "richness._core", "richness._cuda", "richness._state", "richness._report"]),
     ("finish", ["richness.finish"]),
-    ("core", ["richness._adapt", "richness._bounded_io", "richness._statefile", "richness._cuda_options",
-              "richness._backend", "richness._distributed", "richness._moments", "richness._similarity",
-              "richness._kinds"]),
+    ("core", ["richness._engine"]),
     ("torch", ["richness.torch"]),
     ("integrations", ["richness.monitor", "richness.torchmetrics", "richness.dask", "richness.baselines",
                       "richness.plot"]),
@@ -94,8 +92,8 @@ def test_imports_point_down():
 
 @pytest.mark.parametrize("src,dst,upward", [
     ("richness.finish.dlr", "richness.monitor.window", True),
-    ("richness._moments", "richness.torch.evaluate", True),
-    ("richness.cli.commands", "richness._moments", False),
+    ("richness._engine.moments", "richness.torch.evaluate", True),
+    ("richness.cli.commands", "richness._engine.moments", False),
     ("richness.monitor.monitor", "richness.torch.hooks", False),
 ])
 def test_the_layer_order_flags_an_upward_import(src, dst, upward):

@@ -262,7 +262,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("available_memory", &available_memory,
         "Bytes this process can still allocate now: MemAvailable (physical memory where /proc does not say) "
         "and, under an address-space limit, the limit less VmSize (the check every update makes before "
-        "allocating; python/richness/_bounded_io.py asks it too).");
+        "allocating; python/richness/_engine/bounded_io.py asks it too).");
   m.def("blas_info", &blas_info);
   m.def("blas_get_num_threads", &blas_get_num_threads);
   m.def("blas_set_num_threads", &blas_set_num_threads, py::arg("n"));

@@ -142,7 +142,7 @@ inline State State::scalars() const {
 // of a state (widths in range, array sizes, class counts adding up to n):
 // python/richness/_state.py's validator (`checked`) refuses every state this
 // refuses, and adds the rules on values (finite, symmetric, semi-definite,
-// class sums against the mean) that only Python checks; tests/test_core_rules.py
+// class sums against the mean) that only Python checks; tests/engine/test_core_rules.py
 // generates states and checks the two agree on these rules.
 inline void State::check_consistent() const {
   auto need = [](bool ok, const char* what) {

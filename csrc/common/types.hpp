@@ -1,7 +1,7 @@
 // What a batch is made of, as the core sees it: element types, row-major
 // matrix views, and the checks every backend runs on a batch
 // before reading its data. Framework-agnostic: raw pointers, shapes, row
-// strides and dtypes; python/richness/_adapt.py adapts numpy, torch and DLPack.
+// strides and dtypes; python/richness/_engine/adapt.py adapts numpy, torch and DLPack.
 #pragma once
 
 #include <cstddef>

@@ -708,7 +708,7 @@ void check_fits(const State& st, int64_t nb, int64_t p, int64_t c, int64_t t, in
 // narrow GEMM of its own (benchmarks/RESULTS.md, "One product for features
 // and outputs"). Float64 products keep one product per co-moment: M then
 // comes from the same tiles with or without outputs, so head mode and
-// streamed outputs agree to float64 rounding (tests/test_curves.py). The
+// streamed outputs agree to float64 rounding (tests/finish/test_curves.py). The
 // targets always have a buffer and products of their own, so the outputs x
 // targets block, which no co-moment needs, is never formed.
 // Where each stream's centered columns lie in the scratch (sized here).

@@ -44,7 +44,7 @@ struct memory_error : std::runtime_error {
 // under a limit on the address space (ulimit -v), what is left of it (the
 // limit less VmSize). The one memory model of richness: every update checks
 // its state and scratch against it before allocating, and Python's
-// _bounded_io.check_memory (files of unknown origin) asks it through
+// _engine/bounded_io.check_memory (files of unknown origin) asks it through
 // _core.available_memory.
 double available_memory();
 

@@ -6,7 +6,7 @@
 // vector width: every column's float64 sum adds its rows one at a time, in
 // their order; minima and maxima are exact; a centered value is the float64
 // difference rounded once to float32. Only the columns are processed side by
-// side. tests/test_inputs.py compares every level against the plain loops.
+// side. tests/engine/test_adapt.py compares every level against the plain loops.
 #pragma once
 
 #include <cstdint>

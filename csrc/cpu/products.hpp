@@ -32,7 +32,7 @@
 // and were added in float64. The float32 rounding of a k-term sum grows
 // about like sqrt(k) eps32 relative to the sum of |terms|; the float32
 // contract (DLR within 1e-6 of float64) is bounded by
-// tests/test_known_values.py, tests/test_invariance.py and tests/test_merge.py
+// tests/finish/test_known_values.py, tests/finish/test_invariance.py and tests/engine/test_merge.py
 // (float32 products against float64 references), and at batches of 4096 rows
 // benchmarks/cpu_side_by_side.py prints |DLR - float64 reference|.
 #pragma once

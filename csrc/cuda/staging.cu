@@ -158,7 +158,7 @@ void CudaMoments::flush_stage(cudaStream_t stream) {
   // Within-batch products over all R staged rows (bad batches are zero rows).
   // Precision traded for speed: the product accumulates R rows (not one
   // batch) in its precision before the float64 merge; bounded by the staged
-  // tests in tests/test_cuda.py (same DLR tolerances as unstaged).
+  // tests in tests/engine/test_cuda.py (same DLR tolerances as unstaged).
   CUBLAS_CHECK(cublasSetStream(handle_, stream));
   CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, workspace_bytes_));
   const void *Mp, *Bp = nullptr, *Ap = nullptr, *Btp = nullptr, *Atp = nullptr;

@@ -36,10 +36,10 @@ _logging.getLogger("richness").addHandler(_logging.NullHandler())
 
 if _typing.TYPE_CHECKING:
     from ._core import blas_info
-    from ._cuda_options import CudaOptions
-    from ._moments import Moments, dlr
+    from ._engine.cuda_options import CudaOptions
+    from ._engine.moments import Moments, dlr
     from ._report import Report
-    from ._similarity import Similarity, SimilarityReport, cka
+    from ._engine.similarity import Similarity, SimilarityReport, cka
     from .monitor import EveryStep, Head, Layer, Monitor, Probe, Window
     from ._warnings import RichnessWarning
     from .torch.evaluate import evaluate
@@ -48,9 +48,9 @@ if _typing.TYPE_CHECKING:
 # The public names load on first use (PEP 562): `import richness.finish` then
 # works where the compiled core cannot load, and the accumulators raise one
 # clear ImportError (``_native``) when first used there.
-_PUBLIC = {"blas_info": "._native", "Moments": "._moments", "dlr": "._moments", "Report": "._report",
-           "CudaOptions": "._cuda_options",
-           "Similarity": "._similarity", "SimilarityReport": "._similarity", "cka": "._similarity",
+_PUBLIC = {"blas_info": "._native", "Moments": "._engine.moments", "dlr": "._engine.moments", "Report": "._report",
+           "CudaOptions": "._engine.cuda_options",
+           "Similarity": "._engine.similarity", "SimilarityReport": "._engine.similarity", "cka": "._engine.similarity",
            "Monitor": ".monitor", "Window": ".monitor", "EveryStep": ".monitor", "Probe": ".monitor",
            "Head": ".monitor", "Layer": ".monitor", "RichnessWarning": "._warnings", "evaluate": ".torch.evaluate",
            "similarity": ".torch.similarity"}

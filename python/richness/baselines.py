@@ -44,7 +44,7 @@ class InitSimilarity:
     _NAMES = ("now", "init")
 
     def __init__(self) -> None:
-        from ._similarity import Similarity
+        from ._engine.similarity import Similarity
 
         self._sim = Similarity(precision="fp64")
 

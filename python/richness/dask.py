@@ -70,9 +70,9 @@ from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, S
 
 import numpy as np
 
-from . import _kinds
+from ._engine import kinds as _kinds
 from ._checks import check_int
-from ._moments import Moments
+from ._engine.moments import Moments
 from ._optional import _require
 
 __all__ = ["moments", "similarity"]
@@ -198,7 +198,7 @@ def _similarity_chunk(start: int, names: List[str], blocks: Iterable[tuple], pre
     """The similarity state of consecutive row chunks (each a tuple of the
     representations' blocks, in ``names`` order, or a ``_Rows``), on the
     worker that runs the task."""
-    from ._similarity import Similarity
+    from ._engine.similarity import Similarity
 
     s = _emptied("similarity", (precision,), lambda: Similarity(precision=precision))
     _update_all(s, start, blocks, lambda st, block: st.update(dict(zip(names, block))))
@@ -411,7 +411,7 @@ def similarity(representations: Mapping[str, Any], *, precision: Optional[str] =
     """
     import dask
 
-    from ._similarity import Similarity, check_names
+    from ._engine.similarity import Similarity, check_names
 
     Similarity(precision=precision)  # the option is checked before any work
     per = _per_task(chunks_per_task)

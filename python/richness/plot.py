@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _bounded_io
+from ._engine import bounded_io as _bounded_io
 from ._checks import is_int
 from ._optional import pip_extra
 from ._report import Report
@@ -330,7 +330,7 @@ def similarity(report: Any, path: "str | os.PathLike", *, debiased: bool = False
     in the title. Writes ``path.png`` and ``path.svg`` and returns their
     paths."""
     plt = _plt()
-    from ._similarity import SimilarityBlock, SimilarityReport
+    from ._engine.similarity import SimilarityBlock, SimilarityReport
 
     if isinstance(report, SimilarityBlock):
         return _similarity_block(plt, report, path, debiased, values, title)

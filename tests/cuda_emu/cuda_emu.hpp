@@ -1,6 +1,6 @@
 // A CPU emulation of the parts of CUDA and cuBLAS that csrc/cuda uses, so
 // that the CUDA backend compiles with g++ as host code and runs in the tests
-// (tests/test_cuda_emu.py). Never used for a real build.
+// (tests/engine/test_cuda_emu.py). Never used for a real build.
 //
 // Model (stricter than a GPU where it is cheap to be, never looser):
 //   - Device memory is host memory from mmap: poisoned with 0xFF on

@@ -10,7 +10,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from .. import _bounded_io
+from .._engine import bounded_io as _bounded_io
 from . import UserError
 from .commands import _CHUNK_BYTES, _bar
 from .files import Seen, check_targets, distinct
@@ -60,7 +60,7 @@ def _distinct_arrays(files: List[ArrayFile]) -> None:
 
 
 def cka_cmd(args: argparse.Namespace) -> int:
-    from .._similarity import Similarity
+    from .._engine.similarity import Similarity
 
     if len(args.inputs) < 2:
         raise UserError(f"{args.inputs[0]}: one representation; CKA compares at least two "

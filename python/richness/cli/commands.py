@@ -12,7 +12,8 @@ from typing import Optional
 
 import numpy as np
 
-from .. import _bounded_io, _statefile
+from .._engine import bounded_io as _bounded_io
+from .._engine import statefile as _statefile
 from .._optional import pip_extra
 from . import UserError
 from .files import check_targets

@@ -5,7 +5,7 @@ each input file taken once. Every input is read and validated, and checked
 against the others, before anything is written; OUT is then written
 atomically (a temp file renamed over it), so a refused merge leaves no OUT
 behind. Files are dispatched on the
-kind their archive names (``richness._kinds``); inputs of different kinds, or
+kind their archive names (``richness._engine.kinds``); inputs of different kinds, or
 of one kind that cannot merge (other widths, other fixed classes), are one
 error line naming both files."""
 
@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Dict, List, Optional
 
-from .. import _kinds
+from .._engine import kinds as _kinds
 from . import UserError, reason
 from .commands import head_weights
 from .files import Seen, check_targets, distinct

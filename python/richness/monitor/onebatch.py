@@ -8,8 +8,8 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 import numpy as np
 
-from .. import _adapt
-from .._backend import centered_grams
+from .._engine import adapt as _adapt
+from .._engine.backend import centered_grams
 from .._state import default_precision
 from .capture import StepBuffer
 from ..torch.threads import BlasThreads

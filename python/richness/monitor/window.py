@@ -6,7 +6,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .._moments import Moments
+from .._engine.moments import Moments
 from .capture import StepBuffer
 from ..torch.threads import BlasThreads
 from ..finish import dlr_only, rtol_for, too_few_samples

@@ -13,7 +13,7 @@ import logging
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
-from .._moments import Moments
+from .._engine.moments import Moments
 from .._report import Report
 from .._warnings import RichnessWarning
 from .batches import (UNSHIFTED, TokensSpec, batch_size_of, call_model, check_tokens, label_kwargs,

@@ -15,7 +15,7 @@ import contextlib
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 from .._optional import require_torch
-from .._similarity import Similarity, SimilarityReport
+from .._engine.similarity import Similarity, SimilarityReport
 from .batches import batch_size_of, call_model, layer_layouts, layer_pooler, split_batch, to_device
 from .common import eval_mode, merge_ranks, model_device, progress_bar
 from .hooks import HeadHook, resolve_layers

@@ -15,11 +15,12 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 from torchmetrics.utilities.exceptions import TorchMetricsUserError
 
-from .. import _adapt, _state
+from .. import _state
+from .._engine import adapt as _adapt
 from .. import finish as _finish
 from ..finish.samplespace import GramRows, finish_gram_rows
-from .._backend import Batch, CoreBackend
-from .._moments import Moments
+from .._engine.backend import Batch, CoreBackend
+from .._engine.moments import Moments
 from .._native import _core
 from .._report import Report
 from ..torch.hooks import HeadHook
@@ -322,7 +323,7 @@ class DLR(Metric):
         centering): O(n p C). A comes from the float64 outputs in both: A^+
         enters DLR, and A from float32 products moved DLR by up to 7e-7 where
         the outputs were exact linear functions of the features (3e-8 with
-        A in float64; tests/test_torchmetrics.py bounds both routes).
+        A in float64; tests/metric/test_metric.py bounds both routes).
         Else (C > n, n < p) in sample space from the batch's Gram
         G = Xc Xc^T (the core's ``centered_grams``: float64 means, centering
         before narrowing, one product in the batch's product precision):
@@ -333,8 +334,8 @@ class DLR(Metric):
         a threaded BLAS or torch product this small only wakes a thread pool
         beside the core's and the training's, which costs more than the
         product on a busy CPU (benchmarks/bench_torchmetrics.py)."""
-        from .._backend import centered_grams, matmul
-        from .._moments import batch_precision
+        from .._engine.backend import centered_grams, matmul
+        from .._engine.moments import batch_precision
 
         n = feats.rows
         precision = batch_precision(self.precision, Batch(feats, streams.get("outputs"), None, streams.get("targets")))

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Type, cast
 
 import numpy as np
 
-from ... import _bounded_io
+from ..._engine import bounded_io as _bounded_io
 from .. import UserError, reason
 from ..files import Seen
 from ..raw import RawRows

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ... import _bounded_io
+from ..._engine import bounded_io as _bounded_io
 from .. import UserError
 from ..raw import c_strides
 from .base import ArrayFile

@@ -9,7 +9,7 @@ from typing import IO, Optional
 
 import numpy as np
 
-from ... import _bounded_io
+from ..._engine import bounded_io as _bounded_io
 from .base import ArrayFile
 from .npy import npy_data
 

@@ -10,7 +10,7 @@ import zipfile
 
 import numpy as np
 
-from ... import _bounded_io
+from ..._engine import bounded_io as _bounded_io
 from .. import UserError
 from ..raw import mapped_file_offset
 from .base import ArrayFile
@@ -53,7 +53,7 @@ class TorchFile(ArrayFile):
             raise UserError(f"{path}: holds a {type(obj).__name__}; expected a tensor or a dict of tensors")
         del obj
         t = t.detach()
-        from ..._adapt import refuse_unreadable
+        from ..._engine.adapt import refuse_unreadable
 
         try:
             refuse_unreadable(t, "it")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import _bounded_io
+from ..._engine import bounded_io as _bounded_io
 from .. import UserError, reason
 from ..raw import c_strides, safetensors_offset
 from .base import ArrayFile

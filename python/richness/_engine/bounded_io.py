@@ -64,7 +64,7 @@ def available_memory() -> float:
     limit on the address space, what is left of it. The compiled core's
     ``available_memory`` (csrc/cpu/cpu_moments.hpp), the model every update
     checks its allocations against."""
-    from ._native import _core
+    from .._native import _core
 
     return float(_core.available_memory())
 

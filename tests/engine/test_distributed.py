@@ -104,7 +104,7 @@ def _worker(rank, world, port, out_path):
         res["groups_empty_rank"] = {"n": ge.n, "sizes": [s["n"] for s in ge._backend.group_states()],
                                     "dlr": ge.compute(uncertainty=True).dlr}
         # a rank holding an impossible state (a negative variance): every rank refuses
-        from richness._distributed import all_reduce_states
+        from richness._engine.distributed import all_reduce_states
 
         good = richness.Moments()
         good.update(X[shard], F[shard])

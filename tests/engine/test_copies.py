@@ -4,7 +4,7 @@
 ``torch.save``s whole, and the copy is not monitored while the original
 still is (checked with real forwards against tests/reference.py's n x n
 oracle). The CUDA backend's copies are tested under the emulator
-(tests/test_cuda_emu.py), Lightning's in tests/test_lightning.py."""
+(tests/engine/test_cuda_emu.py), Lightning's in tests/test_lightning.py."""
 
 import copy
 import io

@@ -146,7 +146,7 @@ def rewrite(raw, change_meta=None, change_arrays=None, resign=False):
     if change_arrays:
         change_arrays(arrays)
     if resign:
-        from richness._statefile import _digest
+        from richness._engine.statefile import _digest
 
         meta["sha256"] = _digest(arrays, meta)
     buf = io.BytesIO()
@@ -352,7 +352,7 @@ def test_next_save_removes_temp_files_of_a_killed_save(tmp_path):
     m, _, _ = filled()
     path = tmp_path / "s.npz"
     # a save killed between writing and renaming: its temp file stays behind
-    code = ("import os, numpy as np, richness, richness._statefile as io_\n"
+    code = ("import os, numpy as np, richness, richness._engine.statefile as io_\n"
             "m = richness.Moments(); m.update(np.random.default_rng(0).normal(size=(50, 4)))\n"
             "os.replace = lambda *a: os.kill(os.getpid(), 9)\n"
             f"m.save({str(path)!r})\n")
@@ -482,7 +482,7 @@ def test_a_state_larger_than_memory_is_refused_with_its_size(tmp_path):
     for f in richness._state.FIELDS:
         state[f.name] = np.zeros(richness._state.shape_of(f, state), f.dtype)
     meta = {"format": "richness.moments", "version": 1, **{k: state[k] for k in richness._state.SCALARS},
-            "sha256": richness._statefile._digest(state, state)}
+            "sha256": richness._engine.statefile._digest(state, state)}
     path = tmp_path / "big.npz"
     np.savez_compressed(path, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
                         **{k: state[k] for k in richness._state.FIELD_NAMES})

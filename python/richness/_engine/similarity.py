@@ -28,12 +28,14 @@ from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _adapt, _state, _statefile
-from ._checks import is_torch
-from ._checks import is_int
-from ._moments import Moments
-from ._warnings import RichnessWarning
-from .finish.cka import cka_matrices, column_factors, scaled_shift
+from .. import _state
+from . import adapt as _adapt
+from . import statefile as _statefile
+from .._checks import is_torch
+from .._checks import is_int
+from .moments import Moments
+from .._warnings import RichnessWarning
+from ..finish.cka import cka_matrices, column_factors, scaled_shift
 
 __all__ = ["Similarity", "SimilarityReport", "SimilarityBlock", "EmptySimilarityError", "cka", "FORMAT"]
 
@@ -375,7 +377,7 @@ class Similarity:
         and shift of the lowest rank that saw data are used by all; ranks that
         hold other names or widths make every rank raise the same ValueError,
         and no rank's state changes."""
-        from ._distributed import _dist, all_reduce_states
+        from .distributed import _dist, all_reduce_states
 
         _, dist = _dist()
         world = dist.get_world_size(group)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import richness
-from richness import _state, _statefile
+from richness import _state
+from richness._engine import statefile as _statefile
 from reference import states_equal
 
 P, C, T, K = 6, 3, 2, 4
@@ -258,7 +259,7 @@ def test_groups_beyond_the_cap_are_refused_before_allocation():
         import resource
         import numpy as np
         import richness
-        from richness._moments import MAX_GROUPS
+        from richness._engine.moments import MAX_GROUPS
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
         for k in (10**8, MAX_GROUPS + 1, 0, True, 2.5):
             try:

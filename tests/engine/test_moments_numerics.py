@@ -205,7 +205,7 @@ def test_crafted_states_are_refused_and_change_nothing(edit, what, tmp_path):
         target.load_state_dict(st)
     assert states_equal(target.state_dict(), before)
     # the same state in a save file: refused on load
-    from richness import _statefile
+    from richness._engine import statefile as _statefile
     _statefile.save_state(st, tmp_path / "crafted.npz")
     with pytest.raises(ValueError, match=re.escape(what)):
         richness.Moments.load(tmp_path / "crafted.npz")

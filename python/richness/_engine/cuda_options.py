@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ._checks import check_bool, check_int
+from .._checks import check_bool, check_int
 
 __all__ = ["CudaOptions"]
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import richness
-from richness import _adapt, _core
+from richness import _core
+from richness._engine import adapt as _adapt
 
 
 def _refusal(fn):

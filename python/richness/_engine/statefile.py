@@ -32,11 +32,11 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ._checks import is_int
-from ._bounded_io import check_memory, npz_members, open_regular, read_member
-from ._state import FIELDS, MAX_GROUPS, SCALARS, shape_of, widths_of
-from ._state import FLOAT_FIELDS as FLOATS
-from ._state import INT_FIELDS as INTS
+from .._checks import is_int
+from .bounded_io import check_memory, npz_members, open_regular, read_member
+from .._state import FIELDS, MAX_GROUPS, SCALARS, shape_of, widths_of
+from .._state import FLOAT_FIELDS as FLOATS
+from .._state import INT_FIELDS as INTS
 
 FORMAT = "richness.moments"
 VERSION = 2  # bumped by every change of the schema (docs/ARCHITECTURE.md, "Adding things"); 2: groups

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cuda_emu"))
 import build as emu_build  # noqa: E402
 from translate import kernels_with_sync, translate  # noqa: E402
 
@@ -1262,7 +1262,7 @@ def test_device_moments_copies_and_pickles_through_its_state(emu, monkeypatch, h
     import pickle
 
     import richness
-    from richness import _backend
+    from richness._engine import backend as _backend
 
     monkeypatch.setattr(_backend, "_cuda_core", lambda num_classes, device: emu.mod.CudaMoments(num_classes, 0))
     X, F, T, y = problem(n=300, k=5, seed=21)
@@ -1288,7 +1288,7 @@ def test_device_moments_cuda_options_reach_the_core_and_survive_copies(emu, monk
     import copy
 
     import richness
-    from richness import _backend
+    from richness._engine import backend as _backend
 
     monkeypatch.setattr(_backend, "_cuda_core", lambda num_classes, device: emu.mod.CudaMoments(num_classes, 0))
     X, F, T, y = problem(n=120, k=5, seed=22)

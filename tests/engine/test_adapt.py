@@ -339,7 +339,8 @@ def test_one_feature_and_one_sample_batches():
 
 def test_core_centered_grams_against_float64_and_bad_blocks():
     # the Monitor's one-batch windows: Gram matrices of row blocks, each centered on its own mean
-    from richness import _adapt, _core
+    from richness import _core
+    from richness._engine import adapt as _adapt
 
     rng = np.random.default_rng(0)
     X = (1e4 + 1e-2 * rng.standard_normal((3 * 20, 30))).astype(np.float32)  # the mean-1e4, spread-1e-2 case (docs/MATH.md, "Streaming estimator")
@@ -364,7 +365,8 @@ def test_core_one_block_gram_shared_by_two_threads_against_float64():
     # One block with more threads than blocks: the Gram's two halves and the
     # block between them are formed on two threads (an odd row count, so the
     # halves differ); one thread forms it whole. Both against float64.
-    from richness import _adapt, _core
+    from richness import _core
+    from richness._engine import adapt as _adapt
 
     rng = np.random.default_rng(1)
     X = (3.0 + rng.standard_normal((131, 256))).astype(np.float32)

@@ -18,9 +18,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol
 
 import numpy as np
 
-from . import _state
-from ._cuda_options import CudaOptions
-from ._native import _core
+from .. import _state
+from .cuda_options import CudaOptions
+from .._native import _core
 
 
 class Batch(NamedTuple):
@@ -59,7 +59,7 @@ class Backend(Protocol):
 def _cuda_core(num_classes: int, device: str):
     try:
         import torch  # noqa: F401  loads libcublas and the CUDA runtime that _cuda links against
-        from . import _cuda  # built only with RICHNESS_CUDA; needs libcublas at import
+        from .. import _cuda  # built only with RICHNESS_CUDA; needs libcublas at import
     except ImportError as e:
         raise RuntimeError(f"device {device!r} needs the CUDA backend, which is not available here ({e})") from None
     index = int(device.split(":")[1]) if ":" in device else 0

@@ -16,8 +16,8 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from . import _state
-from ._optional import pip_extra
+from .. import _state
+from .._optional import pip_extra
 
 
 def _dist():

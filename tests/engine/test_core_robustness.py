@@ -173,7 +173,7 @@ def test_the_many_state_merge_refuses_a_count_past_int64():
 
     m = richness.Moments()
     rng = np.random.default_rng(7)
-    m.update(rng.standard_normal((16, 3)))  # no labels: labelled merges stop at 2**53 (test_invariants)
+    m.update(rng.standard_normal((16, 3)))  # no labels: labelled merges stop at 2**53 (test_state_checks)
     for _ in range(58):
         m.merge(m)  # n = 2**62
     st = m.state_dict()

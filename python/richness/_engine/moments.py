@@ -11,13 +11,15 @@ from typing import Any, Callable, Optional, TypeVar, cast
 
 import numpy as np
 
-from . import _adapt, _state, _statefile
-from . import finish as _finish
-from ._checks import check_int
-from ._backend import Backend, Batch, CoreBackend, GroupedBackend, Lockable
-from ._cuda_options import CudaOptions
-from ._report import Report
-from ._warnings import RichnessWarning
+from .. import _state
+from . import adapt as _adapt
+from . import statefile as _statefile
+from .. import finish as _finish
+from .._checks import check_int
+from .backend import Backend, Batch, CoreBackend, GroupedBackend, Lockable
+from .cuda_options import CudaOptions
+from .._report import Report
+from .._warnings import RichnessWarning
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -207,7 +209,7 @@ class Moments(Lockable):
         each rank's group i is merged with the other ranks' group i, so the
         jackknife still works afterwards. Incompatible states raise the same
         ValueError on every rank, and no rank's state changes."""
-        from ._distributed import all_reduce_states
+        from .distributed import all_reduce_states
 
         if self._groups is not None:
             # a rank that saw no data has no backend yet: it holds k empty groups

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import is_torch
-from ._native import _core
+from .._checks import is_torch
+from .._native import _core
 
 InputError, DTypeError = _core.InputError, _core.DTypeError  # the core's classes of a refused input
 

@@ -4,7 +4,7 @@ Single process (plain and under an ``Accelerator``) the report is local; under
 ``torchrun`` with 2 gloo ranks and an ``Accelerator`` preparing the loader, the
 default merges the ranks' shards into the report of the whole data set. Both
 are checked against the float64 n x n oracle on activations computed here.
-(tests/test_integration_dist.py covers the default under a plain
+(tests/engine/test_distributed.py covers the default under a plain
 ``torch.distributed`` process group.)
 """
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import richness
-from richness import _statefile
+from richness._engine import statefile as _statefile
 from richness.cli import UserError, main
 from richness.cli.formats import open_array
 from reference import dlr_naive, states_equal

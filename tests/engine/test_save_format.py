@@ -3,7 +3,7 @@ file written before a field existed is refused naming the field, and a file
 from a newer richness is refused naming both versions.
 
 tests/data/state_v1.npz was written by format version 1 from ``seeded_data()``
-(``python tests/test_save_format.py`` wrote it); it is never regenerated, so
+(``python tests/engine/test_save_format.py`` wrote it); it is never regenerated, so
 that it stays a file of that version. The values are checked against a float64
 computation from the same seeded data, not against what the code produced."""
 
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import richness
-from richness import _state, _statefile
+from richness import _state
+from richness._engine import statefile as _statefile
 from reference import dlr_naive
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "data", "state_v1.npz")
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "state_v1.npz")
 SCHEMA = _state.FIELDS
 
 

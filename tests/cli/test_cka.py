@@ -67,8 +67,8 @@ def test_cka_refusals(tmp_path, capsys):
 
 
 def test_richness_merge_of_similarity_states(tmp_path, capsys):
-    from richness import _kinds
-    from richness._similarity import FORMAT
+    from richness._engine import kinds as _kinds
+    from richness._engine.similarity import FORMAT
 
     assert _kinds.get("similarity").format == FORMAT
     a, b, c = representations(offset=300.0)

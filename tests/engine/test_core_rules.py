@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import richness
-from richness import _bounded_io, _state
+from richness import _state
+from richness._engine import bounded_io as _bounded_io
 from richness._native import _core
 
 WIDTH_KEYS = ("n", "p", "c", "t", "k", "num_classes")

@@ -79,7 +79,7 @@ def test_cka_does_not_depend_on_the_scale(scale):
 
 @pytest.mark.parametrize("scale", [1e38, 1e-42, 1e-60])
 def test_the_finish_scales_before_squaring(scale, monkeypatch):
-    import richness._similarity as sim
+    import richness._engine.similarity as sim
 
     monkeypatch.setattr(sim, "_SAFE_LOG2", 10 ** 6, raising=False)  # a state held at the given scale
     data = {k: v * scale for k, v in reps(15).items()}
@@ -150,7 +150,7 @@ import numpy as np
 import torch.distributed as dist
 sys.path.insert(0, {tests!r})
 import richness
-from test_similarity_hardening import reps
+from test_similarity_edges import reps
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 data = {{k: v * 1e-90 for k, v in reps(21, n=80, offset=700.0).items()}}
@@ -218,7 +218,7 @@ def test_dask_refuses_keys_that_are_not_strings():
 
 
 def test_empty_compute_raises_a_subclass_callers_can_catch():
-    from richness._similarity import EmptySimilarityError
+    from richness._engine.similarity import EmptySimilarityError
 
     with pytest.raises(EmptySimilarityError, match="no samples"):
         Similarity().compute()
@@ -256,7 +256,7 @@ def test_file_with_permuted_widths_refused(tmp_path):
 
 
 def test_merge_of_exported_states_refuses_permuted_widths():
-    from richness import _kinds
+    from richness._engine import kinds as _kinds
 
     data = permuted()
     good = stream({k: v[:40] for k, v in data.items()}).state_dict()
@@ -279,7 +279,7 @@ def test_valid_states_load(dtype, offset):
 
 
 def test_cka_streams_memory_mapped_arrays(tmp_path, monkeypatch):
-    import richness._similarity as sim
+    import richness._engine.similarity as sim
 
     monkeypatch.setattr(sim, "_CHUNK_BYTES", 1 << 20, raising=False)
     rng = np.random.default_rng(10)
@@ -307,7 +307,7 @@ def test_cka_streams_memory_mapped_arrays(tmp_path, monkeypatch):
 
 
 def test_cka_chunks_give_the_reference(monkeypatch):
-    import richness._similarity as sim
+    import richness._engine.similarity as sim
 
     monkeypatch.setattr(sim, "_CHUNK_BYTES", 800, raising=False)  # a few rows per chunk
     data = reps(11, offset=30.0)

@@ -19,7 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from . import _bounded_io, _statefile
+from . import bounded_io as _bounded_io
+from . import statefile as _statefile
 
 
 @dataclass(frozen=True)
@@ -54,19 +55,19 @@ def get(name: str) -> Kind:
 
 
 def _moments_class() -> type:
-    from ._moments import Moments
+    from .moments import Moments
 
     return Moments
 
 
 def _moments_widths(m: Any) -> Dict[str, int]:
-    from . import _state
+    from .. import _state
 
     return _state.widths_of(m.state_dict())
 
 
 def _moments_check(metas: List[Dict[str, int]]) -> None:
-    from . import _state
+    from .. import _state
 
     _state.check_compatible(metas)
 
@@ -126,7 +127,7 @@ def merge_own_dicts(kind_name: str, states: List[dict]) -> dict:
 
 
 def _similarity_class() -> type:
-    from ._similarity import Similarity
+    from .similarity import Similarity
 
     return Similarity
 
