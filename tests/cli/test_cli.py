@@ -777,3 +777,17 @@ def test_eval_names_the_file_of_a_chunk_the_adapter_refuses(tmp_path, capsys, ba
                       "--labels", str(tmp_path / "y.npy"), "--no-progress"], capsys)
     what = "labels out of range" if bad == "labels" else f"{bad} has dtype float128"
     assert line.startswith(f"richness: error: {tmp_path / file}: rows 0..39: {what}"), line
+
+
+@pytest.mark.parametrize("cmd", ["eval", "cka"])
+def test_precision_names_come_from_the_precision_table(tmp_path, capsys, cmd):
+    """--precision is checked by the precision table's one rule: an unknown name lists the table's modes;
+    a GPU-only mode reaches the core, whose refusal on the CPU is one error line."""
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "a.npy", rng.normal(size=(20, 3)))
+    np.save(tmp_path / "b.npy", rng.normal(size=(20, 2)))
+    files = [str(tmp_path / "a.npy")] + ([str(tmp_path / "b.npy")] if cmd == "cka" else [])
+    line = run_error([cmd, *files, "--precision", "fp16", "--no-progress"], capsys)
+    assert "unknown precision 'fp16'" in line and "'fp64', 'fp32'" in line
+    line = run_error([cmd, *files, "--precision", "tf32", "--no-progress"], capsys)
+    assert "tf32" in line and "cuda" in line

@@ -68,6 +68,18 @@ def _real(lo: float, hi: float, what: str):
     return _number(float, lo, hi, what)
 
 
+def precision_arg(name: str) -> str:
+    """A product precision named on the command line, checked by the precision table's one rule
+    (``_state.precision_mode``); a GPU-only mode is refused by the core, with its own message, when
+    the command makes its state on the CPU."""
+    from .. import _state
+
+    try:
+        return _state.precision_mode(name).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _alphas(text: str) -> List[float]:
     from .demo import ALPHA_RANGE
 
@@ -123,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--test-targets", help="held-out targets (with --targets and --test-features)")
     e.add_argument("--num-classes", type=_integer(1, INT64_MAX, "a positive number of classes"), default=None,
                    help="fix the classes to 0..N-1 (default: grow with the largest label)")
-    e.add_argument("--precision", choices=["fp64", "fp32"], default=None,
+    e.add_argument("--precision", type=precision_arg, default=None, metavar="{fp64,fp32}",
                    help="precision of the products (default: fp64 for float64 files, else fp32)")
     e.add_argument("--rtol", type=_real(0.0, 1.0, "a relative cut in [0, 1]"), default=None,
                    help="eigenvalue cut (default by precision)")

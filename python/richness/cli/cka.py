@@ -11,7 +11,7 @@ from typing import Dict, List
 import numpy as np
 
 from .._engine import bounded_io as _bounded_io
-from . import UserError
+from . import UserError, precision_arg
 from .commands import _CHUNK_BYTES, _bar
 from .files import Seen, check_targets, distinct
 from .formats import ArrayFile, open_array, split_spec
@@ -175,7 +175,7 @@ def add_parser(sub) -> None:
     c.add_argument("--save", help="write the similarity state (.npz), mergeable with Similarity.load/merge (a new "
                                   "file, not an input; --force replaces an existing one)")
     c.add_argument("--force", action="store_true", help="replace an existing --save file")
-    c.add_argument("--precision", choices=["fp64", "fp32"], default=None,
+    c.add_argument("--precision", type=precision_arg, default=None, metavar="{fp64,fp32}",
                    help="precision of the products (default: fp64 for float64 files, else fp32)")
     c.add_argument("--chunk", type=_integer(1, INT64_MAX, "a positive number of rows"), default=8192,
                    help="rows per chunk (default 8192)")

@@ -8,13 +8,14 @@ import logging
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
 from .._engine import bounded_io as _bounded_io
 from .._engine import statefile as _statefile
 from .._optional import pip_extra
+from ..finish.spectrum import held_out_mismatch
 from . import UserError
 from .files import check_targets
 from .formats import ArrayFile, open_array, split_spec
@@ -89,9 +90,7 @@ def _stream(shards: Shards, layout: Layout, *, chunk: int, precision: Optional[s
     # rows per chunk: at most _CHUNK_BYTES per stream, whatever the width
     chunk = max(1, min(chunk, _CHUNK_BYTES // max(layout.row_bytes, 1)))
     # the state (and one chunk of every stream) must fit before anything is read
-    sh = layout.shapes
-    widths = {"p": sh["features"][0], "c": _width(sh.get("outputs")), "t": _width(sh.get("targets")),
-              "k": num_classes or -1}
+    widths = {**_widths(layout), "k": num_classes or -1}
     _bounded_io.check_memory(_statefile.state_bytes(widths) + chunk * layout.row_bytes,
                      f"{layout.label}: the state at p={widths['p']}"
                      + (f" with {num_classes} classes" if num_classes else ""))
@@ -108,6 +107,12 @@ def _stream(shards: Shards, layout: Layout, *, chunk: int, precision: Optional[s
         if bar is not None:
             bar.close()
     return m
+
+
+def _widths(layout: Any) -> Dict[str, int]:
+    """The widths of a scanned set's streams, as a state names them (``p``, ``c``, ``t``; -1: not streamed)."""
+    sh = layout.shapes
+    return {"p": sh["features"][0], "c": _width(sh.get("outputs")), "t": _width(sh.get("targets"))}
 
 
 def _width(shape: Optional[tuple]) -> int:
@@ -172,15 +177,13 @@ def eval_cmd(args: argparse.Namespace) -> int:
     test_layout = None
     if test_shards is not None:
         test_layout = scan(test_shards, _check_shard, args.test_features)
-        if test_layout.shapes["features"] != layout.shapes["features"]:
-            raise UserError(f"{test_layout.label}: has {test_layout.shapes['features']} features per sample, the "
-                            f"training set {layout.shapes['features']}")
-        for what in ("outputs", "targets"):
-            if what in test_layout.streams and _width(test_layout.shapes[what]) != _width(layout.shapes[what]):
-                raise UserError(f"{test_layout.labels[what]}: held-out {what} have "
-                                f"{_width(test_layout.shapes[what])} columns but the training {what} "
-                                f"({layout.labels[what]}) have "
-                                f"{_width(layout.shapes[what])}")
+        bad = held_out_mismatch(_widths(layout), _widths(test_layout), head=W is not None)
+        if bad is not None:
+            what, have, want = bad
+            if what == "features":
+                raise UserError(f"{test_layout.label}: has {have} features per sample, the training set {want}")
+            raise UserError(f"{test_layout.labels[what]}: held-out {what} have {have} columns but the training "
+                            f"{what} ({layout.labels[what]}) have {want}")
     progress = not args.no_progress
     m = _stream(train, layout, chunk=args.chunk, precision=args.precision, num_classes=args.num_classes,
                 progress=progress, desc="richness eval")

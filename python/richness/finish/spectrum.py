@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 from ._xp import eigh_desc, f64, ns
 from .dlr import Functions, function_moments
@@ -91,6 +91,22 @@ def curve(spec: Spectrum, g: Optional[Functions], p: int):
     return None if g is None else cumulative(g.proj_sq(spec.V, spec.lam), g.trace(), p)
 
 
+def held_out_mismatch(train: Mapping[str, Any], test: Mapping[str, Any], head: bool) -> Optional[tuple]:
+    """The first width a held-out state must share with its training state and
+    does not, as ``(stream, held-out width, training width)``, else None. Both
+    are mappings of the widths ``p`` (features), ``t`` (targets) and ``c``
+    (outputs), -1 where a stream is absent: the same functions of the same
+    features, so features always match, and targets and outputs wherever the
+    held-out state streamed them (its outputs are unused with a head). The one
+    home of this rule: ``Moments.compute(test=)`` and ``richness eval
+    --test-features`` (before reading any data) ask it."""
+    checked = (("p", "features"), ("t", "targets")) + ((("c", "outputs"),) if not head else ())
+    for key, what in checked:
+        if int(test[key]) != int(train[key]) and (key == "p" or int(test[key]) >= 0):
+            return what, int(test[key]), int(train[key])
+    return None
+
+
 def held_out(spec: Spectrum, st: dict, test: dict, W, centered: bool) -> tuple:
     """(quality, utilization, eigenfunction norms) on a held-out state, by the
     Nystrom extension of the training eigenfunctions (docs/MATH.md, held-out
@@ -99,13 +115,10 @@ def held_out(spec: Spectrum, st: dict, test: dict, W, centered: bool) -> tuple:
     nt = int(test["n"])
     if nt < 2:  # first: an empty test state has no width (p = -1) to compare
         raise ValueError(f"the test state needs at least 2 samples, got n = {nt}")
-    # The same functions of the same features: widths must match where the
-    # test state streamed them (its outputs are unused with a head).
-    checked = (("p", "features"), ("t", "targets")) + ((("c", "outputs"),) if W is None else ())
-    for key, what in checked:
-        if int(test[key]) != int(st[key]) and (key == "p" or int(test[key]) >= 0):
-            have = f"no {what}" if int(st[key]) < 0 else str(int(st[key]))
-            raise ValueError(f"test state has {int(test[key])} {what}, the training state {have}")
+    bad = held_out_mismatch(st, test, head=W is not None)
+    if bad is not None:
+        what, have, want = bad
+        raise ValueError(f"test state has {have} {what}, the training state {'no ' + what if want < 0 else want}")
     xp = ns(st["M"])
     rho_k = spec.rho[:spec.rank]
 
