@@ -31,6 +31,13 @@ PYBIND11_MODULE(_core, m) {
       if (e) std::rethrow_exception(e);
     } catch (const memory_error& err) {
       PyErr_SetString(PyExc_MemoryError, err.what());
+    } catch (const std::bad_alloc&) {
+      // The memory model (available_memory) passed the call, yet an allocation failed: a limit it
+      // does not read (ulimit -d, a cgroup) or memory taken meanwhile by others.
+      PyErr_SetString(PyExc_MemoryError,
+                      "the core could not allocate memory although the memory check passed: a limit of this "
+                      "process (ulimit -d, a cgroup) or memory taken by others since; a refused update leaves "
+                      "the state as it was");
     }
   });
 

@@ -539,16 +539,16 @@ import resource, numpy as np, richness
 rng = np.random.default_rng(0)
 m = richness.Moments()
 m.update(rng.normal(size=(50, 3)), rng.normal(size=(50, 2)))
-before = m.state_dict()
-vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize")][0]
-# room for the size check to pass (1.5 GB) but not for p = 12,000 (1.2 GB state + 0.6 GB products)
-resource.setrlimit(resource.RLIMIT_AS, (vm + 1_500_000_000, resource.RLIM_INFINITY))
+data = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmData")][0]
+# ulimit -d: the memory check (MemAvailable, the address-space limit) passes, the allocation of the
+# state at p = 12,000 (1.2 GB) fails
+resource.setrlimit(resource.RLIMIT_DATA, (data + 300_000_000, resource.RLIM_INFINITY))
 fresh = richness.Moments()
 try:
     fresh.update(np.zeros((2, 12_000), np.float32) + np.arange(2.0)[:, None])
     print("allocated")
 except MemoryError as e:
-    print("MemoryError", e)
+    print("MemoryError:", e)
 assert fresh.n == 0 and fresh.state_dict()["p"] == -1
 fresh.update(rng.normal(size=(20, 3)), rng.normal(size=(20, 2)))  # no segfault: widths were never recorded
 assert fresh.n == 20 and fresh.state_dict()["p"] == 3
@@ -557,11 +557,13 @@ print("ok")
 
 
 def test_failed_allocation_records_no_width():
-    # Under a ulimit -v the size check passes and an allocation fails: p must not stay set without
-    # arrays behind it (the next update used to segfault).
+    # Under a ulimit -d the memory check passes and an allocation fails: p must not stay set without
+    # arrays behind it (the next update used to segfault), and the MemoryError says what happened.
     out = subprocess.run([sys.executable, "-c", ALLOCATION_FAILS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.strip().endswith("ok")
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1] == "ok"
+    assert lines[0].startswith("MemoryError: the core could not allocate memory although the memory check passed")
 
 
 def test_cuda_options_are_checked():
