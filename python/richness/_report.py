@@ -72,6 +72,13 @@ class Report:
         ``compute(head_weights=...)``). These seven are computed from the spectrum
         and class sums already there; with ``spectrum=False`` only those asked
         for with ``measures=`` (docs/MATH.md, representation diagnostics).
+    lidar: LiDAR (Thilak et al., ICLR 2024), with labels that are object ids
+        (the augmentations of one input share one): exp(-sum q_k log q_k),
+        q_k = lambda_k / sum lambda + 1e-7 over the p eigenvalues of
+        Sigma_w^-1/2 Sigma_b Sigma_w^-1/2, Sigma_b the covariance of the
+        object means (1 / (N - 1)), Sigma_w the pooled within-object
+        covariance plus ``lidar_delta`` I (``measure_options``; default 1e-4).
+        Only with ``measures=["lidar", ...]`` or ``"all"`` (docs/MATH.md, LiDAR).
     measures_stderr: with ``uncertainty=True``, the jackknife standard error
         of each of those measures that is set, by name.
     layers: ``evaluate(..., layers=[...])``: layer name -> Report of that layer's
@@ -120,6 +127,7 @@ class Report:
     nc2_equinorm: Optional[float] = None
     nc2_equiangle: Optional[float] = None
     nc3: Optional[float] = None
+    lidar: Optional[float] = None
     measures_stderr: Optional[dict] = None
     layers: Optional[dict] = None
     warnings: List[str] = field(default_factory=list)
@@ -233,7 +241,7 @@ class Report:
         """One text line of the representation diagnostics that are set (none when all are None)."""
         names = (("RankMe", "rankme"), ("alpha-ReQ", "alpha_req"),
                  ("participation ratio", "participation_ratio"), ("NC2 equinorm", "nc2_equinorm"),
-                 ("NC2 equiangle", "nc2_equiangle"), ("NC3", "nc3"))
+                 ("NC2 equiangle", "nc2_equiangle"), ("NC3", "nc3"), ("LiDAR", "lidar"))
         stderr = self.measures_stderr or {}
         parts = []
         for label, name in names:

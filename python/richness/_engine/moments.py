@@ -274,14 +274,19 @@ class Moments(Lockable):
                 on it (eigenvalues, curves): DLR alone costs O(p^2 C), the
                 full report O(p^3). For monitoring at large p.
             measures: the representation diagnostics to compute (RankMe,
-                alpha-ReQ, participation ratio, NC2, NC3: names from
-                ``richness.finish.MEASURES``, or ``"all"``). Default: all with
-                the spectrum, none with ``spectrum=False`` (a spectral one
-                then adds the p x p eigenvalues, no eigenvectors).
+                alpha-ReQ, participation ratio, NC2, NC3, LiDAR: names from
+                ``richness.finish.MEASURES``, or ``"all"``). Default: all but
+                LiDAR with the spectrum, none with ``spectrum=False`` (a
+                spectral one then adds the p x p eigenvalues, no
+                eigenvectors). ``"lidar"`` reads the labels as object ids (the
+                augmentations of one input share one) and costs a p x p
+                eigendecomposition of its own; computed only where named.
             measure_options: how those are computed where a user must match other
                 code (default: as published): ``{"alpha_req_range": (11, 100),
                 "alpha_req_weights": "1/k" or "uniform", "nc_convention": "paper"
-                or "papyan_script"}`` (docs/MATH.md, representation diagnostics).
+                or "papyan_script", "lidar_delta": 1e-4}`` (LiDAR's ridge
+                delta I on the within-object covariance, >= 0) (docs/MATH.md,
+                representation diagnostics).
             uncertainty: add ``dlr_stderr``, ``dlr_interval`` (95%) and the
                 bias-corrected ``dlr_jackknife`` from a delete-one-group
                 jackknife, and ``measures_stderr`` for the measures set; needs

@@ -3,7 +3,8 @@
 One module per quantity (docs/MATH.md names each): ``dlr`` (the span of the
 learned functions, the rank cut, the C >> p head route), ``spectrum`` (feature
 eigenpairs, projections, training and held-out curves), ``nc1``,
-``isotropic`` (the finite-sample reference) and ``uncertainty`` (jackknife);
+``isotropic`` (the finite-sample reference), ``diagnostics`` and ``lidar``
+(representation diagnostics) and ``uncertainty`` (jackknife);
 ``policy`` holds the rules every route shares (the default rank cut, NC1's
 gating, undefined values) and the DLR-only routes built on them;
 ``samplespace`` finishes one-batch states given as n x n Grams (n < p) with
@@ -21,7 +22,7 @@ import numpy as np
 
 from .._report import Report
 from ._xp import host, ns
-from .diagnostics import MEASURES, check_measures, check_options, measure_values, nc1_script
+from .diagnostics import DEFAULT_MEASURES, MEASURES, check_measures, check_options, measure_values, nc1_script
 from .dlr import NumericFailureGuard, check_features, dlr_of_state, dlr_with_range, function_moments, logits
 from .isotropic import isotropic_dlr, reference
 from .policy import dlr_only, nc1_reported, rtol_for, too_few_samples
@@ -54,10 +55,13 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
     on it (eigenvalues, curves, held-out curves): DLR, its rank-cut range, the
     finite-sample reference and NC1 remain. O(p^2 C) instead of O(p^3).
     ``measures``: the representation diagnostics to compute (names from
-    ``MEASURES``, or ``"all"``); default all of them with the spectrum, none
-    without (a spectral one then costs the p x p eigenvalues alone).
+    ``MEASURES``, or ``"all"``); default all of them but LiDAR with the
+    spectrum (``DEFAULT_MEASURES``), none without (a spectral one then costs
+    the p x p eigenvalues alone). LiDAR reads the labels as object ids and is
+    computed only where named.
     ``measure_options``: alpha-ReQ's range and weights, the neural-collapse
-    convention (``diagnostics.check_options``; default: as published)."""
+    convention, LiDAR's ridge (``diagnostics.check_options``; default: as
+    published)."""
     wanted = check_measures(measures)
     asked = wanted is not None
     options = check_options(measure_options)
@@ -74,7 +78,7 @@ def finish(st: dict, *, W: Optional[np.ndarray] = None, test: Optional[dict] = N
     with NumericFailureGuard(st, W):
         report = _report(st, W, test, rtol, centered, spectrum, norm_m)
         if wanted is None:
-            wanted = MEASURES if spectrum else ()
+            wanted = DEFAULT_MEASURES if spectrum else ()
         if wanted:
             rho = None if report.eigenvalues is None else ns(st["M"]).asarray(report.eigenvalues)
             values, warnings = measure_values(st, W, rtol, wanted, lam=rho, centered=centered, options=options,

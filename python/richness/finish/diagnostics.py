@@ -1,5 +1,5 @@
 """Representation diagnostics from the same state: RankMe, alpha-ReQ, the
-participation ratio, NC2 (equinorm, equiangle) and NC3 (docs/MATH.md,
+participation ratio, NC2 (equinorm, equiangle), NC3 and LiDAR (docs/MATH.md,
 representation diagnostics), each as published.
 
 The spectral measures are functions of eigenvalues (per batch, of the n x n
@@ -7,7 +7,8 @@ Gram, which has the same nonzero spectrum): RankMe of the uncentered second
 moment M + n mu mu^T (the embeddings as given: Garrido et al. 2023, eq. 1),
 alpha-ReQ and the participation ratio of the centered M; O(p) once the
 eigenvalues are known. NC2 needs the K x K Gram of the centered class means, NC3 the head
-as well. Every function takes numpy arrays or torch tensors (``_xp.ns``); the
+as well; LiDAR (``lidar.py``) the class sums with object ids as labels and a
+p x p eigendecomposition of its own. Every function takes numpy arrays or torch tensors (``_xp.ns``); the
 spectral and NC2 ones batch stacked states over leading axes and give NaN
 where a value is undefined, which the callers turn into None and a warning.
 """
@@ -21,12 +22,18 @@ import numpy as np
 
 from .._checks import is_int
 from ._xp import eigh_desc, f64, kept, norm, ns
+from .lidar import LIDAR_DELTA, check_delta, lidar_with_reason
 
-__all__ = ["MEASURES", "SPECTRAL", "spectral_values"]
+__all__ = ["DEFAULT_MEASURES", "MEASURES", "SPECTRAL", "spectral_values"]
 
 SPECTRAL = ("rankme", "alpha_req", "participation_ratio")
 CLASS_MEANS = ("nc2_equinorm", "nc2_equiangle", "nc3")
-MEASURES = SPECTRAL + CLASS_MEANS
+# Measures with labels of their own meaning (LiDAR's are object ids, its augmentations sharing one) and
+# a p x p eigendecomposition of their own: computed only where named (or with "all"), never by default.
+OPT_IN = ("lidar",)
+MEASURES = SPECTRAL + CLASS_MEANS + OPT_IN
+# What compute() finishes with the spectrum when measures= is not given.
+DEFAULT_MEASURES = tuple(m for m in MEASURES if m not in OPT_IN)
 
 # RankMe's epsilon, added to each p_k inside and outside the log (Garrido et al. 2023, eq. 1).
 RANKME_EPS = 1e-7
@@ -41,7 +48,7 @@ ALPHA_REQ_FEW = 20
 ALPHA_REQ_FLOOR = 1e-2
 NC_CONVENTIONS = ("paper", "papyan_script")
 DEFAULT_OPTIONS: Dict[str, Any] = {"alpha_req_range": ALPHA_REQ_RANGE, "alpha_req_weights": "1/k",
-                                   "nc_convention": "paper"}
+                                   "nc_convention": "paper", "lidar_delta": LIDAR_DELTA}
 
 
 def check_options(options: Any) -> dict:
@@ -50,8 +57,10 @@ def check_options(options: Any) -> dict:
     all of them (default (11, 100)); ``alpha_req_weights`` ``"1/k"`` (default)
     or ``"uniform"``; ``nc_convention`` ``"paper"`` (default) or
     ``"papyan_script"`` (NC1-NC3 as the widely copied measurement script
-    computes them; docs/MATH.md, representation diagnostics). ValueError
-    naming what is wrong."""
+    computes them; docs/MATH.md, representation diagnostics);
+    ``lidar_delta`` the ridge added to LiDAR's within-object covariance, a
+    number >= 0 in the features' squared units (default
+    ``lidar.LIDAR_DELTA``). ValueError naming what is wrong."""
     if options is None:
         return dict(DEFAULT_OPTIONS)
     if not isinstance(options, dict):
@@ -74,6 +83,7 @@ def check_options(options: Any) -> dict:
         raise ValueError(f"alpha_req_weights must be one of {ALPHA_REQ_WEIGHTS}, got {out['alpha_req_weights']!r}")
     if out["nc_convention"] not in NC_CONVENTIONS:
         raise ValueError(f"nc_convention must be one of {NC_CONVENTIONS}, got {out['nc_convention']!r}")
+    out["lidar_delta"] = check_delta(out["lidar_delta"])
     return out
 
 
@@ -410,7 +420,9 @@ def measure_values(st: dict, W: Any, rtol: float, wanted: tuple, lam: Any = None
     ``eigenvalues_of_state``, for the participation ratio alone (RankMe and
     alpha-ReQ read eigenvalues far below fp32's rank cut: float64 there).
     ``options``: ``check_options``'s dict; ``asked``: ``wanted`` was named by
-    the caller (NC2/NC3 without labels, NC3 without a head then warn)."""
+    the caller (NC2/NC3 without labels, NC3 without a head then warn).
+    LiDAR (``lidar.lidar_with_reason``) reads the labels as object ids; where
+    it is wanted and undefined, the reason is among the warnings."""
     opts = DEFAULT_OPTIONS if options is None else options
     out: dict = {name: None for name in MEASURES}
     out["alpha_req_range"] = out["alpha_req_r2"] = None
@@ -435,4 +447,7 @@ def measure_values(st: dict, W: Any, rtol: float, wanted: tuple, lam: Any = None
         warnings += warns
     cls, warns = class_report(st, W, wanted, asked, opts["nc_convention"])
     out.update(cls)
+    if "lidar" in wanted:
+        out["lidar"], why = lidar_with_reason(st, opts.get("lidar_delta", LIDAR_DELTA))
+        warns += [why] if why else []
     return out, warnings + warns

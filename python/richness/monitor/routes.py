@@ -40,7 +40,7 @@ from ..torch.batches import POOLS, check_layout, check_tokens
 from ..torch.evaluate import collect
 from ..torch.hooks import HeadHook, resolve_head
 from .capture import TrainingCapture, probe_batches, step_rows
-from .layer import RECORD_MEASURES, layer_rows, monitor_measures, pooled_output, resolve_layer
+from .layer import RECORD_MEASURES, layer_rows, monitor_measures, pooled_output, renumber, resolve_layer
 from .onebatch import GroupMeta, OneBatchRoute, StepMeta, finish_group
 from .window import WindowRoute
 
@@ -115,8 +115,10 @@ class Head(_Value):
             from ``richness.finish.MEASURES`` or ``"all"``): RankMe, alpha-ReQ
             and the participation ratio from the window's eigenvalues (or, at
             every step, the batch's n x n Gram's), NC2 with labels, NC3 with a
-            linear head (windows of several steps only). Default: none (each
-            costs a p x p eigenvalue decomposition per emission).
+            linear head (windows of several steps only), LiDAR with labels
+            read as object ids (not in one-batch windows of fewer rows than
+            features: None there). Default: none (each costs a p x p
+            eigenvalue decomposition per emission).
     """
 
     _fields: Tuple[str, ...] = ("module", "tokens", "wide", "measures")
@@ -143,7 +145,17 @@ class Layer(_Value):
     labels): one layer's output, pooled into rows. Records carry
     ``rankme``, ``alpha_req``, ``effective_dim`` and ``participation_ratio``
     of that representation (``dlr``, ``rank`` and ``nc1`` stay None; labels
-    given to ``step`` are ignored). Not with a head nor a ``Probe`` route.
+    given to ``step`` are ignored unless LiDAR is asked for). Not with a head
+    nor a ``Probe`` route.
+
+    With ``measures`` naming ``"lidar"``, ``step(labels=ids)`` takes object
+    ids, one integer per row of the step (both views of a two-view step): the
+    rows that share an id in one step are augmentations of one input, and
+    the same id in another step names another input. The window's records
+    then carry ``lidar`` (Thilak et al., ICLR 2024; docs/MATH.md, LiDAR),
+    None with a warning on steps without ids. Such windows always take the
+    Moments route (the one-batch n x n route has no LiDAR), and a
+    ``distributed`` route is refused (ids are per rank).
 
     Args:
         module: a module of the model or its dotted name.
@@ -156,8 +168,8 @@ class Layer(_Value):
             and normalisation of 1-D maps are channels, Linear, LayerNorm,
             attention and transformer layers tokens (``module_layout``).
         measures: the diagnostics to record, among the spectral ones
-            (``richness.finish.diagnostics.SPECTRAL``; NC2 and NC3 need labels
-            and a head); default: all of them.
+            (``richness.finish.diagnostics.SPECTRAL``) and ``"lidar"`` (NC2
+            and NC3 need class labels and a head); default: the spectral ones.
     """
 
     _fields: Tuple[str, ...] = ("module", "pool", "layout", "measures")
@@ -262,12 +274,17 @@ class _LayerRun:
         self.name, self.module = resolve_layer(model, spec.module)
         self.pooled = pooled_output(self.name, spec.pool, self.module, spec.layout, model)
         self.measures = spec.measures
+        self.reads_ids = "lidar" in spec.measures  # step(labels=...) are LiDAR's object ids
 
     def hook(self, mon: Any, model: Any) -> HeadHook:
         return HeadHook(TrainingCapture(mon, self.pooled), self.module)
 
     def step_rows(self, pending: list, labels: Any, check_labels: Callable[[bool], None]) -> Any:
-        return layer_rows(pending)
+        if not self.reads_ids:
+            return layer_rows(pending)
+        rows = layer_rows(pending, labels)
+        check_labels(bool(rows[2]))
+        return rows
 
     def uses_weights(self) -> bool:
         return False
@@ -422,6 +439,10 @@ class _WindowRun:
                                        eig=any(m in SPECTRAL for m in measures), raw_eig="rankme" in measures)
         self.deferred = False  # this step's window went to the one-batch route
         self.labels: Optional[bool] = None
+        self.objects = 0  # LiDAR's objects in this window so far (a features-only target's ids, renumbered)
+        if route.distributed and mon._target.features_only and "lidar" in measures:
+            raise ValueError("LiDAR's object ids are per step and rank, so windows merged across ranks would mix "
+                             "objects: drop 'lidar' from Layer(measures=...) or use distributed=False")
 
     def capturing(self, j: int) -> bool:
         """Whether the ``j``-th step (from 1) is one of a window's."""
@@ -437,6 +458,10 @@ class _WindowRun:
         mon, target = self.mon, self.mon._target
         if self.labels is None:
             self.labels = bool(lk)
+        if target.features_only and "labels" in lk:  # object ids: this step's own objects in the window
+            ids, count = renumber(lk["labels"], self.objects)
+            lk = {"labels": ids}
+            self.objects += count
         if self._one_batch_fits(feats, outs):
             meta = StepMeta(mon._step_label(), mon._elapsed())
             self.one_batch.add(feats, outs, lk.get("labels"), target.head, meta, mon._threads)
@@ -454,10 +479,12 @@ class _WindowRun:
         cheaper from the n x n Gram, O(n^2 p), than from the p x p update,
         O(n p^2). (With window = 1 the Moments are empty between steps: each
         window is added and reset at its own emission; asking them for n
-        could sync a GPU.)"""
+        could sync a GPU.) Not a features-only window asked for LiDAR: the
+        n x n route has none."""
         target = self.mon._target
         n, p = int(feats.shape[0]), int(feats.shape[1])
         return (self.route.window == 1 and not self.route.distributed and 2 <= n < p
+                and not (target.features_only and "lidar" in target.measures)
                 and (outs is not None or target.features_only)
                 and not target.uses_weights() and self.mon.precision in (None, "fp32", "fp64"))
 
@@ -476,7 +503,8 @@ class _WindowRun:
                          isotropic=row.get("dlr_isotropic"), normalized=row.get("dlr_normalized"))
             if m.step not in bad:  # a bad step is warned about above
                 mon._warn_small_window(meta.n, meta.p)
-                mon._warn_undefined(rec, (), skip=("nc3",))  # per-batch states carry no weights: NC3 None
+                # per-batch states carry no weights (NC3) and the n x n route has no LiDAR: None
+                mon._warn_undefined(rec, (), skip=("nc3", "lidar"))
             mon._dispatch(rec)
 
     def poll(self) -> None:
@@ -498,6 +526,7 @@ class _WindowRun:
         if self.deferred:
             self.deferred = False
             self.labels = None
+            self.objects = 0
             return None
         self.flush()  # queued records first: history stays in step order
         import torch
@@ -510,10 +539,12 @@ class _WindowRun:
                                          target.measures, linear)
         finally:
             self.labels = None
+            self.objects = 0
         if values is None:
             return None
         q = values.dlr
-        rec = record(mon._step_label(), mon._elapsed(), q.n, q.dlr, q.rank, q.nc1, values.extra, None, "window",
+        nc1 = None if target.features_only else q.nc1  # a layer's labels are LiDAR's object ids, not classes
+        rec = record(mon._step_label(), mon._elapsed(), q.n, q.dlr, q.rank, nc1, values.extra, None, "window",
                      q.dlr_range, head is not None, values.isotropic, values.normalized)
         if head is not None and q.dlr is None and not bool(torch.isfinite(head.weight).all()):
             warnings.warn(f"richness.Monitor: step {mon._step_label()}: the head's weights have NaN or Inf values "
