@@ -267,7 +267,8 @@ def test_torchmetrics_measures():
         metric.update(torch.from_numpy(X[i:i + 100] @ W.T), torch.from_numpy(y[i:i + 100]),
                       features=torch.from_numpy(X[i:i + 100]))
     out = metric.compute()
-    assert set(out) == {"dlr", "rankme", "alpha_req", "participation_ratio", "nc2_equinorm", "nc2_equiangle", "nc3"}
+    assert set(out) == {"dlr", "rankme", "alpha_req", "participation_ratio", "nc2_equinorm", "nc2_equiangle", "nc3",
+                        "lidar"}
     close(float(out["rankme"]), rankme_naive(X), 1e-9)
     close(float(out["nc2_equiangle"]), nc2_naive(X, y)[1], 1e-9)
     close(float(out["nc3"]), nc3_naive(X, y, W), 1e-9)
