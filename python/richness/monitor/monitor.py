@@ -110,9 +110,10 @@ class Monitor:
     matching none are refused with nothing recorded and the step not counted.
     ``history`` holds the emitted records ``{step, mode, n, dlr, dlr_isotropic,
     dlr_normalized, rank, nc1, effective_dim, rankme, alpha_req,
-    participation_ratio, nc2_equinorm, nc2_equiangle, nc3, time,
+    participation_ratio, nc2_equinorm, nc2_equiangle, nc3, lidar, time,
     dlr_rtol_range, dlr_from}`` (the diagnostics None unless ``measures`` or
-    ``layer`` asks for them): ``n`` is the rows the record's values come from
+    ``layer`` asks for them; ``lidar`` with a ``Layer`` route whose steps give
+    object ids as labels): ``n`` is the rows the record's values come from
     (a window's steps together; a features-only step that runs the layer on two
     views, as SimCLR does, gives both: 2 x batch rows a step);
     ``dlr_isotropic`` the DLR of isotropic features at that n, the active
