@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol
 import numpy as np
 
 from .. import _state
+from .adapt import as_labels, as_matrix
 from .cuda_options import CudaOptions
 from .._native import _core
 
@@ -33,6 +34,21 @@ class Batch(NamedTuple):
 
     def args(self) -> tuple:
         return tuple(None if m is None else m.arg() for m in self)
+
+
+def adapt_batch(features: Any, outputs: Any = None, labels: Any = None, targets: Any = None) -> Batch:
+    """A batch's inputs as views (``adapt.as_matrix`` / ``as_labels``: no copy
+    where none is needed), all on one device; each input is adapted once, by
+    this, whoever passes the batch on (``Moments.update``, the torchmetrics
+    metric)."""
+    batch = Batch(as_matrix(features, "features"),
+                  as_matrix(outputs, "outputs", allow_1d=True) if outputs is not None else None,
+                  as_labels(labels) if labels is not None else None,
+                  as_matrix(targets, "targets", allow_1d=True) if targets is not None else None)
+    devices = {m.device for m in batch if m is not None}
+    if len(devices) > 1:
+        raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
+    return batch
 
 
 class Backend(Protocol):

@@ -16,7 +16,7 @@ from . import adapt as _adapt
 from . import statefile as _statefile
 from .. import finish as _finish
 from .._checks import check_int
-from .backend import Backend, Batch, CoreBackend, GroupedBackend, Lockable
+from .backend import Backend, Batch, adapt_batch, CoreBackend, GroupedBackend, Lockable
 from .cuda_options import CudaOptions
 from .._report import Report
 from .._warnings import RichnessWarning
@@ -170,15 +170,12 @@ class Moments(Lockable):
     def update(self, features: Any, outputs: Any = None, labels: Any = None, targets: Any = None) -> None:
         """Add a batch: ``features`` (n, p); optional ``outputs`` (n, C),
         integer ``labels`` (n,) and float ``targets`` (n, T) or (n,)."""
-        batch = Batch(_adapt.as_matrix(features, "features"),
-                      _adapt.as_matrix(outputs, "outputs", allow_1d=True) if outputs is not None else None,
-                      _adapt.as_labels(labels) if labels is not None else None,
-                      _adapt.as_matrix(targets, "targets", allow_1d=True) if targets is not None else None)
-        devices = {m.device for m in batch if m is not None}
-        if len(devices) > 1:
-            raise ValueError(f"inputs of one batch are on different devices: {sorted(devices)}")
-        backend = self._backend_for(batch.features.device)
-        backend.update(batch, batch_precision(self.precision, batch))
+        self._update_batch(adapt_batch(features, outputs, labels, targets))
+
+    def _update_batch(self, batch: Batch) -> None:
+        """``update`` with the batch adapted (``backend.adapt_batch``): for a
+        caller that has adapted it already (the torchmetrics metric)."""
+        self._backend_for(batch.features.device).update(batch, batch_precision(self.precision, batch))
 
     def merge(self, other: "Moments") -> None:
         """Add another state (Chan et al. pairwise merge; exact up to rounding).

@@ -19,7 +19,7 @@ from .. import _state
 from .._engine import adapt as _adapt
 from .. import finish as _finish
 from ..finish.samplespace import GramRows, finish_gram_rows
-from .._engine.backend import Batch, CoreBackend
+from .._engine.backend import Batch, CoreBackend, adapt_batch
 from .._engine.moments import Moments
 from .._native import _core
 from .._report import Report
@@ -136,17 +136,14 @@ class DLR(Metric):
     def _new_moments(self) -> Moments:
         return Moments(self.num_classes, device=self._device_name(), precision=self.precision)
 
-    def _batch_state(self, args: dict) -> Moments:
+    def _batch_state(self, batch: Batch) -> Moments:
         """The batch's own co-moments: a ``Moments`` on the metric's device,
         kept between batches and reset for each (the core's scratch is
-        reused), the batch checked against the state first (a batch that
-        cannot merge raises here, in the words of an update)."""
+        reused), the batch (adapted once, ``adapt_batch``) checked against the
+        state first (a batch that cannot merge raises here, in the words of an
+        update)."""
         widths = _widths_of(self.widths)
         if widths["n"] > 0:
-            batch = Batch(_adapt.as_matrix(args["features"], "features"),
-                          _adapt.as_matrix(args["outputs"], "outputs", allow_1d=True) if "outputs" in args else None,
-                          _adapt.as_labels(args["labels"]) if "labels" in args else None,
-                          _adapt.as_matrix(args["targets"], "targets", allow_1d=True) if "targets" in args else None)
             _core.check_batch(widths, *batch.args())
         m: Optional[Moments] = self.__dict__.get("_kept_batch")
         if m is None or m.device not in (None, self._device_name()):
@@ -154,7 +151,7 @@ class DLR(Metric):
             self.__dict__["_kept_batch"] = m
         else:
             m.reset()
-        m.update(**args)
+        m._update_batch(batch)
         return m
 
     def _add(self, batch: Moments) -> None:
@@ -235,7 +232,7 @@ class DLR(Metric):
         and leaves the state unchanged."""
         if self._is_synced:
             raise TorchMetricsUserError("The metric is synced: call unsync() before update().")
-        batch = self._batch_state(self._batch(preds, target, features))
+        batch = self._batch_state(adapt_batch(**self._batch(preds, target, features)))
         self.__dict__["_captured"] = None
         self._add(batch)
 
@@ -281,16 +278,15 @@ class DLR(Metric):
         if self._is_synced:
             raise TorchMetricsUserError("The Metric shouldn't be synced when performing ``forward``. "
                                         "HINT: Did you forget to call ``unsync`` ?.")
-        args_in = self._batch(*args, **kwargs)
-        feats = _adapt.as_matrix(args_in["features"], "features")
+        adapted = adapt_batch(**self._batch(*args, **kwargs))
+        feats = adapted.features
         W = self._head_weights(feats.cols) if self._uses_weights else None  # a bad head raises before the batch
-        batch = self._batch_state(args_in)
+        batch = self._batch_state(adapted)
         self.__dict__["_captured"] = None
         value = None
         if (feats.device == "cpu" and feats.rows >= 2 and not self.measures
                 and not (self.dist_sync_on_step and self.distributed_available_fn())):
-            streams = {k: _adapt.as_matrix(args_in[k], k, allow_1d=True)
-                       for k in ("outputs", "targets") if k in args_in}
+            streams = {k: getattr(adapted, k) for k in ("outputs", "targets") if getattr(adapted, k) is not None}
             c = W.shape[0] if W is not None else streams["outputs"].cols
             if c <= feats.rows or feats.rows < feats.cols:
                 value = self._batch_value(feats, streams, W, batch if c <= feats.rows else None)
