@@ -15,6 +15,7 @@ from .. import _state
 from . import adapt as _adapt
 from . import statefile as _statefile
 from .. import finish as _finish
+from ..finish.uncertainty import add_jackknife, add_measure_jackknife
 from .._checks import check_int
 from .backend import Backend, Batch, adapt_batch, CoreBackend, GroupedBackend, Lockable
 from .cuda_options import CudaOptions
@@ -305,8 +306,8 @@ class Moments(Lockable):
                 raise ValueError("uncertainty needs outputs or a head: DLR is undefined without them")
             loo = self._grouped().leave_one_out_states()
             if report.dlr is not None:
-                _finish.add_jackknife(report, loo, W)
-            _finish.add_measure_jackknife(report, loo, W, set_measures, centered,
+                add_jackknife(report, loo, W)
+            add_measure_jackknife(report, loo, W, set_measures, centered,
                                           _finish.check_options(measure_options))
         return report
 

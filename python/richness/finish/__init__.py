@@ -28,13 +28,6 @@ from .isotropic import isotropic_dlr, reference
 from .policy import dlr_only, nc1_reported, rtol_for, too_few_samples
 from .spectrum import curve, held_out, spectrum as feature_spectrum, task_moments
 
-# Read as richness.finish.<name> by the package's own modules; not part of __all__.
-from .dlr import dlr_values, span_of_grams  # noqa: F401
-from .nc1 import nc1_from_grams  # noqa: F401
-from .policy import check_rtol  # noqa: F401
-from .samplespace import GramRows, finish_gram_rows  # noqa: F401
-from .uncertainty import add_jackknife, add_measure_jackknife  # noqa: F401
-
 __all__ = ["MEASURES", "dlr_of_state", "dlr_only", "finish", "isotropic_dlr", "rtol_for"]
 
 

@@ -13,7 +13,8 @@ from .._engine.backend import centered_grams
 from .._state import default_precision
 from .capture import StepBuffer
 from ..torch.threads import BlasThreads
-from ..finish import check_rtol, rtol_for
+from ..finish import rtol_for
+from ..finish.policy import check_rtol
 from ..finish.samplespace import GramRows, finish_steps
 
 __all__ = []

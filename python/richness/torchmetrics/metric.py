@@ -18,6 +18,7 @@ from torchmetrics.utilities.exceptions import TorchMetricsUserError
 from .. import _state
 from .._engine import adapt as _adapt
 from .. import finish as _finish
+from ..finish.policy import check_rtol
 from ..finish.samplespace import GramRows, finish_gram_rows
 from .._engine.backend import Batch, CoreBackend, adapt_batch
 from .._engine.moments import Moments
@@ -94,7 +95,7 @@ class DLR(Metric):
         super().__init__(**kwargs)
         self.measures = _finish.check_measures(measures)
         Moments(num_classes, precision=precision)  # validates the arguments
-        self.num_classes, self.precision, self.rtol = num_classes, precision, _finish.check_rtol(rtol)
+        self.num_classes, self.precision, self.rtol = num_classes, precision, check_rtol(rtol)
         if head is not None and not isinstance(head, torch.nn.Module):
             raise TypeError(f"head must be a torch.nn.Module (the read-out to hook), got {type(head).__name__}; "
                             "fixed weights, W or (W, b), go to head_weights=")
