@@ -100,3 +100,16 @@ def lightning_module(pl, net, lr=0.05):
             return torch.optim.SGD(self.parameters(), lr=lr)
 
     return Module()
+
+
+class TwoViews(nn.Module):
+    """An encoder ``enc`` (d -> p) and a projection head (p -> 4), float64: a features-only
+    Monitor reads ``enc``, a two-view step runs it on both views."""
+
+    def __init__(self, d, p):
+        super().__init__()
+        self.enc = nn.Linear(d, p).double()
+        self.proj = nn.Linear(p, 4).double()
+
+    def forward(self, x):
+        return self.proj(self.enc(x))

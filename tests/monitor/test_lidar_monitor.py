@@ -12,17 +12,8 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 import richness  # noqa: E402
+from tiny_models import TwoViews  # noqa: E402
 from test_lidar import lidar_naive  # noqa: E402
-
-
-class TwoViews(nn.Module):
-    def __init__(self, d, p):
-        super().__init__()
-        self.enc = nn.Linear(d, p).double()
-        self.proj = nn.Linear(p, 4).double()
-
-    def forward(self, x):
-        return self.proj(self.enc(x))
 
 
 def train(route, steps, B, d, p, ids=True, layer=None, seed=0):

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 import richness  # noqa: E402
+from tiny_models import TwoViews  # noqa: E402
 from richness.finish.isotropic import isotropic_dlr  # noqa: E402
 from reference import center_rows, dlr_naive, participation_ratio_naive  # noqa: E402
 
@@ -399,16 +400,6 @@ def test_one_batch_route_warns_once_too():
 
 
 # -- the rows of a features-only step ----------------------------------------------------------------------
-
-class TwoViews(nn.Module):
-    def __init__(self, d, p):
-        super().__init__()
-        self.enc = nn.Linear(d, p).double()
-        self.proj = nn.Linear(p, 4).double()
-
-    def forward(self, x):
-        return self.proj(self.enc(x))
-
 
 @pytest.mark.parametrize("every, window, B, p", [(2, 2, 20, 8), (1, 1, 6, 32)])
 def test_features_only_step_counts_both_views(every, window, B, p):
