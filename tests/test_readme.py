@@ -1,15 +1,18 @@
-"""README.md's Python examples run as written, so they cannot drift from the API.
+"""The Python examples of README.md and of every page of the documentation
+(docs/**/*.md) run as written, so they cannot drift from the API.
 
-Each example block runs, statement by statement, after the setup block shown
-above it (``# setup`` on its first line), in a fresh namespace: exactly the text
-a reader pastes, no names injected. A statement whose lines carry
-``# needs: X`` (or a block whose first line does) runs only where X is
-available (a GPU, an initialised torch.distributed, tensorboard, lightning,
-wandb, mlflow, transformers). Beyond "it runs", the values are checked against
-the float64 n x n reference.
+Each example block runs, statement by statement, after the latest setup block
+shown above it on the same page (``# setup`` on its first line), in a fresh
+namespace: exactly the text a reader pastes, no names injected. A statement
+whose lines carry ``# needs: X`` (or a block whose first line does) runs only
+where X is available (a GPU, an initialised torch.distributed, tensorboard,
+lightning, wandb, mlflow, transformers, torchmetrics, distributed, zarr).
+Beyond "it runs", the values of the main examples are checked against the
+float64 n x n reference (``CHECKS``).
 """
 
 import ast
+import glob
 import json
 import importlib.util
 import os
@@ -24,16 +27,24 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import richness  # noqa: E402
-from reference import cka_debiased_naive, cka_naive, dlr_naive, nc1_naive  # noqa: E402
+from reference import (  # noqa: E402
+    cka_debiased_naive, cka_naive, dlr_naive, nc1_naive, participation_ratio_naive, rankme_naive)
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir))
+README = os.path.join(ROOT, "README.md")
 NEEDS = re.compile(r"#\s*needs:\s*([A-Za-z_]+(?:\.[A-Za-z_]+)*)")
 
 
-def python_blocks():
-    with open(README, encoding="utf-8") as f:
+def pages() -> list:
+    """README.md and every Markdown page of docs/, as paths relative to the repository."""
+    docs = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    return ["README.md"] + [os.path.relpath(p, ROOT).replace(os.sep, "/") for p in docs]
+
+
+def python_blocks(page: str = "README.md"):
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
         text = f.read()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
 def available(what: str) -> bool:
@@ -44,7 +55,7 @@ def available(what: str) -> bool:
     return importlib.util.find_spec(what) is not None
 
 
-def run_block(src: str, ns: dict) -> list:
+def run_block(src: str, ns: dict, page: str = "README.md") -> list:
     """Execute ``src`` statement by statement in ``ns``; returns the statements skipped.
     A ``# needs: X`` on the block's first line holds for the whole block."""
     lines = src.splitlines()
@@ -58,30 +69,29 @@ def run_block(src: str, ns: dict) -> list:
         if any(not available(n) for n in needs):
             skipped.append(text)
             continue
-        exec(compile(ast.Module(body=[stmt], type_ignores=[]), "README.md", "exec"), ns)
+        exec(compile(ast.Module(body=[stmt], type_ignores=[]), page, "exec"), ns)
     return skipped
 
 
-def sections():
-    """``(setup, example)`` pairs: each example with the setup block shown above it (a block
-    whose first line is ``# setup``), or with none."""
+def sections(page: str = "README.md") -> list:
+    """``(setup, example)`` pairs of a page: each example with the latest setup block shown above
+    it on that page (a block whose first line is ``# setup``), or with none."""
     out, setup = [], None
-    for block in python_blocks():
+    for block in python_blocks(page):
         if block.startswith("# setup"):
             setup = block
             continue
         out.append((setup, block))
-        setup = None
     return out
 
 
-def run_section(i: int) -> tuple:
+def run_section(i: int, page: str = "README.md") -> tuple:
     """Run section i's setup, then its example, in a fresh namespace, as a reader would paste them."""
-    setup, example = sections()[i]
+    setup, example = sections(page)[i]
     ns: dict = {"__name__": "__readme__"}
     if setup is not None:
-        assert run_block(setup, ns) == []
-    return ns, run_block(example, ns)
+        assert run_block(setup, ns, page) == []
+    return ns, run_block(example, ns, page)
 
 
 @pytest.fixture
@@ -106,17 +116,48 @@ def trackers_offline(tmp_path, tmp_path_factory, monkeypatch):
     os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)  # set by the MLflow example itself
 
 
-def test_readme_has_the_examples():
-    secs = sections()
-    assert len(secs) == 5 and all(setup is not None for setup, _ in secs[:2]) and secs[2][0] is None
-    assert "richness.dlr(features, outputs)" in secs[0][1] and "richness.evaluate(model" in secs[1][1]
-    assert "RichnessCallback(trainer" in secs[2][1]
-    assert "richness.dask.moments(" in secs[3][1] and secs[3][0] is None
+
+# -- what the main examples must compute (each found by a text only its example holds) ----------
 
 
-def test_first_block_runs_and_agrees_with_the_reference(trackers_offline):
-    ns, skipped = run_section(0)
-    assert skipped == []
+def jsonl_steps(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+def check_quickstart_evaluate(ns):
+    """README: a trained model's DLR is the n x n formula's on its head's input and output, and
+    the README shows the value it prints."""
+    model, X = ns["model"], ns["X"]
+    with torch.no_grad():
+        H, F = model[:-1](X).double().numpy(), model(X).double().numpy()
+    want, _ = dlr_naive(H, F, rtol=1e-5)  # float32 inputs: fp32 products and their cut
+    assert abs(ns["report"].dlr - want) < 1e-6
+    with open(README, encoding="utf-8") as f:
+        shown = re.search(r"```text\nDLR (\d\.\d+)", f.read())
+    assert shown and abs(float(shown.group(1)) - ns["report"].dlr) < 0.01
+
+
+def check_quickstart_similarity(ns):
+    """README: the CKA of two models' layers is the n x n formula's on their outputs."""
+    X = ns["loader"].dataset
+    with torch.no_grad():
+        a, b = ns["models"]["narrow"][:5](X).double().numpy(), ns["models"]["wide"][:4](X).double().numpy()
+    assert abs(ns["report"].pair("narrow.4", "wide.3").cka - cka_naive(a, b)) < 1e-6
+    assert os.path.exists("cka_map.png") and os.path.exists("cka_map.svg")
+
+
+def check_quickstart_monitor(ns):
+    """README: a record every 50 steps, in the history and the JSONL file; DLR/iso falls as the
+    README says."""
+    history = ns["mon"].history
+    assert [r["step"] for r in history] == [50, 100, 150, 200]
+    assert jsonl_steps("richness.jsonl") == [50, 100, 150, 200]
+    assert history[-1]["dlr_normalized"] < history[0]["dlr_normalized"]
+
+
+def check_arrays(ns):
+    """guide/evaluating: one shot, head shortcut, save and reset, error bars."""
     want, _ = dlr_naive(ns["features"], ns["outputs"])
     assert abs(richness.dlr(ns["features"], ns["outputs"]) - want) < 1e-10
     head_want, _ = dlr_naive(ns["features"], ns["features"] @ ns["W"].T + ns["b"])
@@ -126,53 +167,54 @@ def test_first_block_runs_and_agrees_with_the_reference(trackers_offline):
     assert ns["r"].dlr_stderr is not None and ns["r"].dlr_stderr > 0
 
 
-def test_second_block_runs(trackers_offline):
-    pytest.importorskip("torchmetrics")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # finite-n caveats of the tiny data, Lightning's notices
-        ns, skipped = run_section(1)
-    # only what needs a GPU, a process group, tensorboard, lightning, wandb or mlflow may be left out
-    for text in skipped:
-        assert NEEDS.search(text), text
-    for tracker in ("wandb", "mlflow"):
-        assert not available(tracker) or not any(f"needs: {tracker}" in t for t in skipped)
-    assert not torch.cuda.is_available() or not any("cuda" in t for t in skipped)
+def check_evaluate(ns):
     report = ns["report"]
     assert set(report.layers) == {"layer2", "layer3", "layer4"}
     assert 0.0 <= report.layers["layer3"].dlr <= 1.0
-    assert os.path.exists("richness.jsonl") and os.path.exists("depth.png")
-    # the trackers wrote to the example's own temporary folder, not into the current one
-    assert sorted(os.listdir(".")) == ["depth.png", "depth.svg", "richness.jsonl"]
-    if available("tensorboard"):
-        assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(ns["runs"], "exp1")))
-        assert [r["step"] for r in map(json.loads, open("richness.jsonl"))][:2] == [4, 8]
-    # the metric saw the example's (logits, labels, features=h) twice: update, then forward
+    assert sorted(os.listdir(".")) == ["depth.png", "depth.svg"]
+
+
+def check_baselines(ns):
+    """guide/evaluating: S_init is the CKA of the trained and the initial features on the same rows."""
+    X = ns["X"]
+    with torch.no_grad():
+        now, init = ns["model"][:-1](X).double().numpy(), ns["init"][:-1](X).double().numpy()
+    assert abs(ns["s_init"].compute() - cka_naive(now, init)) < 1e-6
+
+
+def check_metric(ns):
+    """The metric saw the example's (logits, labels, features=h) twice: update, then forward."""
     H, F = ns["h"].double().numpy(), ns["logits"].double().numpy()
-    # float32 inputs: fp32 products and their eigenvalue cut, rtol 1e-5 (README, Precision)
+    # float32 inputs: fp32 products and their eigenvalue cut, rtol 1e-5 (guide/precision)
     want, _ = dlr_naive(np.concatenate([H, H]), np.concatenate([F, F]), rtol=1e-5)
     assert abs(float(ns["metric"].compute()) - want) < 1e-6
 
 
-def test_hugging_face_block_runs(trackers_offline):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # finite-n caveats of the tiny data
-        ns, skipped = run_section(2)
-    assert skipped == []
+def check_monitor(ns):
+    assert jsonl_steps("richness.jsonl") == [4, 8]
+    assert [r["step"] for r in ns["mon"].history] == [4, 8]
+
+
+def check_loggers(ns):
+    # the trackers wrote to the example's own temporary folder, not into the current one
+    assert sorted(os.listdir(".")) == ["richness.csv"] + (["richness.jsonl"] if available("tensorboard") else [])
+    with open("richness.csv", encoding="utf-8") as f:
+        rows = f.read().splitlines()
+    assert rows[0].startswith("step,") and [r.split(",")[0] for r in rows[1:]] == ["4", "8"]
+    assert [r["step"] for r in ns["records"]] == [4, 8]
+    if available("tensorboard"):
+        assert jsonl_steps("richness.jsonl") == [4, 8]
+        assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(ns["runs"], "exp1")))
+
+
+def check_hugging_face(ns):
     assert os.listdir(".") == []  # the Trainer's output folder is a temporary one
     logged = [e for e in ns["trainer"].state.log_history if "richness/dlr" in e]
     assert [e["step"] for e in logged] == [2, 4]
     assert all(0.0 <= e["richness/dlr"] <= 1.0 and e["richness/nc1"] > 0 for e in logged)
 
 
-def test_data_bigger_than_one_machine_block_runs(trackers_offline):
-    pytest.importorskip("distributed")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the LocalCluster's notices (a dashboard port in use)
-        ns, skipped = run_section(3)
-    for text in skipped:  # only the zarr lines may be left out, where zarr is missing
-        assert "needs: zarr" in text and not available("zarr"), text
+def check_dask(ns):
     folder = ns["folder"]
     X = np.vstack([np.load(f"{folder}/features-{i:05d}.npy") for i in range(4)]).astype(np.float64)
     y = np.concatenate([np.load(f"{folder}/labels-{i:05d}.npy") for i in range(4)])
@@ -187,18 +229,78 @@ def test_data_bigger_than_one_machine_block_runs(trackers_offline):
         assert ns[name].n == 2000 and np.abs(M - Xc.T @ Xc).max() < 1e-5 * np.abs(Xc.T @ Xc).max()
 
 
-def test_similarity_section_runs_and_agrees_with_the_reference(trackers_offline):
-    setup, example = sections()[4]
-    assert setup is None and "richness.similarity(" in example
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ns, skipped = run_section(4)
-    for text in skipped:
-        assert NEEDS.search(text), text
+def check_cka(ns):
     x, y = ns["x"], ns["y"]
     assert abs(richness.cka(x, y) - cka_naive(x, y)) < 1e-10
-    r = ns["r"]
-    z = np.tanh(y)
-    assert abs(r.pair("x", "z").cka_debiased - cka_debiased_naive(x, z)) < 1e-10
+    assert abs(ns["r"].pair("x", "z").cka_debiased - cka_debiased_naive(x, np.tanh(y))) < 1e-10
     assert ns["t"].n == 1000 and abs(ns["t"].compute().cka[0, 1] - cka_naive(x, y)) < 1e-10
+
+
+def check_layer_map(ns):
     assert ns["report"].names == ["cnn.0", "cnn.2", "cnn.5", "mlp.1", "mlp.3"] and ns["report"].n == 128
+
+
+def check_diagnostics(ns):
+    """guide/self-supervised: RankMe and the participation ratio of the streamed features."""
+    X = ns["features"]
+    assert abs(ns["report"].rankme - rankme_naive(X)) < 1e-8 * rankme_naive(X)
+    assert abs(ns["report"].participation_ratio - participation_ratio_naive(X)) < 1e-8 * participation_ratio_naive(X)
+
+
+def check_metric_measures(ns):
+    want, _ = dlr_naive(ns["h"].double().numpy(), ns["logits"].double().numpy(), rtol=1e-5)
+    assert abs(float(ns["values"]["dlr"]) - want) < 1e-6
+    assert abs(float(ns["values"]["rankme"]) - rankme_naive(ns["h"].double().numpy())) < 1e-4
+
+
+# (text only that example holds, its check)
+CHECKS = [
+    ("load_digits(return_X_y=True)", check_quickstart_evaluate),
+    ("richness.similarity(models, loader", check_quickstart_similarity),
+    ("Window(every=50, window=10)", check_quickstart_monitor),
+    ("richness.dlr(features, outputs)", check_arrays),
+    ('layers=["layer2", "layer3", "layer4"]', check_evaluate),
+    ("metric = DLR()", check_metric),
+    ("s_init.compute()", check_baselines),
+    ('Window(every=4), log="richness.jsonl") as mon', check_monitor),
+    ("SummaryWriter(os.path.join(runs", check_loggers),
+    ("RichnessCallback(trainer, Window(every=2))", check_hugging_face),
+    ("richness.dask.moments(stack(", check_dask),
+    ("richness.cka(x, y)", check_cka),
+    ('{"cnn": cnn, "mlp": mlp}', check_layer_map),
+    ("m.update(features[i:i + 250])", check_diagnostics),
+    ('values = metric.compute()', check_metric_measures),
+]
+
+EXAMPLES = [(page, i) for page in pages() for i in range(len(sections(page)))]
+
+
+def test_readme_quickstarts():
+    """Three quickstarts, each self-contained (no setup block) and under 15 lines."""
+    secs = sections("README.md")
+    assert len(secs) == 3 and all(setup is None for setup, _ in secs)
+    assert all(len(example.strip().splitlines()) < 15 for _, example in secs)
+    for (_, example), what in zip(secs, ("richness.evaluate(", "richness.plot.similarity(", "richness.Monitor(")):
+        assert what in example
+
+
+def test_every_check_has_its_example():
+    """Each check runs on exactly one example, so that no check is silently lost."""
+    for marker, _ in CHECKS:
+        found = [(page, i) for page, i in EXAMPLES if marker in sections(page)[i][1]]
+        assert len(found) == 1, (marker, found)
+
+
+@pytest.mark.parametrize("page,i", EXAMPLES, ids=[f"{page}:{i}" for page, i in EXAMPLES])
+def test_example_runs(page, i, trackers_offline):
+    example = sections(page)[i][1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # finite-n caveats of the tiny data, the trackers' notices
+        ns, skipped = run_section(i, page)
+    # only what needs something missing here (a GPU, a process group, an optional package) is left out
+    for text in skipped:
+        needs = NEEDS.findall(text)
+        assert needs and not all(available(n) for n in needs), text
+    for marker, check in CHECKS:
+        if marker in example:
+            check(ns)
