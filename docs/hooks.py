@@ -44,6 +44,15 @@ OVERVIEW = [
     ("## Representation diagnostics on the Monitor, CPU", "Training monitor overhead", True),
 ]
 
+# The plots shown first, when benchmarks/results/ has them: (file, caption).
+PLOTS = [
+    ("scaling_n.png", "Time and peak memory against n (p = 256, C = 10): richness, the torch and NumPy loops "
+                      "and the n x n formula (\"Scaling with n\" below)."),
+    ("scaling_p.png", "Time and peak memory against the width p (n = 8,192, C = 100) (\"Scaling with p\" below)."),
+    ("h2h.png", "Against the minibatch CKA libraries: error, time and memory against the batch size "
+                "(n = 4,096, p = 256, C = 10) (\"Against the minibatch CKA libraries\" below)."),
+]
+
 INTRO = """# Benchmarks
 
 The tables and plots below are taken, when the site is built, from the recorded results in
@@ -80,8 +89,14 @@ def section(text: str, start: str, *, whole: bool = True) -> str | None:
 
 
 def overview(text: str) -> str:
-    """benchmarks/index.md from the sections of RESULTS.md named in ``OVERVIEW``."""
+    """benchmarks/index.md: the plots of ``PLOTS`` present, then the sections of RESULTS.md named
+    in ``OVERVIEW`` (without their pictures, shown above)."""
     parts = [INTRO]
+    shown = [(name, caption) for name, caption in PLOTS
+             if os.path.exists(os.path.join(ROOT, "benchmarks", "results", name))]
+    if shown:
+        parts.append("## At a glance\n")
+        parts += [f"![{caption}](results/{name})\n\n*{caption}*\n" for name, caption in shown]
     for start, title, whole in OVERVIEW:
         body = section(text, start, whole=whole)
         if body is None:
@@ -90,6 +105,7 @@ def overview(text: str) -> str:
         heading, _, rest = body.partition("\n")
         heading = heading.lstrip("#").strip()
         anchor = slugify(heading, "-")
+        rest = re.sub(r"^!\[[^\]]*\]\(results/[^)]*\)\s*$", "", rest, flags=re.M)
         parts.append(f"## {title or heading}\n\n*From [{heading}](RESULTS.md#{anchor}) in the full record.*\n\n"
                      + demote(rest, _heading_level(start)))
     return "\n".join(parts)
