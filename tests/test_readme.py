@@ -153,7 +153,8 @@ def check_quickstart_monitor(ns):
     history = ns["mon"].history
     assert [r["step"] for r in history] == [50, 100, 150, 200]
     assert jsonl_steps("richness.jsonl") == [50, 100, 150, 200]
-    assert history[-1]["dlr_normalized"] < history[0]["dlr_normalized"]
+    first, last = history[0]["dlr_normalized"], history[-1]["dlr_normalized"]  # README: 0.55 -> 0.23
+    assert abs(first - 0.55) < 0.03 and abs(last - 0.23) < 0.03
 
 
 def check_arrays(ns):
