@@ -2,6 +2,13 @@
 
 Nothing here is copied into docs/ by hand, so the site always shows what is recorded:
 
+- The API reference pages (``REFERENCE_PAGES``) are written from the source: every name in the
+  ``__all__`` of every public module (no component of its dotted path starts with ``_``), read
+  statically as griffe reads them, one mkdocstrings ``:::`` directive each. A name that several
+  public modules export (``richness.Monitor``, ``richness.monitor.Monitor``) is documented once,
+  under its shortest public path, and the other modules' pages point to it. A public module on
+  no page is a warning (``mkdocs build --strict`` fails), unless ``NOT_YET`` names it.
+
 - ``benchmarks/RESULTS.md`` becomes the page "Benchmarks / Full record", at the same path
   inside the site, so that its own links (``results/*.png``) hold; ``benchmarks/results/*.png``
   are added beside it.
@@ -18,13 +25,15 @@ Nothing here is copied into docs/ by hand, so the site always shows what is reco
 
 from __future__ import annotations
 
+import ast
 import glob
 import logging
 import os
 import re
 
+from typing import Dict, Iterator, List, Optional, Tuple
+
 from markdown.extensions.toc import slugify
-from mkdocs.structure.files import File, Files
 
 log = logging.getLogger("mkdocs.hooks.richness")
 
@@ -118,7 +127,146 @@ def demote(text: str, level: int) -> str:
     return re.sub(r"\]\(#", "](RESULTS.md#", text)
 
 
-def on_files(files: Files, config) -> Files:
+PACKAGE_DIR = os.path.join(ROOT, "python", "richness")
+
+# (page, title, the public modules on it, in order); the first public path of an object is where
+# it is documented, so the top-level names come first.
+REFERENCE_PAGES = [
+    ("reference/richness.md", "The top-level package", ["richness"]),
+    ("reference/monitor.md", "Monitoring training", ["richness.monitor", "richness.monitor.monitor",
+                                                     "richness.monitor.routes"]),
+    ("reference/torch.md", "Models: evaluate, similarity, the head hook",
+     ["richness.torch.evaluate", "richness.torch.similarity", "richness.torch.hooks"]),
+    ("reference/integrations.md", "torchmetrics, Lightning, Hugging Face",
+     ["richness.torchmetrics", "richness.torchmetrics.metric", "richness.lightning", "richness.transformers"]),
+    ("reference/dask.md", "Dask", ["richness.dask"]),
+    ("reference/plot.md", "Plots", ["richness.plot"]),
+    ("reference/baselines.md", "Baselines", ["richness.baselines"]),
+    ("reference/finish.md", "Finishing math",
+     ["richness.finish"] + [f"richness.finish.{m}" for m in (
+         "dlr", "spectrum", "nc1", "isotropic", "diagnostics", "uncertainty", "policy", "samplespace", "cka",
+         "similarity", "cca", "shape", "linreg")]),
+    ("reference/cli.md", "Command line and file formats",
+     ["richness.cli", "richness.cli.formats", "richness.cli.formats.base"]
+     + [f"richness.cli.formats.{m}" for m in ("npy", "npz", "h5", "parquet", "pt", "safetensors")]),
+]
+
+# Public modules with names that are not on the reference pages yet, and why.
+NOT_YET = {"richness.finish.lidar": "LiDAR is documented with its release"}
+
+
+def module_file(name: str) -> Optional[str]:
+    """The source of module ``name`` (a .py file, or the .pyi stub of a compiled module)."""
+    base = os.path.join(PACKAGE_DIR, *name.split(".")[1:])
+    for path in (os.path.join(base, "__init__.py"), base + ".py", base + ".pyi"):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def public_modules() -> List[str]:
+    """Dotted names of the public modules, from the source tree."""
+    names = []
+    for folder, dirs, files in os.walk(PACKAGE_DIR):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for f in sorted(files):
+            if not f.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(folder, f), PACKAGE_DIR)[:-3].split(os.sep)
+            parts = ["richness"] + [p for p in rel if p != "__init__"]
+            if not any(p.startswith("_") for p in parts):
+                names.append(".".join(parts))
+    return sorted(set(names))
+
+
+def _statements(body: list) -> Iterator[ast.stmt]:
+    """Module-level statements, those inside ``if`` (``TYPE_CHECKING``) and ``try`` included."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            yield from _statements(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            yield from _statements(node.body + node.orelse + node.finalbody
+                                   + [s for h in node.handlers for s in h.body])
+
+
+def module_info(name: str) -> Tuple[Optional[List[str]], Dict[str, Tuple[str, str]]]:
+    """(``__all__`` or None, imported name -> (module, name)) of module ``name``, read statically."""
+    path = module_file(name)
+    if path is None:
+        return None, {}
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    exported, imported = None, {}
+    for node in _statements(tree.body):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and node.value is not None:
+                exported = list(ast.literal_eval(node.value))
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(max(node.level - 1, 0)):
+                base = base.rpartition(".")[0]
+            source = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            for alias in node.names:
+                imported[alias.asname or alias.name] = (source, alias.name)
+    return exported, imported
+
+
+def resolve(module: str, name: str) -> Tuple[str, str]:
+    """Where ``module.name`` is defined, following the imports of the package's modules."""
+    for _ in range(20):
+        _, imported = module_info(module)
+        if name not in imported or not imported[name][0].startswith("richness"):
+            return module, name
+        module, name = imported[name]
+    return module, name
+
+
+def reference_pages() -> Tuple[Dict[str, str], List[str]]:
+    """({page: its Markdown}, problems): the API reference written from the modules' ``__all__``."""
+    pages, problems = {}, []
+    documented: Dict[Tuple[str, str], str] = {}
+    placed = set()
+    for page, title, modules in REFERENCE_PAGES:
+        out = [f"# {title}", ""]
+        for module in modules:
+            exported, _ = module_info(module)
+            if exported is None:  # not in this tree (yet)
+                continue
+            placed.add(module)
+            out += [f"## `{module}`", "", f"::: {module}", "    options:", "      members: false",
+                    "      show_root_heading: false", "      show_root_toc_entry: false", ""]
+            aliases = []
+            for name in exported:
+                key = resolve(module, name)
+                if key in documented:
+                    aliases.append((f"{module}.{name}", documented[key]))
+                    continue
+                documented[key] = f"{module}.{name}"
+                out += [f"::: {module}.{name}", ""]
+            if aliases:
+                out += ["Also here, documented under another public name:", "",
+                        "| name | the same object as |", "|---|---|"]
+                out += [f"| `{a}` | [`{c}`][{c}] |" for a, c in aliases] + [""]
+        pages[page] = "\n".join(out) + "\n"
+    for module in public_modules():
+        exported, _ = module_info(module)
+        if exported and module not in placed and module not in NOT_YET:
+            problems.append(f"the public module {module} is on no page of the API reference "
+                            f"(docs/hooks.py, REFERENCE_PAGES)")
+    return pages, problems
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File
+
+    pages, problems = reference_pages()
+    for problem in problems:
+        log.warning(problem)
+    for page, content in pages.items():
+        files.append(File.generated(config, page, content=content))
     if os.path.exists(RESULTS):
         with open(RESULTS, encoding="utf-8") as f:
             text = f.read()
