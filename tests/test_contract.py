@@ -9,6 +9,8 @@ Each contract is one test function parametrized over the adapters:
 
 - ``Moments`` with outputs and labels, and ``Moments(groups=4)``: DLR and NC1;
 - ``Similarity`` of three representations: the biased and debiased CKA matrices;
+- ``Similarity(estimator="minibatch")`` and ``"both"``: the minibatch CKA matrix and its batch
+  counts (and for "both" the exact matrices too), each contract row standing for one batch;
 - ``richness.torchmetrics.DLR`` with labels: ``compute()`` (DLR) and the
   ``report()``'s NC1 (skipped without torch/torchmetrics).
 
@@ -25,7 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import linear_data, torchrun
-from reference import cka_debiased_naive, cka_naive, dlr_naive, nc1_naive, states_equal
+from reference import cka_debiased_naive, cka_naive, dlr_naive, hsic_unbiased_naive, nc1_naive, states_equal
 
 import richness
 
@@ -37,6 +39,18 @@ X, F, Y = linear_data(n=N, p=P, c=C, seed=11, classes=K)  # features around 2.0,
 T = np.tanh(X[:, :6] @ np.random.default_rng(12).normal(size=(6, 5)) / 4.0) + 2.0
 REPS = {"x": X, "f": F, "t": T}
 ALL = np.arange(N)
+
+# The minibatch estimator depends on the batches given to update. So that the contracts (any split, any merge
+# order) hold for it, each contract row stands for one batch of its own: row i is the samples
+# MB_STARTS[i]:MB_STARTS[i + 1], 4 to 9 of them (every 25th row 3, a batch that is left out), fed as one
+# update; a split of the rows is then a grouping of whole batches.
+MB_SIZES = np.where(ALL % 25 == 24, 3, 4 + ALL % 6)
+MB_STARTS = np.concatenate([[0], np.cumsum(MB_SIZES)])
+_rng = np.random.default_rng(13)
+_base = _rng.normal(size=(int(MB_STARTS[-1]), 5)) + 1.0
+MB_REPS = {"x": _base @ _rng.normal(size=(5, 6)) + 0.5 * _rng.normal(size=(len(_base), 6)),
+           "f": _base[:, :3] * 2.0 + _rng.normal(size=(len(_base), 3)),
+           "t": np.tanh(_base @ _rng.normal(size=(5, 4))) + 2.0}
 
 # Tolerance against the reference. The inputs are float64 and so are every
 # product and merge: the streamed co-moments differ from the oracle's n x n
@@ -227,6 +241,101 @@ class SimilarityAdapter(_StateObject):
     }
 
 
+def _hsic_u(K, L):
+    """Song et al. (2012) unbiased HSIC of two explicit n x n Grams, in O(n^2): with zeroed diagonals,
+    tr(K~ L~) = sum(K~ * L~) and 1'K~L~1 = (K~ 1).(L~ 1)."""
+    n = K.shape[0]
+    Kt, Lt = K - np.diag(np.diag(K)), L - np.diag(np.diag(L))
+    k1, l1 = Kt.sum(1), Lt.sum(1)
+    return (np.sum(Kt * Lt) + k1.sum() * l1.sum() / ((n - 1) * (n - 2)) - 2.0 / (n - 2) * k1 @ l1) / (n * (n - 3))
+
+
+_MB_BLOCKS = {}
+
+
+def _mb_block_hsic(i):
+    """The 3 x 3 HSIC_1 of contract row i's batch (tests/reference.py's n x n formula), once."""
+    if i not in _MB_BLOCKS:
+        a, b = MB_STARTS[i], MB_STARTS[i + 1]
+        grams = [v[a:b] @ v[a:b].T for v in MB_REPS.values()]
+        _MB_BLOCKS[i] = np.array([[hsic_unbiased_naive(K, L) for L in grams] for K in grams])
+    return _MB_BLOCKS[i]
+
+
+class SimilarityMinibatchAdapter(_StateObject):
+    """``Similarity(estimator="minibatch")`` of three representations, one update per contract row."""
+
+    kind = richness.Similarity
+    estimator = "minibatch"
+
+    def build(self):
+        return richness.Similarity(estimator=self.estimator)
+
+    @staticmethod
+    def samples(rows):
+        return np.concatenate([np.arange(MB_STARTS[i], MB_STARTS[i + 1]) for i in rows])
+
+    def feed(self, s, rows):
+        for i in rows:
+            a, b = MB_STARTS[i], MB_STARTS[i + 1]
+            s.update({k: v[a:b] for k, v in MB_REPS.items()})
+
+    def values(self, s):
+        r = s.compute()
+        assert r.names == list(MB_REPS)
+        return {"cka_minibatch": r.cka_minibatch, "batches": r.batches, "skipped": r.skipped, "n": r.n}
+
+    def reference(self, rows):
+        entered = [i for i in rows if MB_SIZES[i] >= 4]
+        H = sum(_mb_block_hsic(i) for i in entered)
+        return {"cka_minibatch": H / np.sqrt(np.outer(np.diag(H), np.diag(H))), "batches": len(entered),
+                "skipped": len(rows) - len(entered), "n": int(MB_SIZES[rows].sum())}
+
+    def nan_row(self, s, rows):
+        idx = self.samples(rows)
+        t = MB_REPS["t"][idx].copy()
+        t[3, 1] = np.nan
+        s.update({"x": MB_REPS["x"][idx], "f": MB_REPS["f"][idx], "t": t})
+
+    def wrong_width(self, s, rows):
+        idx = self.samples(rows)
+        s.update({"x": MB_REPS["x"][idx], "f": MB_REPS["f"][idx][:, :-1], "t": MB_REPS["t"][idx]})
+
+    def too_large(self, s, rows):
+        idx = self.samples(rows)
+        s.update({"x": MB_REPS["x"][idx] * 1e70, "f": MB_REPS["f"][idx], "t": MB_REPS["t"][idx]})
+
+    bad = {
+        "nan_row": (ValueError, r"representation 't' contains 1 NaN or Inf"),
+        "wrong_width": (ValueError, r"widths .* differ from the first batch's"),
+        "too_large": (ValueError, r"representation 'x' has a largest magnitude"),
+    }
+
+
+class SimilarityBothAdapter(SimilarityMinibatchAdapter):
+    """``Similarity(estimator="both")``: the minibatch values, and the exact CKA matrices of every sample
+    of the rows (the n x n formulas on explicit Grams: centred Grams for the biased one, the unbiased HSIC
+    for the debiased one)."""
+
+    estimator = "both"
+
+    def values(self, s):
+        out = super().values(s)
+        r = s.compute()
+        out.update(cka=r.cka, cka_debiased=r.cka_debiased)
+        return out
+
+    def reference(self, rows):
+        out = super().reference(rows)
+        idx = self.samples(rows)
+        grams = [v[idx] @ v[idx].T for v in MB_REPS.values()]
+        centred = [K - K.mean(0) - K.mean(1)[:, None] + K.mean() for K in grams]
+        out["cka"] = [[np.sum(A * B) / (np.linalg.norm(A) * np.linalg.norm(B)) for B in centred] for A in centred]
+        out["cka_debiased"] = [[_hsic_u(K, L) / np.sqrt(_hsic_u(K, K) * _hsic_u(L, L)) for L in grams]
+                               for K in grams]
+        return out
+
+
 class MetricAdapter:
     """``richness.torchmetrics.DLR(num_classes=4)``: ``update(preds, target,
     features=)`` with integer labels; the batches that start at an odd row and
@@ -313,7 +422,8 @@ class MetricAdapter:
 
 
 ADAPTERS = {"Moments": MomentsAdapter(), "Moments_groups4": GroupedMomentsAdapter(),
-            "Similarity": SimilarityAdapter(), "torchmetrics_DLR": MetricAdapter()}
+            "Similarity": SimilarityAdapter(), "Similarity_minibatch": SimilarityMinibatchAdapter(),
+            "Similarity_both": SimilarityBothAdapter(), "torchmetrics_DLR": MetricAdapter()}
 for _name, _adapter in ADAPTERS.items():
     _adapter.name = _name
 

@@ -194,13 +194,15 @@ def _chunk(start: int, blocks: Iterable[tuple], num_classes, precision) -> dict:
     return m.state_dict()
 
 
-def _similarity_chunk(start: int, names: List[str], blocks: Iterable[tuple], precision) -> dict:
+def _similarity_chunk(start: int, names: List[str], blocks: Iterable[tuple], precision,
+                      estimator: str = "exact") -> dict:
     """The similarity state of consecutive row chunks (each a tuple of the
     representations' blocks, in ``names`` order, or a ``_Rows``), on the
-    worker that runs the task."""
+    worker that runs the task; each row chunk is one batch of the minibatch
+    estimator."""
     from ._engine.similarity import Similarity
 
-    s = _emptied("similarity", (precision,), lambda: Similarity(precision=precision))
+    s = _emptied("similarity", (precision, estimator), lambda: Similarity(precision=precision, estimator=estimator))
     _update_all(s, start, blocks, lambda st, block: st.update(dict(zip(names, block))))
     return s.state_dict()
 
@@ -394,15 +396,20 @@ def moments(features: Any, outputs: Any = None, labels: Any = None, targets: Any
 
 
 def similarity(representations: Mapping[str, Any], *, precision: Optional[str] = None,
-               split_every: Optional[int] = None, chunks_per_task: Optional[int] = None) -> Any:
-    """The ``Similarity`` (exact linear CKA, both estimators) of named dask
-    arrays of the same rows, computed on the active scheduler.
+               split_every: Optional[int] = None, chunks_per_task: Optional[int] = None,
+               estimator: str = "exact") -> Any:
+    """The ``Similarity`` (linear CKA: by default the exact biased and
+    debiased estimators) of named dask arrays of the same rows, computed on
+    the active scheduler.
 
     Args:
         representations: name (a string) -> (n, width) floats, chunked along rows only,
             every array with the first one's row chunks (at least one).
         precision, split_every, chunks_per_task: as for ``Similarity`` and
             ``moments``.
+        estimator: as for ``Similarity``; for ``"minibatch"`` and ``"both"``
+            each row chunk is one batch of the minibatch estimator (its value
+            depends on the chunks).
 
     The same tree as ``moments``: a ``Similarity`` per group of row chunks on
     the worker that holds them, returned as its ``state_dict()``, merged by
@@ -413,7 +420,7 @@ def similarity(representations: Mapping[str, Any], *, precision: Optional[str] =
 
     from ._engine.similarity import Similarity, check_names
 
-    Similarity(precision=precision)  # the option is checked before any work
+    Similarity(precision=precision, estimator=estimator)  # the options are checked before any work
     per = _per_task(chunks_per_task)
     if not isinstance(representations, Mapping) or not representations:
         raise TypeError("representations must be a non-empty mapping name -> dask array, got "
@@ -422,9 +429,9 @@ def similarity(representations: Mapping[str, Any], *, precision: Optional[str] =
     values = list(representations.values())
     arrays = _checked(values[0], {n: (x, (2,), "f") for n, x in zip(names[1:], values[1:])}, first=names[0])
     chunk = dask.delayed(_similarity_chunk, pure=True)
-    states = [chunk(start, names, rows, precision) for start, rows in _groups(arrays, per)]
+    states = [chunk(start, names, rows, precision, estimator) for start, rows in _groups(arrays, per)]
     (state,) = dask.compute(_tree("similarity", states, split_every))
-    s = Similarity(precision=precision)
+    s = Similarity(precision=precision, estimator=estimator)
     s._load_own_state_dict(state)
     rows = int(arrays[0].shape[0])
     if s.n != rows:

@@ -133,7 +133,7 @@ def _similarity_class() -> type:
 
 
 def _similarity_widths(s: Any) -> Dict[str, Any]:
-    return {"n": s.n, "names": tuple(s.names), "widths": tuple(s.widths)}
+    return {"n": s.n, "names": tuple(s.names), "widths": tuple(s.widths), "estimator": s.estimator}
 
 
 def _similarity_check(metas: List[Dict[str, Any]]) -> None:
@@ -141,6 +141,10 @@ def _similarity_check(metas: List[Dict[str, Any]]) -> None:
     if len(live) > 1:
         raise ValueError("states hold different representations: "
                          + " and ".join(f"names {list(a)} of widths {list(b)}" for a, b in live))
+    kept = sorted({m.get("estimator", "exact") for m in metas if m["n"] > 0})
+    if len(kept) > 1:
+        raise ValueError(f"states keep different estimators: {' and '.join(repr(e) for e in kept)} (a Similarity's "
+                         "estimator is fixed when it is made)")
 
 
 register(Kind("similarity", "richness.similarity", _similarity_class, _similarity_widths, _similarity_check,

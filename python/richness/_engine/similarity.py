@@ -16,6 +16,15 @@ unbiased HSIC estimator) needs, besides ``C``, only the norm columns' means
 and co-moments (docs/MATH.md, "Linear CKA, exact and streamed"). Memory is
 ``8 (p_1 + .. + p_k + k)^2`` bytes whatever n; the answer does not depend on
 how the samples are split into batches or in which order states are merged.
+
+``Similarity(estimator="minibatch")`` keeps instead the minibatch estimator of
+Nguyen, Raghu and Kornblith (2021), what the CKA libraries for PyTorch report:
+per batch given to ``update``, the unbiased HSIC (Song et al. 2012) of every
+pair of the batch's linear-kernel Grams, summed over the batches
+(``finish/cka.py``, ``hsic1_batch``; the Grams of the batch-centred rows,
+which leaves HSIC_1 unchanged). Its state is k x k, whatever the widths;
+its value depends on how the rows are cut into batches; batches of fewer than
+4 rows do not enter it. ``estimator="both"`` keeps both states.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import copy
 import math
 import os
 import warnings
-from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -35,12 +44,18 @@ from .._checks import is_torch
 from .._checks import is_int
 from .moments import Moments
 from .._warnings import RichnessWarning
-from ..finish.cka import cka_matrices, column_factors, scaled_shift
+from ..finish.cka import MINIBATCH_MIN_ROWS, cka_matrices, cka_minibatch_matrix, column_factors, hsic1_batch
+from ..finish.cka import scaled_shift
 
-__all__ = ["Similarity", "SimilarityReport", "SimilarityBlock", "EmptySimilarityError", "cka", "FORMAT"]
+__all__ = ["Similarity", "SimilarityReport", "SimilarityBlock", "EmptySimilarityError", "cka", "FORMAT", "ESTIMATORS"]
 
 FORMAT = "richness.similarity"  # meta["format"] of a saved Similarity (a Moments file says "richness.moments")
-VERSION = 2  # 2: a "scale" member (the power-of-two scale of each representation); version 1 files hold scale 1
+# 2: a "scale" member (the power-of-two scale of each representation); version 1 files hold scale 1.
+# 3: meta "estimator" and, for "both" and "minibatch", meta "minibatch" (batches, skipped, n) and a
+# member "hsic" (k x k); files of versions 1 and 2 are states of the estimator "exact".
+VERSION = 3
+# What a Similarity accumulates: the exact joint state, the minibatch HSIC sums, or both.
+ESTIMATORS = ("exact", "both", "minibatch")
 
 # Squared row norms within 2^-48 .. 2^48 are used as given; outside, a
 # power-of-two scale brings them near 1 (exact: only the exponents change).
@@ -52,6 +67,13 @@ _CHUNK_BYTES = 1 << 25
 # The width check of a loaded state: each norm column's mean against its
 # block's trace over n plus the shift's squared distance, relative.
 _WIDTH_RTOL = 1e-3
+# The minibatch estimator takes values of magnitude up to 2^200 (and, but for
+# zeros, from 2^-200): its terms, of degree 4 in the values, stay within float64.
+_MINIBATCH_MAX = 2.0 ** 200
+# Its Gram products are float32 (unless every input is float64, or precision="fp64") for a representation
+# whose largest magnitude in the batch lies within this range, where no product over- or underflows float32;
+# outside it (all zeros aside), float64.
+_FP32_SAFE = (2.0 ** -40, 2.0 ** 40)
 
 
 class EmptySimilarityError(ValueError):
@@ -76,11 +98,27 @@ def check_names(keys: Any, where: str) -> List[str]:
     return keys
 
 
-class Pair(NamedTuple):
-    """The two estimators for one pair of representations."""
+class _PairFields(NamedTuple):
+    cka: Optional[float]
+    cka_debiased: Optional[float]
 
-    cka: float
-    cka_debiased: float
+
+class Pair(_PairFields):
+    """The estimators for one pair of representations: the tuple ``(cka,
+    cka_debiased)`` of the exact state (None where it was not kept) and the
+    attribute ``cka_minibatch`` (None where the minibatch estimator was not
+    kept)."""
+
+    cka_minibatch: Optional[float]
+
+    def __new__(cls, cka: Optional[float], cka_debiased: Optional[float],
+                cka_minibatch: Optional[float] = None) -> "Pair":
+        self = super().__new__(cls, cka, cka_debiased)
+        self.cka_minibatch = cka_minibatch
+        return self
+
+    def __repr__(self) -> str:
+        return f"Pair(cka={self.cka!r}, cka_debiased={self.cka_debiased!r}, cka_minibatch={self.cka_minibatch!r})"
 
 
 def _table(rows: List[str], cols: List[str], mats: List[Tuple[str, np.ndarray]]) -> List[str]:
@@ -101,29 +139,60 @@ def _table(rows: List[str], cols: List[str], mats: List[Tuple[str, np.ndarray]])
     return lines
 
 
-def _matrices(cka: np.ndarray, cka_debiased: np.ndarray) -> List[Tuple[str, np.ndarray]]:
-    mats = [("linear CKA (biased)", cka)]
-    if not np.isnan(cka_debiased).all():
+def _matrices(cka: Optional[np.ndarray], cka_debiased: Optional[np.ndarray], cka_minibatch: Optional[np.ndarray] = None,
+              batches: Optional[int] = None) -> List[Tuple[str, np.ndarray]]:
+    mats = []
+    if cka is not None:
+        mats.append(("linear CKA (biased)", cka))
+    if cka_debiased is not None and not np.isnan(cka_debiased).all():
         mats.append(("debiased linear CKA (unbiased HSIC)", cka_debiased))
+    if cka_minibatch is not None:
+        mats.append((f"minibatch linear CKA (unbiased HSIC summed over {batches} batches)", cka_minibatch))
     return mats
+
+
+def _rows(a: Optional[np.ndarray]) -> Optional[list]:
+    """A matrix as lists of floats (NaN as None); None stays None."""
+    if a is None:
+        return None
+    return [[None if not math.isfinite(v) else float(v) for v in row] for row in a]
+
+
+def _block(a: Optional[np.ndarray], i: List[int], j: List[int]) -> Optional[np.ndarray]:
+    return None if a is None else a[np.ix_(i, j)]
+
+
+def _entry(a: Optional[np.ndarray], i: int, j: int) -> Optional[float]:
+    return None if a is None else float(a[i, j])
 
 
 class SimilarityBlock:
     """The CKA of the representations of one model (or name prefix) against
     another's (``SimilarityReport.between``): ``rows`` and ``cols`` (full
-    names), ``cka`` and ``cka_debiased`` (len(rows) x len(cols)), ``n``, and
-    ``row_label`` / ``col_label``, what was selected for each axis."""
+    names), ``cka``, ``cka_debiased`` and ``cka_minibatch`` (len(rows) x
+    len(cols), None where the report has none), ``n``, ``batches`` (the
+    batches in the minibatch estimator, None without it), and ``row_label`` /
+    ``col_label``, what was selected for each axis."""
 
-    def __init__(self, row_label: str, col_label: str, rows: List[str], cols: List[str], n: int, cka: np.ndarray,
-                 cka_debiased: np.ndarray, warnings: Optional[List[str]] = None) -> None:
+    def __init__(self, row_label: str, col_label: str, rows: List[str], cols: List[str], n: int,
+                 cka: Optional[np.ndarray], cka_debiased: Optional[np.ndarray],
+                 warnings: Optional[List[str]] = None, cka_minibatch: Optional[np.ndarray] = None,
+                 batches: Optional[int] = None) -> None:
         self.row_label, self.col_label = row_label, col_label
         self.rows, self.cols, self.n = list(rows), list(cols), int(n)
-        self.cka, self.cka_debiased = cka, cka_debiased
+        self.cka, self.cka_debiased, self.cka_minibatch = cka, cka_debiased, cka_minibatch
+        self.batches = batches
         self.warnings = list(warnings or [])
+
+    def __setstate__(self, state: dict) -> None:  # blocks pickled before the minibatch estimator existed
+        self.__dict__.update(state)
+        self.__dict__.setdefault("cka_minibatch", None)
+        self.__dict__.setdefault("batches", None)
 
     def __str__(self) -> str:
         lines = [f"SimilarityBlock: {self.row_label!r} (rows) against {self.col_label!r} (columns), n = {self.n:,}"]
-        lines += _table(self.rows, self.cols, _matrices(self.cka, self.cka_debiased))
+        lines += _table(self.rows, self.cols, _matrices(self.cka, self.cka_debiased, self.cka_minibatch,
+                                                        self.batches))
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -133,19 +202,33 @@ class SimilarityBlock:
 class SimilarityReport:
     """What ``Similarity.compute`` finishes: ``names`` (first-seen order),
     ``widths``, ``n``, ``cka`` (k x k, biased), ``cka_debiased`` (k x k,
-    the unbiased-HSIC estimator; NaN below 4 samples) and ``warnings`` (what
-    the finish warned about, once each). ``print(report)`` shows them as a
-    table; ``between(a, b)`` the block of one model against another."""
+    the unbiased-HSIC estimator; NaN below 4 samples), ``cka_minibatch``
+    (k x k, the minibatch estimator, which depends on the batching),
+    ``batches`` and ``skipped`` (the batches that entered the minibatch
+    estimator, and those of fewer than 4 rows left out of it) and
+    ``warnings`` (what the finish warned about, once each). ``cka`` and
+    ``cka_debiased`` are None for ``estimator="minibatch"``; ``cka_minibatch``,
+    ``batches`` and ``skipped`` are None for ``estimator="exact"``.
+    ``print(report)`` shows them as a table; ``between(a, b)`` the block of one
+    model against another."""
 
-    def __init__(self, names: List[str], widths: List[int], n: int, cka: np.ndarray,
-                 cka_debiased: np.ndarray, warnings: Optional[List[str]] = None) -> None:
+    def __init__(self, names: List[str], widths: List[int], n: int, cka: Optional[np.ndarray],
+                 cka_debiased: Optional[np.ndarray], warnings: Optional[List[str]] = None, *,
+                 cka_minibatch: Optional[np.ndarray] = None, batches: Optional[int] = None,
+                 skipped: Optional[int] = None) -> None:
         self.names, self.widths, self.n = list(names), list(widths), int(n)
-        self.cka, self.cka_debiased = cka, cka_debiased
+        # Any: an ndarray wherever the exact state was kept (every report of an exact Similarity), else None
+        self.cka: Any = cka
+        self.cka_debiased: Any = cka_debiased
+        self.cka_minibatch = cka_minibatch
+        self.batches, self.skipped = batches, skipped
         self.warnings = list(dict.fromkeys(warnings or []))
 
-    def __setstate__(self, state: dict) -> None:  # reports pickled before ``warnings`` existed
+    def __setstate__(self, state: dict) -> None:  # reports pickled before ``warnings`` or the minibatch estimator
         self.__dict__.update(state)
         self.__dict__.setdefault("warnings", [])
+        for key in ("cka_minibatch", "batches", "skipped"):
+            self.__dict__.setdefault(key, None)
 
     def select(self, prefix: str) -> List[str]:
         """The names of model (or name prefix) ``prefix``: the name itself,
@@ -162,14 +245,14 @@ class SimilarityReport:
 
     def between(self, a: str, b: str) -> SimilarityBlock:
         """The block of model (or name prefix) ``a`` against ``b``: rows the
-        representations named ``a`` or ``a.*``, columns those of ``b``, both
-        estimators (the A x B map the CKA libraries return; ``plot.similarity``
-        draws it with each axis labelled by its model)."""
+        representations named ``a`` or ``a.*``, columns those of ``b``, every
+        estimator the report holds (the A x B map the CKA libraries return;
+        ``plot.similarity`` draws it with each axis labelled by its model)."""
         rows, cols = self.select(a), self.select(b)
         i = [self.names.index(nm) for nm in rows]
         j = [self.names.index(nm) for nm in cols]
-        return SimilarityBlock(a, b, rows, cols, self.n, self.cka[np.ix_(i, j)], self.cka_debiased[np.ix_(i, j)],
-                               self.warnings)
+        return SimilarityBlock(a, b, rows, cols, self.n, _block(self.cka, i, j), _block(self.cka_debiased, i, j),
+                               self.warnings, cka_minibatch=_block(self.cka_minibatch, i, j), batches=self.batches)
 
     def _index(self, name: str) -> int:
         try:
@@ -178,22 +261,31 @@ class SimilarityReport:
             raise KeyError(f"no representation named {name!r}; the report holds {self.names}") from None
 
     def pair(self, a: str, b: str) -> Pair:
-        """Both estimators for representations ``a`` and ``b``."""
+        """The estimators for representations ``a`` and ``b``: ``(cka,
+        cka_debiased)`` and ``.cka_minibatch`` (each None where not kept)."""
         i, j = self._index(a), self._index(b)
-        return Pair(float(self.cka[i, j]), float(self.cka_debiased[i, j]))
+        return Pair(_entry(self.cka, i, j), _entry(self.cka_debiased, i, j), _entry(self.cka_minibatch, i, j))
 
     def to_dict(self) -> dict:
-        """Plain JSON types (NaN as None): ``names``, ``cka``, ``cka_debiased``, ``n``, ``widths``."""
-        def rows(a: np.ndarray) -> list:
-            return [[None if not math.isfinite(v) else float(v) for v in row] for row in a]
-        return {"names": list(self.names), "cka": rows(self.cka), "cka_debiased": rows(self.cka_debiased),
-                "n": self.n, "widths": list(self.widths)}
+        """Plain JSON types (NaN as None): ``names``, ``cka``, ``cka_debiased``,
+        ``n``, ``widths``; where the minibatch estimator was kept also
+        ``cka_minibatch``, ``batches`` and ``skipped`` (``cka`` and
+        ``cka_debiased`` None for ``estimator="minibatch"``)."""
+        out = {"names": list(self.names), "cka": _rows(self.cka), "cka_debiased": _rows(self.cka_debiased),
+               "n": self.n, "widths": list(self.widths)}
+        if self.cka_minibatch is not None:
+            out.update(cka_minibatch=_rows(self.cka_minibatch), batches=self.batches, skipped=self.skipped)
+        return out
 
     def __str__(self) -> str:
         lines = [f"SimilarityReport: {len(self.names)} representations, n = {self.n:,}"]
+        if self.cka_minibatch is not None:
+            lines[0] += (f", minibatch estimator over {self.batches:,} batches"
+                         + (f" ({self.skipped:,} of fewer than {MINIBATCH_MIN_ROWS} rows left out)"
+                            if self.skipped else ""))
         lines += _table([f"{nm} (width {w})" for nm, w in zip(self.names, self.widths)],
                         [f"{nm} (width {w})" for nm, w in zip(self.names, self.widths)],
-                        _matrices(self.cka, self.cka_debiased))
+                        _matrices(self.cka, self.cka_debiased, self.cka_minibatch, self.batches))
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -229,12 +321,12 @@ def _nonfinite(x: Any) -> int:
 
 
 class Similarity:
-    """Streamed exact linear CKA between named representations of the same samples.
+    """Streamed linear CKA between named representations of the same samples.
 
     ``update({"a": xa, "b": xb, ...})`` adds one batch: each value (rows x
     width; numpy, torch or DLPack) is one representation of the same rows;
     the names and widths are fixed by the first batch. ``compute()`` gives a
-    ``SimilarityReport`` with both estimators for every pair; ``merge`` adds
+    ``SimilarityReport`` with the estimators kept for every pair; ``merge`` adds
     another state (any order, exact up to rounding); ``state_dict`` /
     ``load_state_dict``, ``save`` / ``Similarity.load`` (a checksummed atomic
     .npz marked ``richness.similarity``), ``reset``, ``copy`` / ``deepcopy`` /
@@ -243,27 +335,78 @@ class Similarity:
 
     precision: as ``Moments``: None takes ``"fp64"`` when every input of a batch
         is float64, else ``"fp32"`` (float32 products after a float64
-        centering of the batch: CKA to about 1e-6).
+        centering of the batch: CKA to about 1e-6). For the minibatch
+        estimator the same rule picks its Gram products: float64 for
+        ``"fp64"`` or all-float64 batches, else float32 products of the
+        batch-centred rows (float64 for a representation whose largest
+        magnitude in the batch lies outside 2^-40 .. 2^40); the sums are
+        float64.
+    estimator: what is kept:
+
+        - ``"exact"`` (default): the exact joint state, ``8 (p_1 + .. + p_k +
+          k)^2`` bytes; ``cka`` and ``cka_debiased`` over all n samples, not
+          depending on the batching.
+        - ``"minibatch"``: only the k x k sums of the minibatch estimator
+          (Nguyen, Raghu and Kornblith 2021; what ckatorch, torch-cka and
+          pytorch-cka report): for each batch given to ``update``, the unbiased
+          HSIC (Song et al. 2012) of every pair of the batch's linear-kernel
+          Grams ``X_b X_b^T``, summed over batches;
+          ``cka_minibatch[r, s] = sum_b HSIC_1(r, s) / sqrt(sum_b HSIC_1(r, r)
+          sum_b HSIC_1(s, s))``. Its value depends on how the rows are cut
+          into batches (the same rows in other batches give another value) and
+          differs from the CKA of all rows at once. A batch of fewer than 4 rows
+          has no HSIC_1: it is left out (counted in ``skipped``, said by a
+          ``RichnessWarning`` at ``compute``). Any width: the state is k x k,
+          an update holds the k Grams of its batch (``8 k rows^2`` bytes).
+          Values beyond 2^200 (or, but for zeros, below 2^-200) in magnitude
+          are refused. ``cka`` and ``cka_debiased`` are None.
+        - ``"both"``: the two states, every field of the report.
 
     The norm columns are formed in float64 and the concatenated batch is
     handed to the core in the inputs' precision. Torch CUDA batches are
     concatenated on their device and go to the CUDA backend (that route has
-    not been run on a GPU here; the CPU torch route is tested).
+    not been run on a GPU here; the CPU torch route is tested); the minibatch
+    Grams of torch tensors are formed on their device.
     """
 
-    def __init__(self, precision: Optional[str] = None) -> None:
+    def __init__(self, precision: Optional[str] = None, estimator: str = "exact") -> None:
+        if not isinstance(estimator, str) or estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
         self.precision = precision
+        self.estimator = estimator
         self._names: Optional[List[str]] = None
         self._widths: Optional[List[int]] = None
         self._shift: Optional[np.ndarray] = None  # float64, the widths' sum
         self._scale: Optional[np.ndarray] = None  # float64 powers of two, one per representation
         self._moments = Moments(precision=precision)  # checks the precision's name
+        # the minibatch estimator ("both", "minibatch"): the k x k sums of HSIC_1 over the batches that
+        # entered (None before the first), their count, the count of batches too small to enter, all rows
+        self._hsic: Optional[np.ndarray] = None
+        self._batches = self._skipped = self._rows = 0
+
+    def __setstate__(self, state: dict) -> None:  # objects pickled before the minibatch estimator existed
+        self.__dict__.update(state)
+        self.__dict__.setdefault("estimator", "exact")
+        self.__dict__.setdefault("_hsic", None)
+        for key in ("_batches", "_skipped", "_rows"):
+            self.__dict__.setdefault(key, 0)
 
     # -- accumulation ---------------------------------------------------------
 
     @property
     def n(self) -> int:
-        return self._moments.n
+        """The samples added (every row of every update)."""
+        return self._rows if self.estimator == "minibatch" else self._moments.n
+
+    @property
+    def batches(self) -> int:
+        """The batches in the minibatch estimator (0 for ``estimator="exact"``)."""
+        return self._batches
+
+    @property
+    def skipped(self) -> int:
+        """The batches of fewer than 4 rows left out of the minibatch estimator."""
+        return self._skipped
 
     @property
     def names(self) -> List[str]:
@@ -292,12 +435,14 @@ class Similarity:
                              f" ({why or 'another order'}); give the same names in every update")
         if widths != self._widths:
             raise ValueError(f"update: widths {dict(zip(names, widths))} differ from the first batch's "
-                             f"{dict(zip(self._layout()[0], self._layout()[1]))}")
+                             f"{dict(zip(self._names, self._widths or []))}")
 
     def update(self, batch: Mapping[str, Any]) -> None:
         """Add one batch: a mapping name -> (rows x width) of the same rows.
         The names are those of the first batch, in any order (a mapping is
-        keyed by name: the batch is taken in the first batch's order)."""
+        keyed by name: the batch is taken in the first batch's order). For the
+        minibatch estimator the batch is one term of its sums: a batch of no
+        rows adds nothing, one of 1 to 3 rows only counts as skipped."""
         if not isinstance(batch, Mapping):
             raise TypeError(f"update expects a mapping name -> array, got {type(batch).__name__}")
         if not batch:
@@ -320,10 +465,39 @@ class Similarity:
             return
         # Kept here, not left to the core: the core sees one joint batch ("features") and would refuse the
         # same values, but cannot say which representation holds them or how many there are.
-        for nm, x in zip(names, xs):
+        # the minibatch estimator reads each representation's largest magnitude (one pass; inf where a value
+        # is NaN or Inf): only then are the values counted
+        mags = None if self.estimator == "exact" else _magnitudes(xs)
+        for r, (nm, x) in enumerate(zip(names, xs)):
+            if mags is not None and math.isfinite(mags[r]):
+                continue
             bad_values = _nonfinite(x)
             if bad_values:
                 raise ValueError(f"update: representation {nm!r} contains {bad_values} NaN or Inf values")
+        hsic = None
+        rows_given = int(xs[0].shape[0])
+        if mags is not None and rows_given >= MINIBATCH_MIN_ROWS:
+            out_of_range = _minibatch_range(names, mags)
+            if out_of_range:
+                raise ValueError(out_of_range)
+            fp64 = _state.default_precision(self.precision, all(_is_float64(x) for x in xs)) == "fp64"
+            hsic = hsic1_batch(xs, wide=[fp64 or not (m == 0 or _FP32_SAFE[0] <= m <= _FP32_SAFE[1]) for m in mags])
+            if not np.isfinite(hsic).all():
+                raise ValueError(_too_large_minibatch(names, xs))
+        if self.estimator != "minibatch":
+            self._update_exact(names, widths, xs)
+        elif self._names is None:
+            self._names, self._widths = names, widths
+        if self.estimator != "exact":  # nothing below can fail: the batch is added whole or not at all
+            if hsic is None:
+                self._skipped += 1
+            else:
+                self._hsic = hsic if self._hsic is None else self._hsic + hsic
+                self._batches += 1
+            self._rows += rows_given
+
+    def _update_exact(self, names: List[str], widths: List[int], xs: List[Any]) -> None:
+        """The exact joint state's update by a checked batch (on error nothing changed)."""
         shift = self._shift
         if shift is None:
             shift = np.concatenate([_mean64(x) for x in xs])
@@ -347,7 +521,10 @@ class Similarity:
             self._names, self._widths, self._shift, self._scale = names, widths, shift, scale
 
     def merge(self, other: "Similarity") -> None:
-        """Add another state (its norm columns re-expressed at this state's shift)."""
+        """Add another state (its norm columns re-expressed at this state's
+        shift; the minibatch sums added). An empty state takes the other's,
+        its estimator included; two states that hold samples must keep the
+        same estimator."""
         if not isinstance(other, Similarity):
             raise TypeError(f"merge expects a Similarity, got {type(other).__name__}")
         if other.n == 0:
@@ -355,9 +532,25 @@ class Similarity:
         if self.n == 0 and self._names is None:
             self._load_own_state_dict(other.state_dict())
             return
+        if other.estimator != self.estimator:
+            raise ValueError(f"cannot merge: this Similarity keeps the estimator {self.estimator!r}, the other "
+                             f"{other.estimator!r}")
         if other._names != self._names or other._widths != self._widths:
             raise ValueError(f"cannot merge: this Similarity holds names {self._names} of widths {self._widths}, "
                              f"the other names {other._names} of widths {other._widths}")
+        if self.estimator != "minibatch":
+            self._merge_exact(other)
+        if self.estimator != "exact":  # after the exact merge, which may refuse: nothing below can fail
+            self._add_minibatch(other._hsic, other._batches, other._skipped, other._rows)
+
+    def _add_minibatch(self, hsic: Optional[np.ndarray], batches: int, skipped: int, rows: int) -> None:
+        if hsic is not None:
+            self._hsic = hsic.copy() if self._hsic is None else self._hsic + hsic
+        self._batches += batches
+        self._skipped += skipped
+        self._rows += rows
+
+    def _merge_exact(self, other: "Similarity") -> None:
         _, widths, shift, scale = other._layout()
         _, _, mine, mine_scale = self._layout()
         st = _rescale(other._moments.state_dict(), widths, mine_scale / scale)
@@ -375,25 +568,48 @@ class Similarity:
         float64, exactly as ``Moments.all_reduce``: afterwards every rank holds
         the global state. Collective: every rank calls it. The names, widths
         and shift of the lowest rank that saw data are used by all; ranks that
-        hold other names or widths make every rank raise the same ValueError,
-        and no rank's state changes."""
+        hold other names or widths, or keep other estimators, make every rank
+        raise the same ValueError, and no rank's state changes. The minibatch
+        sums are added in rank order on every rank (the same float64 sum)."""
         from .distributed import _dist, all_reduce_states
 
         _, dist = _dist()
         world = dist.get_world_size(group)
-        mine = None if self.n == 0 else (self._names, self._widths, self._layout()[2].tolist(),
-                                         self._layout()[3].tolist())
+        exact = self.estimator != "minibatch"
+        layout = None
+        if self.n > 0:
+            layout = (self._names, self._widths, self._layout()[2].tolist() if exact else None,
+                      self._layout()[3].tolist() if exact else None)
+        sums = None if self.estimator == "exact" else (None if self._hsic is None else self._hsic.tolist(),
+                                                       self._batches, self._skipped, self._rows)
         gathered: List[Any] = [None] * world
-        dist.all_gather_object(gathered, mine, group=group)
-        live = [g for g in gathered if g is not None]
+        dist.all_gather_object(gathered, (self.estimator, layout, sums), group=group)
+        kept = sorted({g[0] for g in gathered})
+        if len(kept) > 1:
+            raise ValueError(f"all_reduce: ranks keep different estimators {kept}; no rank's state changed")
+        live = [g[1] for g in gathered if g[1] is not None]
         if not live:
             return
-        names, widths, shift = live[0][0], live[0][1], np.asarray(live[0][2], dtype=np.float64)
-        scale = np.asarray(live[0][3], dtype=np.float64)
+        names, widths = live[0][0], live[0][1]
         for g in live[1:]:
             if g[0] != names or g[1] != widths:
                 raise ValueError(f"all_reduce: ranks hold different representations: names {names} of widths "
                                  f"{widths} and names {g[0]} of widths {g[1]}; no rank's state changed")
+        if exact:
+            self._all_reduce_exact(group, all_reduce_states, names, widths, live[0][2], live[0][3])
+        self._names, self._widths = list(names), list(widths)
+        if self.estimator != "exact":
+            self._hsic, self._batches, self._skipped, self._rows = None, 0, 0, 0
+            for g in gathered:
+                if g[2] is not None:
+                    self._add_minibatch(None if g[2][0] is None else np.asarray(g[2][0], dtype=np.float64),
+                                        *g[2][1:])
+
+    def _all_reduce_exact(self, group: Any, all_reduce_states: Any, names: List[str], widths: List[int],
+                          shift_list: List[float], scale_list: List[float]) -> None:
+        """The exact joint state's part of ``all_reduce`` (collective), at the given shift and scale."""
+        shift = np.asarray(shift_list, dtype=np.float64)
+        scale = np.asarray(scale_list, dtype=np.float64)
         if self.n == 0:
             st = self._moments.state_dict()
         else:
@@ -407,38 +623,68 @@ class Similarity:
         self._scale = scale
 
     def reset(self) -> None:
-        """Forget all samples, names and widths."""
+        """Forget all samples, names and widths (the estimator stays)."""
         self._moments.reset()
         self._names = self._widths = self._shift = self._scale = None
+        self._hsic, self._batches, self._skipped, self._rows = None, 0, 0, 0
 
     # -- finishing ------------------------------------------------------------
 
     def compute(self) -> SimilarityReport:
-        """Both estimators for every pair, in float64; the state is not modified.
+        """The estimators kept, for every pair, in float64; the state is not modified.
 
         Biased: ``||C_rs||_F^2 / (||C_rr||_F ||C_ss||_F)``, inflated at small n
         and large width. Debiased: the unbiased HSIC estimator over all n
         samples; NaN (with a ``RichnessWarning``) below 4 samples or when a
         self-HSIC is not positive (a representation too close to constant at
-        that n). A constant representation gives NaN in both. The warnings
-        are also listed, once each, in the report's ``warnings``.
+        that n). A constant representation gives NaN in both. Minibatch
+        (``estimator="both"`` or ``"minibatch"``): the summed HSIC_1 of the
+        batches as given to ``update``; a ``RichnessWarning`` counts the
+        batches of fewer than 4 rows left out; NaN where no batch entered or
+        a summed self-HSIC is not positive. The warnings are also listed, once
+        each, in the report's ``warnings``.
 
         Raises ``EmptySimilarityError`` (a ValueError) when no samples were added."""
         if self._names is None or self.n == 0:
             raise EmptySimilarityError("compute: the Similarity holds no samples; update it first")
-        st = self._moments.state_dict()
-        return _finish(st["mean"], st["M"], self.n, *self._layout())
+        names, widths = self._names, self.widths
+        cka_ = deb = mini = None
+        notes: List[str] = []
+        if self.estimator != "minibatch":
+            st = self._moments.state_dict()
+            _, _, shift, scale = self._layout()
+            cka_, deb, notes = cka_matrices(st["mean"], st["M"], self.n, names, widths, shift, scale)
+        if self.estimator != "exact":
+            hsic = np.zeros((len(names), len(names))) if self._hsic is None else self._hsic
+            mini, more = cka_minibatch_matrix(hsic, self._batches, self._skipped, names)
+            notes = notes + more
+        for msg in notes:
+            _warn(msg, 3)
+        if self.estimator == "exact":
+            return SimilarityReport(names, widths, self.n, cka_, deb, warnings=notes)
+        return SimilarityReport(names, widths, self.n, cka_, deb, warnings=notes, cka_minibatch=mini,
+                                batches=self._batches, skipped=self._skipped)
 
     # -- persistence ----------------------------------------------------------
 
     def state_dict(self) -> dict:
         """A float64 copy: ``names``, ``widths``, ``shift``, ``scale`` (each
         representation's power-of-two scale in the joint state, 1 unless its
-        magnitudes are extreme) and the joint ``moments`` state."""
-        return {"names": self.names, "widths": self.widths,
-                "shift": np.zeros(0) if self._shift is None else self._shift.copy(),
-                "scale": np.zeros(0) if self._scale is None else self._scale.copy(),
-                "moments": self._moments.state_dict()}
+        magnitudes are extreme) and the joint ``moments`` state (empty, and
+        ``shift`` and ``scale`` of size 0, for ``estimator="minibatch"``).
+        For ``"both"`` and ``"minibatch"`` also ``estimator`` and
+        ``minibatch``: ``hsic`` (k x k, the sums of HSIC_1; 0 x 0 before a
+        sample), ``batches``, ``skipped`` and ``n`` (every row added)."""
+        out = {"names": self.names, "widths": self.widths,
+               "shift": np.zeros(0) if self._shift is None else self._shift.copy(),
+               "scale": np.zeros(0) if self._scale is None else self._scale.copy(),
+               "moments": self._moments.state_dict()}
+        if self.estimator != "exact":
+            k = len(self.names)
+            hsic = np.zeros((k, k)) if self._hsic is None else self._hsic.copy()
+            out["estimator"] = self.estimator
+            out["minibatch"] = {"hsic": hsic, "batches": self._batches, "skipped": self._skipped, "n": self._rows}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the state with ``state``, validated first; on error nothing changes."""
@@ -452,8 +698,14 @@ class Similarity:
     def _load(self, state: dict, own: bool) -> None:
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
-        extra = sorted(set(state) - {"names", "widths", "shift", "scale", "moments"})
-        missing = sorted({"names", "widths", "shift", "moments"} - set(state))
+        estimator = state.get("estimator", "exact")  # states written before the minibatch estimator: exact
+        if not isinstance(estimator, str) or estimator not in ESTIMATORS:
+            raise ValueError(f"similarity state: estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        known = {"names", "widths", "shift", "scale", "moments", "estimator"} | (
+            set() if estimator == "exact" else {"minibatch"})
+        extra = sorted(set(state) - known)
+        missing = sorted(({"names", "widths", "shift", "moments"} | (set() if estimator == "exact" else {"minibatch"}))
+                         - set(state))
         if missing or extra:
             raise ValueError(f"similarity state: missing entries {missing}, unknown entries {extra}")
         names, widths = list(state["names"]), list(state["widths"])
@@ -463,13 +715,20 @@ class Similarity:
             raise ValueError(f"similarity state: widths must be one integer >= 1 per name, got {widths!r}")
         widths = [int(w) for w in widths]
         shift = np.asarray(state["shift"], dtype=np.float64).reshape(-1)
+        sums = None if estimator == "exact" else _minibatch_of(state["minibatch"], len(names))
         m = Moments(precision=self.precision)
         if own:
             m._load_own_state_dict(state["moments"])
         else:
             m.load_state_dict(state["moments"])
+        if estimator == "minibatch":
+            self._load_minibatch(m, names, widths, shift, state.get("scale"), sums)
+            return
+        if sums is not None and sums[3] != m.n:
+            raise ValueError(f"similarity state: the minibatch sums count {sums[3]} samples, the joint state {m.n}")
         if m.n == 0:
             self._moments, self._names, self._widths, self._shift, self._scale = m, None, None, None, None
+            self._set_minibatch(estimator, sums)
             return
         p = _state.widths_of(state["moments"])["p"]  # validated by the load above
         if not names or p != sum(widths) + len(widths) or shift.size != sum(widths):
@@ -481,6 +740,27 @@ class Similarity:
         scale = _scale_of(state.get("scale"), len(widths))
         _check_widths(state["moments"], m.n, names, widths, shift, scale)
         self._moments, self._names, self._widths, self._shift, self._scale = m, names, widths, shift.copy(), scale
+        self._set_minibatch(estimator, sums)
+
+    def _load_minibatch(self, m: Moments, names: List[str], widths: List[int], shift: np.ndarray, scale: Any,
+                        sums: Optional[tuple]) -> None:
+        """``_load`` of a state of the estimator "minibatch": no joint state, the sums alone."""
+        assert sums is not None
+        if m.n != 0 or shift.size or np.asarray(scale if scale is not None else [], dtype=np.float64).size:
+            raise ValueError("similarity state: a minibatch state holds no joint moments, shift or scale")
+        if sums[3] > 0 and not names:
+            raise ValueError("similarity state: a minibatch state of samples needs its names and widths")
+        self._moments = m
+        self._names, self._widths = (names, widths) if sums[3] > 0 else (None, None)
+        self._shift = self._scale = None
+        self._set_minibatch("minibatch", sums)
+
+    def _set_minibatch(self, estimator: str, sums: Optional[tuple]) -> None:
+        self.estimator = estimator
+        if sums is None or sums[3] == 0:
+            self._hsic, self._batches, self._skipped, self._rows = None, 0, 0, 0
+        else:
+            self._hsic, self._batches, self._skipped, self._rows = sums
 
     def save(self, path: "os.PathLike | str") -> None:
         """Write the state to ``path`` atomically (.npz, no pickle, checksummed)."""
@@ -489,7 +769,12 @@ class Similarity:
         arrays = {k: np.asarray(mst[k]) for k in _state.FIELD_NAMES}
         arrays["shift"] = st["shift"]
         arrays["scale"] = st["scale"]
-        extra = {"names": st["names"], "widths": st["widths"]}
+        extra: dict = {"names": st["names"], "widths": st["widths"], "estimator": self.estimator}
+        if self.estimator != "exact":
+            mb = st["minibatch"]
+            if self._rows:
+                arrays["hsic"] = mb["hsic"]
+            extra["minibatch"] = {"batches": mb["batches"], "skipped": mb["skipped"], "n": mb["n"]}
         meta = {"format": FORMAT, "version": VERSION, **{k: mst[k] for k in _state.SCALARS}, **extra,
                 "sha256": _statefile._digest(arrays, mst, extra)}
         _statefile.write_archive(path, meta, arrays)
@@ -511,9 +796,11 @@ class Similarity:
         return copy.deepcopy(self)
 
     def __repr__(self) -> str:
+        est = "" if self.estimator == "exact" else f", estimator={self.estimator!r}"
         if self._names is None or self.n == 0:
-            return "Similarity(empty)"
-        return f"Similarity(n={self.n}, names={self._names}, widths={self._widths})"
+            return f"Similarity(empty{est})"
+        more = "" if self.estimator == "exact" else f", batches={self._batches}, skipped={self._skipped}"
+        return f"Similarity(n={self.n}, names={self._names}, widths={self._widths}{est}{more})"
 
 
 def cka(x: Any, y: Any, *, debiased: bool = False) -> float:
@@ -534,7 +821,9 @@ def cka(x: Any, y: Any, *, debiased: bool = False) -> float:
     for a in range(0, max(n, 1), step):
         s.update({"x": x[a:a + step], "y": y[a:a + step]})
     r = s.compute()
-    return float((r.cka_debiased if debiased else r.cka)[0, 1])
+    mat = r.cka_debiased if debiased else r.cka
+    assert mat is not None  # an exact Similarity
+    return float(mat[0, 1])
 
 
 # -- the joint batch and its finish ---------------------------------------------
@@ -702,31 +991,89 @@ def _reshift(st: dict, widths: List[int], old: np.ndarray, new: np.ndarray) -> d
     return out
 
 
-def _finish(mean: np.ndarray, M: np.ndarray, n: int, names: List[str], widths: List[int],
-            shift: np.ndarray, scale: np.ndarray) -> SimilarityReport:
-    """Both estimators of a joint state (``finish/cka.py``); each of its notes is also issued as a
-    ``RichnessWarning``."""
-    biased, deb, notes = cka_matrices(mean, M, n, names, widths, shift, scale)
-    for msg in notes:
-        _warn(msg, 3)
-    return SimilarityReport(names, widths, n, biased, deb, warnings=notes)
+def _magnitudes(xs: List[Any]) -> List[float]:
+    """Each representation's largest magnitude, from its smallest and largest
+    value (one pass, no temporary; for tensors one device sync for all); inf
+    where a value is not finite."""
+    if is_torch(xs[0]):
+        import torch
+
+        dev = xs[0].device
+        ends = torch.stack([torch.stack(torch.aminmax(x)).to(device=dev, dtype=torch.float64) for x in xs])
+        pairs = ends.cpu().tolist()
+    else:
+        pairs = [[float(x.min()), float(x.max())] for x in xs]
+    return [max(-lo, hi) if math.isfinite(lo) and math.isfinite(hi) else math.inf for lo, hi in pairs]
+
+
+def _is_float64(x: Any) -> bool:
+    return str(x.dtype) in ("float64", "torch.float64")
+
+
+def _minibatch_range(names: List[str], mags: List[float]) -> str:
+    """A one-line refusal naming a representation whose largest magnitude
+    (``mags``, one per representation) lies outside 2^-200 .. 2^200 (about
+    6e-61 .. 2e60; all zeros pass): its HSIC_1 terms, of degree 4 in the
+    values, would under- or overflow float64. "" when every one is within."""
+    for nm, mag in zip(names, mags):
+        if mag > _MINIBATCH_MAX or 0 < mag < 1 / _MINIBATCH_MAX:
+            return (f"update: representation {nm!r} has a largest magnitude of {mag:.3g}, outside the "
+                    f"{1 / _MINIBATCH_MAX:.1g} .. {_MINIBATCH_MAX:.1g} the minibatch estimator holds in float64 "
+                    "(its terms are of degree 4 in the values); rescale it alike in every batch; the batch was not "
+                    "added")
+    return ""
+
+
+def _too_large_minibatch(names: List[str], xs: List[Any]) -> str:
+    """The refusal of a batch whose minibatch terms are past float64, naming
+    the representation of largest squared row norm bound (width x largest
+    magnitude squared)."""
+    mags = [_largest(x) for x in xs]
+    r = int(np.argmax([m * m * int(x.shape[1]) for m, x in zip(mags, xs)]))
+    return (f"update: representation {names[r]!r} is too large for the minibatch estimator: its largest magnitude "
+            f"{mags[r]:.3g} gives Gram products past float64; rescale it alike in every batch; the batch was not "
+            "added")
 
 
 # -- files ------------------------------------------------------------------------
+
+
+def _file_estimator(meta: dict) -> str:
+    """The estimator a file's meta gives: "exact" for versions 1 and 2 (which
+    have no entry), the entry (checked, with its ``minibatch`` counts) from 3."""
+    version = meta.get("version", 1)
+    if version < 3:
+        if "estimator" in meta or "minibatch" in meta:
+            raise ValueError(f"a version {version} file has no estimator entry")
+        return "exact"
+    estimator = meta.get("estimator")
+    if not isinstance(estimator, str) or estimator not in ESTIMATORS:
+        raise ValueError(f"estimator {estimator!r} is not one of {ESTIMATORS}")
+    counts = meta.get("minibatch")
+    if estimator == "exact":
+        if counts is not None:
+            raise ValueError("an exact state has no minibatch entry")
+        return estimator
+    if not isinstance(counts, dict) or sorted(counts) != ["batches", "n", "skipped"] or not all(
+            is_int(v) and v >= 0 for v in counts.values()):
+        raise ValueError(f"minibatch entry {counts!r} is not a dict of the counts batches, skipped and n")
+    return estimator
 
 
 def _shift_shape(meta: dict, widths: dict) -> dict:
     w = meta.get("widths")
     if not isinstance(w, list) or not all(is_int(x) and x > 0 for x in w):
         raise ValueError(f"widths {w!r} are not a list of positive integers")
-    more = {"shift": (sum(w) if widths["n"] > 0 else 0,)}
+    more: Dict[str, Tuple[int, ...]] = {"shift": (sum(w) if widths["n"] > 0 else 0,)}
     if meta.get("version", 1) >= 2:
         more["scale"] = (len(w) if widths["n"] > 0 else 0,)
+    if _file_estimator(meta) != "exact" and meta["minibatch"]["n"] > 0:
+        more["hsic"] = (len(w), len(w))
     return more
 
 
 LAYOUT = _statefile.Layout(FORMAT, VERSION, "richness similarity state", "Similarity.save", ("names", "widths"),
-                           _shift_shape)
+                           _shift_shape, optional=("estimator", "minibatch"))
 
 
 def _read(path: str) -> dict:
@@ -737,4 +1084,36 @@ def _read(path: str) -> dict:
     out = {"names": st["names"], "widths": st["widths"], "shift": st["shift"], "moments": moments}
     if "scale" in st:
         out["scale"] = st["scale"]
+    if st.get("estimator", "exact") != "exact":
+        k = len(st["widths"])
+        out["estimator"] = st["estimator"]
+        out["minibatch"] = {"hsic": st["hsic"] if "hsic" in st else np.zeros((k, k)), **st["minibatch"]}
     return out
+
+
+def _minibatch_of(value: Any, k: int) -> Tuple[Optional[np.ndarray], int, int, int]:
+    """A state's ``minibatch`` entry, checked: ``(hsic, batches, skipped, n)``,
+    ``hsic`` a finite symmetric k x k float64 copy (None while no batch entered)."""
+    if not isinstance(value, dict) or sorted(value) != ["batches", "hsic", "n", "skipped"]:
+        raise ValueError("similarity state: minibatch must be a dict of hsic, batches, skipped and n")
+    counts = [value[key] for key in ("batches", "skipped", "n")]
+    if not all(is_int(c) and c >= 0 for c in counts):
+        raise ValueError(f"similarity state: minibatch batches, skipped and n must be integers >= 0, got {counts}")
+    batches, skipped, n = (int(c) for c in counts)
+    if n == 0:
+        if batches or skipped:
+            raise ValueError(f"similarity state: minibatch counts {batches} batches and {skipped} skipped of no rows")
+        return None, 0, 0, 0
+    if batches + skipped == 0 or MINIBATCH_MIN_ROWS * batches + skipped > n:
+        raise ValueError(f"similarity state: {batches} batches of at least {MINIBATCH_MIN_ROWS} rows and {skipped} "
+                         f"smaller ones cannot hold {n} rows")
+    hsic = np.array(value["hsic"], dtype=np.float64)
+    if hsic.shape != (k, k):
+        raise ValueError(f"similarity state: minibatch hsic has shape {hsic.shape} for {k} representations")
+    if not np.isfinite(hsic).all() or not np.array_equal(hsic, hsic.T):
+        raise ValueError("similarity state: minibatch hsic must be finite and symmetric")
+    if batches == 0:
+        if hsic.any():
+            raise ValueError("similarity state: minibatch hsic is not zero, but no batch entered")
+        return None, 0, skipped, n
+    return hsic, batches, skipped, n

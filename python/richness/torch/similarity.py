@@ -1,5 +1,5 @@
-"""``richness.similarity``: one pass of one or more models over a loader, exact
-CKA between their layers.
+"""``richness.similarity``: one pass of one or more models over a loader, linear
+CKA between their layers (exact, the minibatch estimator, or both).
 
 Forward hooks (``HeadHook``) on the named layers capture each output under
 ``torch.no_grad()``, each model's in its own forward (a module shared by two
@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from .._optional import require_torch
 from .._engine.similarity import Similarity, SimilarityReport
-from .batches import batch_size_of, call_model, layer_layouts, layer_pooler, split_batch, to_device
+from .batches import batch_size_of, call_model, layer_layouts, layer_pooler, module_layout, split_batch, to_device
 from .common import eval_mode, merge_ranks, model_device, progress_bar
 from .hooks import HeadHook, resolve_layers
 
@@ -86,8 +86,8 @@ def _input_fns(inputs: Any, names: List[str]) -> Dict[str, Optional[Callable]]:
 def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], *, pool: str = "flatten",
                layout: Union[None, str, Mapping[str, str]] = None,
                inputs: Union[None, Callable, Mapping[str, Callable]] = None, distributed: Optional[bool] = None,
-               precision: Optional[str] = None, progress: bool = True) -> SimilarityReport:
-    """Exact linear CKA between layers of one or more models over ``loader``.
+               precision: Optional[str] = None, progress: bool = True, estimator: str = "exact") -> SimilarityReport:
+    """Linear CKA between layers of one or more models over ``loader``.
 
     Args:
         models: a ``torch.nn.Module`` (named ``"model"``) or a dict name -> module.
@@ -102,7 +102,8 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
             ``"flatten"`` (default: every value of a feature map or sequence
             in one row, the representation of the CKA literature, Kornblith
             et al. 2019, and of CKA libraries; refused past the width limit,
-            the message giving the memory it would need), ``"mean"`` over
+            the message giving the memory it would need, except with
+            ``estimator="minibatch"``, whose state is k x k at any width), ``"mean"`` over
             positions / tokens (another quantity: the CKA of the averaged
             maps), ``"first"`` / ``"last"`` position.
         layout: how a 3-D output is laid out where its module does not say
@@ -119,12 +120,20 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
             merges when a process group is initialised.
         precision: as ``Similarity``.
         progress: a tqdm bar in samples.
+        estimator: as ``Similarity``: ``"exact"`` (default; ``cka`` and
+            ``cka_debiased`` over all samples), ``"minibatch"`` (only
+            ``cka_minibatch``, the estimator of Nguyen, Raghu and Kornblith
+            2021 that ckatorch, torch-cka and pytorch-cka report: the unbiased
+            HSIC of each batch's Grams summed over the loader's batches; it
+            depends on the batch size and order, and batches of fewer than 4
+            samples are left out) or ``"both"``.
 
     Returns a ``SimilarityReport`` whose names are ``"model.layer"``, in the
     order the models and layers were given. Runs in eval mode under
     ``torch.no_grad()``; every hook is removed on return or on error.
     """
     torch = require_torch("richness.similarity")
+    sim = Similarity(precision=precision, estimator=estimator)  # the options are checked before any work
     merge = merge_ranks(distributed, "similarity")
     mods = _as_models(models)
     names = list(mods)
@@ -138,7 +147,9 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
     given = layer_layouts(layout, [(ln, f"{n}.{ln}") for n, ln, _ in hooked], "similarity")
     poolers = {f"{n}.{ln}": layer_pooler(f"{n}.{ln}", mod, pool, g, model=mods[n], path=ln)
                for (n, ln, mod), g in zip(hooked, given)}
-    sim = Similarity(precision=precision)
+    if pool == "flatten" and estimator == "minibatch":  # no width limit: the state is k x k
+        poolers = {f"{n}.{ln}": _flatten_any_width(f"{n}.{ln}", poolers[f"{n}.{ln}"], module_layout(mod, mods[n], ln))
+                   for n, ln, mod in hooked}
     captured: Dict[str, Any] = {}
     widths: Dict[str, int] = {}
     state: Dict[str, Any] = {"n": 0, "model": None}
@@ -199,6 +210,24 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
     elif sim.n == 0:
         raise ValueError(f"similarity: the loader gave {batches} batches of no samples")
     return sim.compute()
+
+
+def _flatten_any_width(key: str, pooler: Callable[..., Any], layout: Optional[str]) -> Callable[..., Any]:
+    """``pooler`` (a ``layer_pooler`` with ``pool="flatten"``) without its
+    width limit: an output of three or more dimensions (the first tensor of
+    a tuple or list) becomes one row per sample at any width, a (tokens,
+    batch, width) one (``layout`` ``"sequence"``) read batch first; anything
+    else goes to ``pooler``, which checks it."""
+    def rows(act: Any, n: Optional[int] = None) -> Any:
+        out = act[0] if isinstance(act, (tuple, list)) and act else act
+        if not (hasattr(out, "ndim") and hasattr(out, "reshape")) or out.ndim <= 2:
+            return pooler(act, n)
+        if layout == "sequence" and out.ndim == 3:
+            out = out.transpose(0, 1)
+        if n is not None and out.shape[0] != n:
+            raise ValueError(f"layer {key!r} gave {out.shape[0]} rows but the batch has {n} samples")
+        return out.reshape(out.shape[0], -1)
+    return rows
 
 
 def _check_widths(rows: Dict[str, Any], widths: Dict[str, int]) -> None:
