@@ -85,7 +85,7 @@ def computed(s):
 # batches of different sizes: 1, 2 and 3 rows (left out), 4 (the smallest that enters), larger ones
 CUTS = [0, 1, 5, 7, 40, 43, 100, 104, 150]
 
-# Float64 inputs (or precision="fp64"): float64 Gram products, the reference's to rounding (measured 1e-15 or
+# Float64 inputs (or precision="fp64"): float64 Gram products, the reference's to rounding (measured 1.4e-15 or
 # less). Float32 inputs: float32 products of the batch-centred rows, to 4e-9 or less here (measured); 1e-6 is
 # what the docs promise and what is asserted.
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
