@@ -17,7 +17,6 @@ the only requirement; torch tensors are accepted.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Iterable, Optional, Tuple
 
 import numpy as np
@@ -110,9 +109,7 @@ class InitSimilarity:
         for name, i in zip(("features_now", "features_init"), (0, 1)):
             if not np.any(self._block(i, i)):
                 raise ValueError(f"{name} are constant over the samples: the kernel is zero and CKA is undefined")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the debiased estimator's small-n note; S_init is the biased one
-            return float(self._sim.compute().cka[0, 1])
+        return float(self._sim.compute(measures=["cka"]).values["cka"][0, 1])
 
     def __repr__(self) -> str:
         return "InitSimilarity(empty)" if self.n == 0 else f"InitSimilarity(n={self.n}, widths={self.widths})"

@@ -315,83 +315,106 @@ def depth(layers: Union[Report, Mapping[str, Report]], prefix: "str | os.PathLik
     return _save(fig, prefix)
 
 
-def similarity(report: Any, path: "str | os.PathLike", *, debiased: bool = False, values: Optional[bool] = None,
-               title: Optional[str] = None) -> List[str]:
+def similarity(report: Any, path: "str | os.PathLike", *, measure: Optional[str] = None,
+               values: Optional[bool] = None, title: Optional[str] = None) -> List[str]:
     """A heatmap of a ``SimilarityReport`` (``richness.similarity``,
     ``Similarity.compute``) or of one model against another
     (``SimilarityReport.between``, a ``SimilarityBlock``).
 
+    ``measure``: which of the report's measures to draw (a name of
+    ``richness.finish.similarity.MEASURES``, held in the report's ``values``):
+    by default ``cka`` where the report holds it, else its first. Each
+    measure has its own colour scale (its range: 0..1 for CKA, CCA and R^2,
+    0..2 for the Procrustes distance, 0..pi/2 for the angular metric; the
+    distances' colours reversed, so that alike is bright for every measure)
+    and is named in the title.
+
     A report: k x k, each axis labelled by model and layer (the
-    ``"model.layer"`` names, grouped by model with a line between models). A
-    block: its rows' model down, its columns' model across, each axis named
-    by its model and ticked by layer. Names are drawn as written (never as
-    mathtext). The values are written in the cells when there are at most 12
-    rows and columns (``values`` forces it either way), the estimator named
-    in the title. Writes ``path.png`` and ``path.svg`` and returns their
-    paths."""
+    ``"model.layer"`` names, grouped by model with a line between models); for
+    a measure that is not symmetric (``linreg_r2``) the rows predict the
+    columns. A block: its rows' model down, its columns' model across, each
+    axis named by its model and ticked by layer. Names are drawn as written
+    (never as mathtext). The values are written in the cells when there are at
+    most 12 rows and columns (``values`` forces it either way). Writes
+    ``path.png`` and ``path.svg`` and returns their paths."""
     plt = _plt()
     from ._engine.similarity import SimilarityBlock, SimilarityReport
 
-    if isinstance(report, SimilarityBlock):
-        return _similarity_block(plt, report, path, debiased, values, title)
-    if not isinstance(report, SimilarityReport):
+    if not isinstance(report, (SimilarityReport, SimilarityBlock)):
         raise TypeError(f"similarity expects a SimilarityReport or SimilarityBlock, got {type(report).__name__}")
-    mat = np.asarray(report.cka_debiased if debiased else report.cka, dtype=float)
+    name, spec, mat = _similarity_measure(report, measure)
+    if isinstance(report, SimilarityBlock):
+        return _similarity_block(plt, report, path, name, spec, mat, values, title)
     names = list(report.names)
     k = len(names)
     models = [nm.split(".", 1)[0] if "." in nm else "" for nm in names]
     layers = [nm.split(".", 1)[1] if "." in nm else nm for nm in names]
     size = max(3.5, 0.55 * k + 2.0)
     fig, ax = plt.subplots(figsize=(size + 1.0, size))
-    im = ax.imshow(mat, vmin=0.0, vmax=1.0, cmap="magma", interpolation="nearest")
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="CKA")
+    im = ax.imshow(mat, vmin=spec.lo, vmax=spec.hi, cmap="magma_r" if spec.distance else "magma",
+                   interpolation="nearest")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=name)
     ticks = [escape_mathtext(f"{m}\n{ln}" if m else ln) for m, ln in zip(models, layers)]
     ax.set_xticks(range(k), ticks, rotation=90 if k > 6 else 0, fontsize=8)
     ax.set_yticks(range(k), [t.replace("\n", " / ") for t in ticks], fontsize=8)
-    ax.set_xlabel("model / layer")
-    ax.set_ylabel("model / layer")
+    ax.set_xlabel("model / layer" + ("" if spec.symmetric else " (predicted)"))
+    ax.set_ylabel("model / layer" + ("" if spec.symmetric else " (predicting)"))
     for i in range(1, k):  # a line between models
         if models[i] != models[i - 1]:
             ax.axhline(i - 0.5, color="white", lw=1.5)
             ax.axvline(i - 0.5, color="white", lw=1.5)
-    _similarity_values(ax, mat, values)
-    ax.set_title(title or f"{_estimator(debiased)}, n = {report.n:,}")
+    _similarity_values(ax, mat, values, spec)
+    ax.set_title(title or f"{spec.title}, n = {report.n:,}")
     return _save(fig, path)
 
 
-def _estimator(debiased: bool) -> str:
-    return "debiased linear CKA (unbiased HSIC)" if debiased else "linear CKA (biased)"
+def _similarity_measure(report: Any, measure: Optional[str]) -> tuple:
+    """(name, its ``Measure``, its matrix as floats) of the measure to draw from a report or block."""
+    from .finish.similarity import MEASURES
+
+    held = list(report.values)
+    if measure is None:
+        measure = "cka" if "cka" in held else held[0]
+    if measure not in MEASURES:
+        raise ValueError(f"unknown similarity measure {measure!r}; expected one of {list(MEASURES)}")
+    if measure not in held:
+        raise ValueError(f"the report holds no {measure} (it holds {held}): compute it with "
+                         f"Similarity.compute(measures=[{measure!r}]) or richness.similarity(..., measures=...)")
+    return measure, MEASURES[measure], np.asarray(report.values[measure], dtype=float)
 
 
-def _similarity_values(ax: Any, mat: np.ndarray, values: Optional[bool]) -> None:
-    """The values written in the cells (by default when at most 12 rows and columns)."""
+def _similarity_values(ax: Any, mat: np.ndarray, values: Optional[bool], spec: Any) -> None:
+    """The values written in the cells (by default when at most 12 rows and columns), dark on the
+    bright end of the measure's colour scale."""
     if not (values if values is not None else max(mat.shape) <= 12):
         return
     for i in range(mat.shape[0]):
         for j in range(mat.shape[1]):
             v = mat[i, j]
+            bright = (v - spec.lo) / (spec.hi - spec.lo)
+            bright = 1.0 - bright if spec.distance else bright
             ax.text(j, i, "nan" if not np.isfinite(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
-                    color="black" if np.isfinite(v) and v > 0.6 else "white")
+                    color="black" if np.isfinite(v) and bright > 0.6 else "white")
 
 
-def _similarity_block(plt: Any, block: Any, path: "str | os.PathLike", debiased: bool, values: Optional[bool],
-                      title: Optional[str]) -> List[str]:
+def _similarity_block(plt: Any, block: Any, path: "str | os.PathLike", name: str, spec: Any, mat: np.ndarray,
+                      values: Optional[bool], title: Optional[str]) -> List[str]:
     """The heatmap of a ``SimilarityBlock``: rows (model ``row_label``) down,
     columns (model ``col_label``) across, ticked by the names less the model's prefix."""
-    mat = np.asarray(block.cka_debiased if debiased else block.cka, dtype=float)
 
     def short(names: List[str], label: str) -> List[str]:
         return [escape_mathtext(nm[len(label) + 1:] if nm.startswith(label + ".") else nm) for nm in names]
 
     h, w = mat.shape
     fig, ax = plt.subplots(figsize=(max(3.5, 0.55 * w + 2.0) + 1.0, max(3.5, 0.55 * h + 2.0)))
-    im = ax.imshow(mat, vmin=0.0, vmax=1.0, cmap="magma", interpolation="nearest", aspect="auto")
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="CKA")
+    im = ax.imshow(mat, vmin=spec.lo, vmax=spec.hi, cmap="magma_r" if spec.distance else "magma",
+                   interpolation="nearest", aspect="auto")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=name)
     ax.set_xticks(range(w), short(block.cols, block.col_label), rotation=90 if w > 6 else 0, fontsize=8)
     ax.set_yticks(range(h), short(block.rows, block.row_label), fontsize=8)
     ax.set_xlabel(f"{escape_mathtext(block.col_label)}: layer")
     ax.set_ylabel(f"{escape_mathtext(block.row_label)}: layer")
-    _similarity_values(ax, mat, values)
-    ax.set_title(title or f"{_estimator(debiased)}, {escape_mathtext(block.row_label)} against "
+    _similarity_values(ax, mat, values, spec)
+    ax.set_title(title or f"{spec.title}, {escape_mathtext(block.row_label)} against "
                           f"{escape_mathtext(block.col_label)}, n = {block.n:,}")
     return _save(fig, path)

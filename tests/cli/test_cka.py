@@ -45,7 +45,8 @@ def test_cka_text_table(tmp_path, capsys):
     a, b, _ = representations()
     np.save(tmp_path / "a.npy", a)
     np.save(tmp_path / "b.npy", b)
-    assert main(["cka", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), "--debiased", "--no-progress"]) == 0
+    assert main(["cka", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), "--measures", "cka_debiased",
+                 "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "debiased" in out and f"{cka_debiased_naive(a, b):9.5f}" in out
 

@@ -148,7 +148,7 @@ def test_plot_similarity(tmp_path):
 
     ms = {k: v.double() for k, v in models().items()}
     rep = richness.similarity(ms, loader(), {"cnn": ["1", "3"], "mlp": ["1"]}, progress=False)
-    paths = richness.plot.similarity(rep, tmp_path / "heat", debiased=True)
+    paths = richness.plot.similarity(rep, tmp_path / "heat", measure="cka_debiased")
     assert all(os.path.getsize(p) > 1000 for p in paths)
     with open(paths[1]) as f:
         svg = f.read()

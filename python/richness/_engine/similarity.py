@@ -33,7 +33,7 @@ import copy
 import math
 import os
 import warnings
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -44,8 +44,9 @@ from .._checks import is_torch
 from .._checks import is_int
 from .moments import Moments
 from .._warnings import RichnessWarning
-from ..finish.cka import MINIBATCH_MIN_ROWS, cka_matrices, cka_minibatch_matrix, column_factors, hsic1_batch
-from ..finish.cka import scaled_shift
+from ..finish.cka import MINIBATCH_MIN_ROWS, cka_minibatch_matrix, column_factors, hsic1_batch, scaled_shift
+from ..finish.policy import check_rtol, rtol_for
+from ..finish.similarity import MEASURES, check_measures, exact_matrices
 
 __all__ = ["Similarity", "SimilarityReport", "SimilarityBlock", "EmptySimilarityError", "cka", "FORMAT", "ESTIMATORS"]
 
@@ -98,27 +99,36 @@ def check_names(keys: Any, where: str) -> List[str]:
     return keys
 
 
-class _PairFields(NamedTuple):
-    cka: Optional[float]
-    cka_debiased: Optional[float]
+def _measure(name: str, holder: Any) -> Optional[Any]:
+    """``holder.values[name]`` for a similarity measure's name (None where not
+    computed); AttributeError for any other name."""
+    if name in MEASURES:
+        return holder.__dict__.get("values", {}).get(name)
+    raise AttributeError(f"{type(holder).__name__!r} object has no attribute {name!r}")
 
 
-class Pair(_PairFields):
-    """The estimators for one pair of representations: the tuple ``(cka,
-    cka_debiased)`` of the exact state (None where it was not kept) and the
-    attribute ``cka_minibatch`` (None where the minibatch estimator was not
-    kept)."""
+def _values_of(state: dict) -> Dict[str, Any]:
+    """The ``values`` of a report or block pickled with one attribute per estimator."""
+    return {k: state.pop(k) for k in list(state) if k in MEASURES and state[k] is not None}
 
-    cka_minibatch: Optional[float]
 
-    def __new__(cls, cka: Optional[float], cka_debiased: Optional[float],
-                cka_minibatch: Optional[float] = None) -> "Pair":
-        self = super().__new__(cls, cka, cka_debiased)
-        self.cka_minibatch = cka_minibatch
-        return self
+class Pair:
+    """The values of one pair of representations (``SimilarityReport.pair``):
+    an attribute per similarity measure (``cka``, ``cka_debiased``,
+    ``cca_r2``, ...; see ``richness.finish.similarity.MEASURES``), None for a
+    measure the report does not hold; ``values``: those it holds, by name."""
+
+    def __init__(self, values: Dict[str, Optional[float]]) -> None:
+        self.values = dict(values)
+
+    def __getattr__(self, name: str) -> Optional[float]:
+        return _measure(name, self)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pair) and self.values == other.values
 
     def __repr__(self) -> str:
-        return f"Pair(cka={self.cka!r}, cka_debiased={self.cka_debiased!r}, cka_minibatch={self.cka_minibatch!r})"
+        return "Pair(" + ", ".join(f"{k}={v!r}" for k, v in self.values.items()) + ")"
 
 
 def _table(rows: List[str], cols: List[str], mats: List[Tuple[str, np.ndarray]]) -> List[str]:
@@ -139,60 +149,54 @@ def _table(rows: List[str], cols: List[str], mats: List[Tuple[str, np.ndarray]])
     return lines
 
 
-def _matrices(cka: Optional[np.ndarray], cka_debiased: Optional[np.ndarray], cka_minibatch: Optional[np.ndarray] = None,
-              batches: Optional[int] = None) -> List[Tuple[str, np.ndarray]]:
-    mats = []
-    if cka is not None:
-        mats.append(("linear CKA (biased)", cka))
-    if cka_debiased is not None and not np.isnan(cka_debiased).all():
-        mats.append(("debiased linear CKA (unbiased HSIC)", cka_debiased))
-    if cka_minibatch is not None:
-        mats.append((f"minibatch linear CKA (unbiased HSIC summed over {batches} batches)", cka_minibatch))
-    return mats
+def _caption(name: str, batches: Optional[int]) -> str:
+    """A measure's title in tables (the minibatch estimator's with its batches)."""
+    title = MEASURES[name].title
+    return f"{title[:title.index(' (')]} (unbiased HSIC summed over {batches} batches)" \
+        if name == "cka_minibatch" else title
 
 
-def _rows(a: Optional[np.ndarray]) -> Optional[list]:
-    """A matrix as lists of floats (NaN as None); None stays None."""
-    if a is None:
-        return None
+def _matrices(values: Dict[str, np.ndarray], batches: Optional[int] = None) -> List[Tuple[str, np.ndarray]]:
+    """The matrices to print, in ``MEASURES`` order (a debiased CKA that is NaN everywhere left out)."""
+    return [(_caption(name, batches), values[name]) for name in MEASURES if name in values
+            and not (name == "cka_debiased" and np.isnan(values[name]).all())]
+
+
+def _rows(a: np.ndarray) -> list:
+    """A matrix as lists of floats (NaN as None)."""
     return [[None if not math.isfinite(v) else float(v) for v in row] for row in a]
 
 
-def _block(a: Optional[np.ndarray], i: List[int], j: List[int]) -> Optional[np.ndarray]:
-    return None if a is None else a[np.ix_(i, j)]
-
-
-def _entry(a: Optional[np.ndarray], i: int, j: int) -> Optional[float]:
-    return None if a is None else float(a[i, j])
-
-
 class SimilarityBlock:
-    """The CKA of the representations of one model (or name prefix) against
-    another's (``SimilarityReport.between``): ``rows`` and ``cols`` (full
-    names), ``cka``, ``cka_debiased`` and ``cka_minibatch`` (len(rows) x
-    len(cols), None where the report has none), ``n``, ``batches`` (the
-    batches in the minibatch estimator, None without it), and ``row_label`` /
-    ``col_label``, what was selected for each axis."""
+    """The similarity of the representations of one model (or name prefix)
+    against another's (``SimilarityReport.between``): ``rows`` and ``cols``
+    (full names), ``values`` (measure name -> len(rows) x len(cols) matrix,
+    the measures the report holds), an attribute per measure (``cka``,
+    ``cka_debiased``, ``cca_r2``, ...; None where the report has none),
+    ``n``, ``batches`` (the batches in the minibatch estimator, None without
+    it), and ``row_label`` / ``col_label``, what was selected for each axis."""
 
     def __init__(self, row_label: str, col_label: str, rows: List[str], cols: List[str], n: int,
-                 cka: Optional[np.ndarray], cka_debiased: Optional[np.ndarray],
-                 warnings: Optional[List[str]] = None, cka_minibatch: Optional[np.ndarray] = None,
+                 values: Dict[str, np.ndarray], warnings: Optional[List[str]] = None,
                  batches: Optional[int] = None) -> None:
         self.row_label, self.col_label = row_label, col_label
         self.rows, self.cols, self.n = list(rows), list(cols), int(n)
-        self.cka, self.cka_debiased, self.cka_minibatch = cka, cka_debiased, cka_minibatch
+        self.values = dict(values)
         self.batches = batches
         self.warnings = list(warnings or [])
 
-    def __setstate__(self, state: dict) -> None:  # blocks pickled before the minibatch estimator existed
+    def __getattr__(self, name: str) -> Optional[np.ndarray]:
+        return _measure(name, self)
+
+    def __setstate__(self, state: dict) -> None:  # blocks pickled with one attribute per estimator
+        if "values" not in state:
+            state["values"] = _values_of(state)
+        state.setdefault("batches", None)
         self.__dict__.update(state)
-        self.__dict__.setdefault("cka_minibatch", None)
-        self.__dict__.setdefault("batches", None)
 
     def __str__(self) -> str:
         lines = [f"SimilarityBlock: {self.row_label!r} (rows) against {self.col_label!r} (columns), n = {self.n:,}"]
-        lines += _table(self.rows, self.cols, _matrices(self.cka, self.cka_debiased, self.cka_minibatch,
-                                                        self.batches))
+        lines += _table(self.rows, self.cols, _matrices(self.values, self.batches))
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -201,34 +205,41 @@ class SimilarityBlock:
 
 class SimilarityReport:
     """What ``Similarity.compute`` finishes: ``names`` (first-seen order),
-    ``widths``, ``n``, ``cka`` (k x k, biased), ``cka_debiased`` (k x k,
-    the unbiased-HSIC estimator; NaN below 4 samples), ``cka_minibatch``
-    (k x k, the minibatch estimator, which depends on the batching),
-    ``batches`` and ``skipped`` (the batches that entered the minibatch
-    estimator, and those of fewer than 4 rows left out of it) and
-    ``warnings`` (what the finish warned about, once each). ``cka`` and
-    ``cka_debiased`` are None for ``estimator="minibatch"``; ``cka_minibatch``,
-    ``batches`` and ``skipped`` are None for ``estimator="exact"``.
-    ``print(report)`` shows them as a table; ``between(a, b)`` the block of one
-    model against another."""
+    ``widths``, ``n``, ``values`` (measure name -> k x k matrix, the measures
+    computed, in ``richness.finish.similarity.MEASURES`` order), an attribute
+    per measure (None where not computed):
 
-    def __init__(self, names: List[str], widths: List[int], n: int, cka: Optional[np.ndarray],
-                 cka_debiased: Optional[np.ndarray], warnings: Optional[List[str]] = None, *,
-                 cka_minibatch: Optional[np.ndarray] = None, batches: Optional[int] = None,
+    - ``cka`` (biased linear CKA) and ``cka_debiased`` (the unbiased-HSIC
+      estimator; NaN below 4 samples), from the exact state;
+    - ``cka_minibatch`` (the minibatch estimator, which depends on the
+      batching), with ``batches`` and ``skipped`` (the batches that entered it
+      and those of fewer than 4 rows left out; None without it);
+    - ``cca_r2``, ``cca_rho``, ``svcca``, ``pwcca``, ``procrustes``,
+      ``shape_angular``, ``linreg_r2`` (entry [i, j]: j predicted from i),
+      when asked for (``compute(measures=...)``);
+
+    and ``warnings`` (what the finish warned about, once each).
+    ``print(report)`` shows the matrices as tables; ``between(a, b)`` the block
+    of one model against another; ``pair(a, b)`` one pair's values."""
+
+    def __init__(self, names: List[str], widths: List[int], n: int, values: Dict[str, np.ndarray],
+                 warnings: Optional[List[str]] = None, *, batches: Optional[int] = None,
                  skipped: Optional[int] = None) -> None:
         self.names, self.widths, self.n = list(names), list(widths), int(n)
-        # Any: an ndarray wherever the exact state was kept (every report of an exact Similarity), else None
-        self.cka: Any = cka
-        self.cka_debiased: Any = cka_debiased
-        self.cka_minibatch = cka_minibatch
+        self.values = {name: values[name] for name in MEASURES if name in values}
         self.batches, self.skipped = batches, skipped
         self.warnings = list(dict.fromkeys(warnings or []))
 
-    def __setstate__(self, state: dict) -> None:  # reports pickled before ``warnings`` or the minibatch estimator
+    def __getattr__(self, name: str) -> Optional[np.ndarray]:
+        return _measure(name, self)
+
+    def __setstate__(self, state: dict) -> None:  # reports pickled with one attribute per estimator
+        if "values" not in state:
+            state["values"] = _values_of(state)
+        state.setdefault("warnings", [])
+        state.setdefault("batches", None)
+        state.setdefault("skipped", None)
         self.__dict__.update(state)
-        self.__dict__.setdefault("warnings", [])
-        for key in ("cka_minibatch", "batches", "skipped"):
-            self.__dict__.setdefault(key, None)
 
     def select(self, prefix: str) -> List[str]:
         """The names of model (or name prefix) ``prefix``: the name itself,
@@ -246,13 +257,13 @@ class SimilarityReport:
     def between(self, a: str, b: str) -> SimilarityBlock:
         """The block of model (or name prefix) ``a`` against ``b``: rows the
         representations named ``a`` or ``a.*``, columns those of ``b``, every
-        estimator the report holds (the A x B map the CKA libraries return;
+        measure the report holds (the A x B map the CKA libraries return;
         ``plot.similarity`` draws it with each axis labelled by its model)."""
         rows, cols = self.select(a), self.select(b)
         i = [self.names.index(nm) for nm in rows]
         j = [self.names.index(nm) for nm in cols]
-        return SimilarityBlock(a, b, rows, cols, self.n, _block(self.cka, i, j), _block(self.cka_debiased, i, j),
-                               self.warnings, cka_minibatch=_block(self.cka_minibatch, i, j), batches=self.batches)
+        return SimilarityBlock(a, b, rows, cols, self.n, {k: v[np.ix_(i, j)] for k, v in self.values.items()},
+                               self.warnings, batches=self.batches)
 
     def _index(self, name: str) -> int:
         try:
@@ -261,31 +272,31 @@ class SimilarityReport:
             raise KeyError(f"no representation named {name!r}; the report holds {self.names}") from None
 
     def pair(self, a: str, b: str) -> Pair:
-        """The estimators for representations ``a`` and ``b``: ``(cka,
-        cka_debiased)`` and ``.cka_minibatch`` (each None where not kept)."""
+        """The values of representations ``a`` and ``b`` (row ``a``, column
+        ``b``: for ``linreg_r2``, ``b`` predicted from ``a``)."""
         i, j = self._index(a), self._index(b)
-        return Pair(_entry(self.cka, i, j), _entry(self.cka_debiased, i, j), _entry(self.cka_minibatch, i, j))
+        return Pair({k: float(v[i, j]) for k, v in self.values.items()})
 
     def to_dict(self) -> dict:
-        """Plain JSON types (NaN as None): ``names``, ``cka``, ``cka_debiased``,
-        ``n``, ``widths``; where the minibatch estimator was kept also
-        ``cka_minibatch``, ``batches`` and ``skipped`` (``cka`` and
-        ``cka_debiased`` None for ``estimator="minibatch"``)."""
-        out = {"names": list(self.names), "cka": _rows(self.cka), "cka_debiased": _rows(self.cka_debiased),
-               "n": self.n, "widths": list(self.widths)}
-        if self.cka_minibatch is not None:
-            out.update(cka_minibatch=_rows(self.cka_minibatch), batches=self.batches, skipped=self.skipped)
+        """Plain JSON types (NaN as None): ``names``, ``n``, ``widths``, each
+        measure computed by name (k x k lists), and where the minibatch
+        estimator was kept ``batches`` and ``skipped``."""
+        out: Dict[str, Any] = {"names": list(self.names)}
+        out.update((k, _rows(v)) for k, v in self.values.items())
+        out.update(n=self.n, widths=list(self.widths))
+        if self.batches is not None:
+            out.update(batches=self.batches, skipped=self.skipped)
         return out
 
     def __str__(self) -> str:
         lines = [f"SimilarityReport: {len(self.names)} representations, n = {self.n:,}"]
-        if self.cka_minibatch is not None:
+        if self.batches is not None:
             lines[0] += (f", minibatch estimator over {self.batches:,} batches"
                          + (f" ({self.skipped:,} of fewer than {MINIBATCH_MIN_ROWS} rows left out)"
                             if self.skipped else ""))
         lines += _table([f"{nm} (width {w})" for nm, w in zip(self.names, self.widths)],
                         [f"{nm} (width {w})" for nm, w in zip(self.names, self.widths)],
-                        _matrices(self.cka, self.cka_debiased, self.cka_minibatch, self.batches))
+                        _matrices(self.values, self.batches))
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -630,40 +641,77 @@ class Similarity:
 
     # -- finishing ------------------------------------------------------------
 
-    def compute(self) -> SimilarityReport:
-        """The estimators kept, for every pair, in float64; the state is not modified.
+    def compute(self, measures: Any = None, *, rtol: Optional[float] = None, svcca_keep: float = 0.99,
+                ridge: float = 0.0) -> SimilarityReport:
+        """The similarity of every pair, in float64; the state is not modified.
 
-        Biased: ``||C_rs||_F^2 / (||C_rr||_F ||C_ss||_F)``, inflated at small n
-        and large width. Debiased: the unbiased HSIC estimator over all n
-        samples; NaN (with a ``RichnessWarning``) below 4 samples or when a
-        self-HSIC is not positive (a representation too close to constant at
-        that n). A constant representation gives NaN in both. Minibatch
-        (``estimator="both"`` or ``"minibatch"``): the summed HSIC_1 of the
-        batches as given to ``update``; a ``RichnessWarning`` counts the
-        batches of fewer than 4 rows left out; NaN where no batch entered or
-        a summed self-HSIC is not positive. The warnings are also listed, once
-        each, in the report's ``warnings``.
+        Args:
+            measures: the measures to finish (names of
+                ``richness.finish.similarity.MEASURES``), or ``"all"`` (every
+                measure of the states kept). Default: those of the estimator,
+                ``cka`` and ``cka_debiased`` (exact), ``cka_minibatch``
+                (minibatch), all three (both). Only what is asked is finished.
 
-        Raises ``EmptySimilarityError`` (a ValueError) when no samples were added."""
+                - ``cka``: ``||C_rs||_F^2 / (||C_rr||_F ||C_ss||_F)``, inflated
+                  at small n and large width; ``cka_debiased``: the unbiased
+                  HSIC estimator over all n samples, NaN below 4 samples or
+                  where a self-HSIC is not positive;
+                - ``cka_minibatch``: the summed HSIC_1 of the batches as given
+                  to ``update`` (a warning counts the batches of fewer than 4
+                  rows left out);
+                - ``cca_r2`` (Yanai's mean squared canonical correlation),
+                  ``cca_rho`` (mean canonical correlation), ``svcca``,
+                  ``pwcca``; ``procrustes`` (orthogonal Procrustes distance,
+                  0..2) and ``shape_angular`` (angular shape metric, radians);
+                  ``linreg_r2`` (entry [i, j]: the share of j's variance a
+                  least-squares map from i explains; not symmetric).
+
+                The exact measures need ``estimator="exact"`` or ``"both"``,
+                ``cka_minibatch`` needs ``"minibatch"`` or ``"both"``.
+            rtol: the eigenvalue cut of the CCA measures and the regression
+                (relative to each representation's largest eigenvalue); default
+                by the product precision (docs/MATH.md, "Rank cut").
+            svcca_keep: SVCCA's share of each representation's variance kept,
+                in (0, 1].
+            ridge: ``linreg_r2``'s ridge, relative to the mean eigenvalue of the
+                predicting representation (0: least squares).
+
+        A constant representation gives NaN in its row and column; CCA values
+        that approach 1 by construction (widths near n) are given with a
+        warning. Every ``RichnessWarning`` is also listed, once, in the
+        report's ``warnings``.
+
+        Raises ``EmptySimilarityError`` (a ValueError) when no samples were
+        added; ValueError for an unknown measure, one whose state is not kept,
+        or an option out of range."""
+        held = [s for s in ("exact", "minibatch") if self.estimator in (s, "both")]
+        if measures is None:
+            asked = [m for m in ("cka", "cka_debiased", "cka_minibatch") if MEASURES[m].state in held]
+        elif isinstance(measures, str) and measures == "all":
+            asked = [m for m in MEASURES if MEASURES[m].state in held]
+        else:
+            asked = check_measures(measures, held, self.estimator)
+        rtol = check_rtol(rtol)
         if self._names is None or self.n == 0:
             raise EmptySimilarityError("compute: the Similarity holds no samples; update it first")
         names, widths = self._names, self.widths
-        cka_ = deb = mini = None
+        values: Dict[str, np.ndarray] = {}
         notes: List[str] = []
-        if self.estimator != "minibatch":
+        exact = [m for m in asked if MEASURES[m].state == "exact"]
+        if exact:
             st = self._moments.state_dict()
             _, _, shift, scale = self._layout()
-            cka_, deb, notes = cka_matrices(st["mean"], st["M"], self.n, names, widths, shift, scale)
-        if self.estimator != "exact":
+            values, notes = exact_matrices(st["mean"], st["M"], self.n, names, widths, shift, scale, exact,
+                                           rtol=rtol_for(st["precision"], rtol), keep=svcca_keep, ridge=ridge)
+        if "cka_minibatch" in asked:
             hsic = np.zeros((len(names), len(names))) if self._hsic is None else self._hsic
-            mini, more = cka_minibatch_matrix(hsic, self._batches, self._skipped, names)
+            values["cka_minibatch"], more = cka_minibatch_matrix(hsic, self._batches, self._skipped, names)
             notes = notes + more
         for msg in notes:
             _warn(msg, 3)
-        if self.estimator == "exact":
-            return SimilarityReport(names, widths, self.n, cka_, deb, warnings=notes)
-        return SimilarityReport(names, widths, self.n, cka_, deb, warnings=notes, cka_minibatch=mini,
-                                batches=self._batches, skipped=self._skipped)
+        kept = "minibatch" in held
+        return SimilarityReport(names, widths, self.n, values, warnings=notes,
+                                batches=self._batches if kept else None, skipped=self._skipped if kept else None)
 
     # -- persistence ----------------------------------------------------------
 

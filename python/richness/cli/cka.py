@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import numpy as np
 
 from .._engine import bounded_io as _bounded_io
+from .._engine.similarity import ESTIMATORS
+from ..finish.similarity import MEASURES
 from . import UserError, precision_arg
 from .commands import _CHUNK_BYTES, _bar
 from .files import Seen, check_targets, distinct
@@ -59,6 +61,15 @@ def _distinct_arrays(files: List[ArrayFile]) -> None:
         seen[which] = f.label
 
 
+def _measures(text: str) -> Any:
+    """``--measures``: a comma-separated list of measure names, or ``all``; the names are checked by
+    ``Similarity.compute`` (the one home of which measures exist and which state each needs)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("no measure named; give names separated by commas, or 'all'")
+    return "all" if names == ["all"] else names
+
+
 def cka_cmd(args: argparse.Namespace) -> int:
     from .._engine.similarity import Similarity
 
@@ -95,9 +106,16 @@ def cka_cmd(args: argparse.Namespace) -> int:
     if n == 0:
         raise UserError(f"{', '.join(names)}: the representations hold no samples (0 rows); nothing to compare")
     P = sum(width for _, _, width, _ in first) + len(first)
-    chunk = max(1, min(args.chunk, _CHUNK_BYTES // max(sum(nbytes for *_, nbytes in first), 1)))
-    _bounded_io.check_memory(8.0 * P * P * 3 + chunk * 8.0 * P, f"the joint state of width {P}")
-    s = Similarity(precision=args.precision)
+    if args.estimator == "exact":
+        chunk = max(1, min(args.chunk, _CHUNK_BYTES // max(sum(nbytes for *_, nbytes in first), 1)))
+    else:  # the chunks are the minibatch estimator's batches: their size is the user's, not a memory choice
+        chunk = args.chunk
+    state = 8.0 * P * P * 3 if args.estimator != "minibatch" else 0.0
+    grams = 16.0 * len(first) * min(chunk, n) ** 2 if args.estimator != "exact" else 0.0
+    _bounded_io.check_memory(state + grams + min(chunk, n) * 8.0 * P,
+                             f"the joint state of width {P}" if args.estimator != "minibatch"
+                             else f"batches of {min(chunk, n)} rows of total width {P} and their Grams")
+    s = Similarity(precision=args.precision, estimator=args.estimator)
     bar = _bar(n, not args.no_progress, "richness cka")
     try:
         for i in range(len(shards)):
@@ -118,20 +136,21 @@ def cka_cmd(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            rep = s.compute()
+            rep = s.compute(measures=args.measures)
         except ValueError as e:
             raise UserError(str(e)) from None
     if args.json:
         print(json.dumps(rep.to_dict()), flush=True)
     else:
-        mat = rep.cka_debiased if args.debiased else rep.cka
-        label = "debiased (unbiased HSIC)" if args.debiased else "biased"
-        print(f"linear CKA, {label}, n = {rep.n}")
+        print(f"n = {rep.n}" + (f", {rep.batches} batches of at most {chunk} rows in the minibatch estimator"
+                                if rep.batches is not None else ""))
         for i, name in enumerate(rep.names):
             print(f"  [{i}] {name} (width {rep.widths[i]})")
-        print("      " + "".join(f"{f'[{j}]':>9}" for j in range(len(rep.names))))
-        for i in range(len(rep.names)):
-            print(f"  [{i}] " + "".join(f"{v:9.5f}" if np.isfinite(v) else f"{'nan':>9}" for v in mat[i]))
+        for measure, mat in rep.values.items():
+            print(MEASURES[measure].title)
+            print("      " + "".join(f"{f'[{j}]':>9}" for j in range(len(rep.names))))
+            for i in range(len(rep.names)):
+                print(f"  [{i}] " + "".join(f"{v:9.5f}" if np.isfinite(v) else f"{'nan':>9}" for v in mat[i]))
         sys.stdout.flush()
     for w in caught:
         print(f"richness: warning: {w.message}", file=sys.stderr)
@@ -167,11 +186,18 @@ def add_parser(sub) -> None:
     c = sub.add_parser("cka", help="exact linear CKA between representations of the same samples",
                        description="Each argument is one representation (samples x width) of the same samples, "
                                    "FILE or FILE:KEY in any format `richness eval` reads, or shards (a quoted "
-                                   "glob or a directory), streamed in chunks. Prints the k x k CKA matrix (exact "
-                                   "over all samples, any n).")
+                                   "glob or a directory), streamed in chunks. Prints the k x k matrix of each "
+                                   "measure (linear CKA exact over all samples by default, any n; CCA, SVCCA, "
+                                   "PWCCA, Procrustes, shape, regression R^2, minibatch CKA on request).")
     c.add_argument("inputs", nargs="+", metavar="REPR", help="representations (at least two, each once)")
-    c.add_argument("--debiased", action="store_true", help="print the debiased (unbiased HSIC) estimator")
-    c.add_argument("--json", action="store_true", help="print the report (names, cka, cka_debiased, n, widths)")
+    c.add_argument("--measures", type=_measures, default=None, metavar="M[,M...]",
+                   help="the measures to compute, comma-separated, or 'all' (default: cka,cka_debiased; with "
+                        "--estimator minibatch cka_minibatch): " + ", ".join(MEASURES))
+    c.add_argument("--estimator", choices=ESTIMATORS, default="exact",
+                   help="exact (default: the joint state, every measure over all samples), minibatch (the CKA "
+                        "libraries' estimator, cka_minibatch, with the chunks of --chunk rows as its batches: "
+                        "no p x p state, any width), or both")
+    c.add_argument("--json", action="store_true", help="print the report (names, each measure, n, widths)")
     c.add_argument("--save", help="write the similarity state (.npz), mergeable with Similarity.load/merge (a new "
                                   "file, not an input; --force replaces an existing one)")
     c.add_argument("--force", action="store_true", help="replace an existing --save file")

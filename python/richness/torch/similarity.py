@@ -86,7 +86,8 @@ def _input_fns(inputs: Any, names: List[str]) -> Dict[str, Optional[Callable]]:
 def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], *, pool: str = "flatten",
                layout: Union[None, str, Mapping[str, str]] = None,
                inputs: Union[None, Callable, Mapping[str, Callable]] = None, distributed: Optional[bool] = None,
-               precision: Optional[str] = None, progress: bool = True, estimator: str = "exact") -> SimilarityReport:
+               precision: Optional[str] = None, progress: bool = True, estimator: str = "exact",
+               measures: Any = None) -> SimilarityReport:
     """Linear CKA between layers of one or more models over ``loader``.
 
     Args:
@@ -127,6 +128,10 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
             HSIC of each batch's Grams summed over the loader's batches; it
             depends on the batch size and order, and batches of fewer than 4
             samples are left out) or ``"both"``.
+        measures: the measures to finish, as ``Similarity.compute``: default
+            those of the estimator; ``"all"``, or names such as ``"cca_r2"``,
+            ``"svcca"``, ``"pwcca"``, ``"procrustes"``, ``"shape_angular"``,
+            ``"linreg_r2"`` (every one from the same pass).
 
     Returns a ``SimilarityReport`` whose names are ``"model.layer"``, in the
     order the models and layers were given. Runs in eval mode under
@@ -209,7 +214,7 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
         raise ValueError("similarity: the loader gave no batches")
     elif sim.n == 0:
         raise ValueError(f"similarity: the loader gave {batches} batches of no samples")
-    return sim.compute()
+    return sim.compute(measures)
 
 
 def _flatten_any_width(key: str, pooler: Callable[..., Any], layout: Optional[str]) -> Callable[..., Any]:
