@@ -8,6 +8,9 @@ import pytest
 import richness
 from reference import center_rows, dlr_naive, nc1_naive
 from richness import finish as fin
+from richness.finish.dlr import dlr_values, span_of_grams
+from richness.finish.nc1 import nc1_from_grams
+from richness.finish.samplespace import GramRows, finish_gram_rows
 
 torch = pytest.importorskip("torch")
 
@@ -117,9 +120,9 @@ def test_batched_dlr_and_nc1_on_stacked_grams(backend):
     g, data = stacked_grams(rng, 5, 40, 64, 6, 4)
     if backend == "torch":
         g = {k: torch.from_numpy(v) for k, v in g.items()}
-    a, terms = fin.span_of_grams(g["A"], g["Q"], 1e-10)
-    dlr, rank = fin.dlr_values(g["norm_m"], a, terms, 1e-10)
-    nc1, defined = fin.nc1_from_grams(g["DDt"], g["DMD"], g["counts"], 40.0, 1e-10)
+    a, terms = span_of_grams(g["A"], g["Q"], 1e-10)
+    dlr, rank = dlr_values(g["norm_m"], a, terms, 1e-10)
+    nc1, defined = nc1_from_grams(g["DDt"], g["DMD"], g["counts"], 40.0, 1e-10)
     assert tuple(dlr.shape) == (5,) and bool(defined.all())
     for i, (X, F, y) in enumerate(data):
         d, r = dlr_naive(X, F)
@@ -132,11 +135,11 @@ def test_batched_dlr_and_nc1_on_stacked_grams(backend):
 def test_batched_values_are_undefined_where_the_state_is():
     # constant features (||M|| = 0), constant outputs (A = 0), one class: NaN / not defined, not 0 or 1
     a = np.array([[2.0, 1.0], [0.0, 0.0], [3.0, 0.0]])
-    dlr, rank = fin.dlr_values(np.array([0.0, 1.0, 2.0]), a, np.ones((3, 2)), 1e-10)
+    dlr, rank = dlr_values(np.array([0.0, 1.0, 2.0]), a, np.ones((3, 2)), 1e-10)
     assert np.isnan(dlr[0]) and np.isnan(dlr[1]) and not np.isnan(dlr[2])
     assert rank.tolist() == [2, 0, 1]
     DDt = np.array([[[1.0, 0.0], [0.0, 0.0]]])
-    _, defined = fin.nc1_from_grams(DDt, DDt, np.array([[5.0, 0.0]]), 5.0, 1e-10)
+    _, defined = nc1_from_grams(DDt, DDt, np.array([[5.0, 0.0]]), 5.0, 1e-10)
     assert not defined[0]
 
 
@@ -149,20 +152,20 @@ def test_gram_rows_pack_by_name_and_finish_each_step(backend):
     invalid = np.array([0.0, 0.0, 2.0, 0.0])
     if backend == "torch":
         g, invalid = {k: torch.from_numpy(v) for k, v in g.items()}, torch.from_numpy(invalid)
-    rows = fin.GramRows(g["norm_m"], g["A"], g["Q"], g["counts"], g["DDt"], g["DMD"], invalid)
+    rows = GramRows(g["norm_m"], g["A"], g["Q"], g["counts"], g["DDt"], g["DMD"], invalid)
     packed = rows.pack()
     assert tuple(packed.shape) == (4, 1 + 2 * 36 + 4 + 2 * 16 + 1)
     packed = np.asarray(packed)
-    back = fin.GramRows.unpack(packed, 6, 4)
+    back = GramRows.unpack(packed, 6, 4)
     np.testing.assert_array_equal(back.DMD, np.asarray(g["DMD"]))
-    dlrs, ranks, nc1s = fin.finish_gram_rows(back, 40, 1e-10, sample_space=False)
+    dlrs, ranks, nc1s = finish_gram_rows(back, 40, 1e-10, sample_space=False)
     for i, (X, F, y) in enumerate(data):
         d, r = dlr_naive(X, F)
         assert ranks[i] == r and abs(dlrs[i] - d) < 1e-10
         assert (nc1s[i] is None) == (i == 2)
         assert i == 2 or abs(nc1s[i] - nc1_naive(X, y)) < 1e-10 * nc1_naive(X, y)
     with pytest.raises(ValueError, match="packed rows have 110 columns"):
-        fin.GramRows.unpack(packed, 6, 0)
+        GramRows.unpack(packed, 6, 0)
 
 
 def test_dlr_only_shares_the_reports_rules():
