@@ -117,18 +117,23 @@ class JointBlocks:
         lam, V = np.linalg.eigh((C + C.T) / 2)
         return np.maximum(lam[::-1], 0.0), V[:, ::-1]
 
-    def undefined(self, what: str) -> Tuple[np.ndarray, List[str]]:
-        """The NaN mask of a k x k matrix and the notes for too few samples or
-        constant representations (NaN in their rows and columns)."""
+    def defined(self, what: str) -> Tuple[List[int], List[str]]:
+        """The representations a measure ``what`` is defined for (the others'
+        rows and columns stay NaN), and the notes for too few samples or
+        constant representations."""
         k = self.k
         if self.n < 2:
-            return np.ones((k, k), dtype=bool), [f"{what}: undefined with fewer than 2 samples (n = {self.n}): NaN"]
+            return [], [f"{what}: undefined with fewer than 2 samples (n = {self.n}): NaN"]
         bad = self.constant
+        live = [r for r in range(k) if not bad[r]]
         if bad.any():
             const = [self.names[r] for r in range(k) if bad[r]]
-            return bad[:, None] | bad[None, :], [f"{what}: undefined for constant representations {const}: "
-                                                 "NaN in their rows and columns"]
-        return np.zeros((k, k), dtype=bool), []
+            return live, [f"{what}: undefined for constant representations {const}: NaN in their rows and columns"]
+        return live, []
+
+    def nan_matrices(self, which: Sequence[str]) -> Dict[str, np.ndarray]:
+        """A k x k matrix of NaN for each measure of ``which``, to be filled where defined."""
+        return {w: np.full((self.k, self.k), np.nan) for w in which}
 
 
 def kept_count(lam: np.ndarray, rtol: float) -> int:
@@ -201,12 +206,10 @@ def cca_matrices(M: np.ndarray, n: int, names: Sequence[str], widths: Sequence[i
         raise ValueError("cca_matrices: rtol must be a number in (0, 1), got None (policy.rtol_for gives the default)")
     keep = check_fraction(keep, "keep")
     J = JointBlocks(M, n, names, widths, "cca_matrices")
-    k = J.k
-    out = {w: np.full((k, k), np.nan) for w in asked}
+    out = J.nan_matrices(asked)
     if not asked:
         return out, []
-    nan, notes = J.undefined(", ".join(asked))
-    live = [r for r in range(k) if not nan[r, r]]
+    live, notes = J.defined(", ".join(asked))
     eig = {r: J.eig(r) for r in live}
     rank = {r: kept_count(eig[r][0], rtol_c) for r in live}
     # W_r = V diag(lambda^-1/2) over the kept eigenpairs (columns in descending order)

@@ -75,8 +75,7 @@ def linreg_matrix(M: np.ndarray, n: int, names: Sequence[str], widths: Sequence[
     k = J.k
     out = np.full((k, k), np.nan)
     what = "linreg_r2" + (f" (ridge = {ridge:g})" if ridge > 0 else "")
-    nan, notes = J.undefined(what)
-    live = [r for r in range(k) if not nan[r, r]]
+    live, notes = J.defined(what)
     forced, biased = [], []
     for i in live:
         lam, V = J.eig(i)

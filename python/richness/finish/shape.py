@@ -50,12 +50,10 @@ def shape_matrices(M: np.ndarray, n: int, names: Sequence[str], widths: Sequence
     """
     asked = check_which(which, SHAPE_MEASURES, "shape_matrices")
     J = JointBlocks(M, n, names, widths, "shape_matrices")
-    k = J.k
-    out = {w: np.full((k, k), np.nan) for w in asked}
+    out = J.nan_matrices(asked)
     if not asked:
         return out, []
-    nan, notes = J.undefined(", ".join(asked))
-    live = [r for r in range(k) if not nan[r, r]]
+    live, notes = J.defined(", ".join(asked))
     for i, r in enumerate(live):
         for w in asked:
             out[w][r, r] = 0.0
