@@ -428,12 +428,13 @@ def layer_layouts(layout: Any, keys: Sequence[Sequence[str]], caller: str) -> Li
 
 
 def layer_pooler(name: str, module: Any, pool: str, layout: Optional[str] = None, *, model: Any = None,
-                 path: Optional[str] = None) -> Callable[..., Any]:
+                 path: Optional[str] = None, limit: Optional[int] = FLATTEN_LIMIT) -> Callable[..., Any]:
     """``rows(output, n=None)``: ``pool_rows`` of ``module``'s output in the
     layout its module decides (``module_layout``, ``module`` being ``model``'s
     submodule ``path``, by default ``name``), else in ``layout`` (what the
     caller gave for this layer); a layout given that contradicts the
-    module's is a ValueError here, as is an unknown ``pool``."""
+    module's is a ValueError here, as is an unknown ``pool``. ``limit``: as
+    ``pool_rows``."""
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     check_layout(layout)
@@ -445,12 +446,12 @@ def layer_pooler(name: str, module: Any, pool: str, layout: Optional[str] = None
     resolved = kind if kind is not None else layout
 
     def rows(act: Any, n: Optional[int] = None) -> Any:
-        return pool_rows(act, name, pool, n, layout=resolved, source=source)
+        return pool_rows(act, name, pool, n, layout=resolved, source=source, limit=limit)
     return rows
 
 
 def pool_rows(act: Any, name: str, pool: str = "mean", n: Optional[int] = None, *, layout: Optional[str] = None,
-              source: str = "") -> Any:
+              source: str = "", limit: Optional[int] = FLATTEN_LIMIT) -> Any:
     """A layer's output as one row per sample.
 
     2-D outputs are rows already. Outputs of three or more dimensions are read
@@ -465,8 +466,10 @@ def pool_rows(act: Any, name: str, pool: str = "mean", n: Optional[int] = None, 
     ``(output, weights)``) gives its first tensor.
 
     ``pool``: ``"mean"`` averages over the positions (the width is C or D);
-    ``"flatten"`` keeps every value (refused past ``FLATTEN_LIMIT`` columns,
-    the message giving the memory it would need); ``"first"`` / ``"last"``
+    ``"flatten"`` keeps every value (refused past ``limit`` columns,
+    ``FLATTEN_LIMIT`` by default, the message giving the memory a covariance
+    of that width would need; None: any width, for a state that holds no
+    covariance); ``"first"`` / ``"last"``
     take the first / last position of a 3-D output (a ViT's class token, a
     causal model's last position). ``n``: the rows expected (the batch size),
     checked when given. ``source`` names the module in messages."""
@@ -494,9 +497,9 @@ def pool_rows(act: Any, name: str, pool: str = "mean", n: Optional[int] = None, 
         width = 1
         for s in act.shape[1:]:
             width *= int(s)
-        if width > FLATTEN_LIMIT:
+        if limit is not None and width > limit:
             raise ValueError(f"pool='flatten' gives {which} {width:,} columns (shape {tuple(act.shape)}), past the "
-                             f"limit of {FLATTEN_LIMIT:,}: flattened, its float64 covariance alone would need "
+                             f"limit of {limit:,}: flattened, its float64 covariance alone would need "
                              f"{8 * width * width / 2**30:,.1f} GiB; pool='mean' averages it over its positions "
                              "instead (a smaller, different representation)")
         return act.reshape(rows, width)

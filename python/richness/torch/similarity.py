@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from .._optional import require_torch
 from .._engine.similarity import Similarity, SimilarityReport
-from .batches import batch_size_of, call_model, layer_layouts, layer_pooler, module_layout, split_batch, to_device
+from .batches import FLATTEN_LIMIT, batch_size_of, call_model, layer_layouts, layer_pooler, split_batch, to_device
 from .common import eval_mode, merge_ranks, model_device, progress_bar
 from .hooks import HeadHook, resolve_layers
 
@@ -150,11 +150,9 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
         raise ValueError(f"similarity: a layer is named twice: {order}")
     hooked = [(n, ln, mod) for n in names for ln, mod in resolved[n]]
     given = layer_layouts(layout, [(ln, f"{n}.{ln}") for n, ln, _ in hooked], "similarity")
-    poolers = {f"{n}.{ln}": layer_pooler(f"{n}.{ln}", mod, pool, g, model=mods[n], path=ln)
+    limit = None if estimator == "minibatch" else FLATTEN_LIMIT  # minibatch: a k x k state at any width
+    poolers = {f"{n}.{ln}": layer_pooler(f"{n}.{ln}", mod, pool, g, model=mods[n], path=ln, limit=limit)
                for (n, ln, mod), g in zip(hooked, given)}
-    if pool == "flatten" and estimator == "minibatch":  # no width limit: the state is k x k
-        poolers = {f"{n}.{ln}": _flatten_any_width(f"{n}.{ln}", poolers[f"{n}.{ln}"], module_layout(mod, mods[n], ln))
-                   for n, ln, mod in hooked}
     captured: Dict[str, Any] = {}
     widths: Dict[str, int] = {}
     state: Dict[str, Any] = {"n": 0, "model": None}
@@ -215,24 +213,6 @@ def similarity(models: Any, loader: Iterable, layers: Union[Sequence, Mapping], 
     elif sim.n == 0:
         raise ValueError(f"similarity: the loader gave {batches} batches of no samples")
     return sim.compute(measures)
-
-
-def _flatten_any_width(key: str, pooler: Callable[..., Any], layout: Optional[str]) -> Callable[..., Any]:
-    """``pooler`` (a ``layer_pooler`` with ``pool="flatten"``) without its
-    width limit: an output of three or more dimensions (the first tensor of
-    a tuple or list) becomes one row per sample at any width, a (tokens,
-    batch, width) one (``layout`` ``"sequence"``) read batch first; anything
-    else goes to ``pooler``, which checks it."""
-    def rows(act: Any, n: Optional[int] = None) -> Any:
-        out = act[0] if isinstance(act, (tuple, list)) and act else act
-        if not (hasattr(out, "ndim") and hasattr(out, "reshape")) or out.ndim <= 2:
-            return pooler(act, n)
-        if layout == "sequence" and out.ndim == 3:
-            out = out.transpose(0, 1)
-        if n is not None and out.shape[0] != n:
-            raise ValueError(f"layer {key!r} gave {out.shape[0]} rows but the batch has {n} samples")
-        return out.reshape(out.shape[0], -1)
-    return rows
 
 
 def _check_widths(rows: Dict[str, Any], widths: Dict[str, int]) -> None:
