@@ -51,6 +51,7 @@ OVERVIEW = [
     ("### Head-to-head: linear CKA", "Against the minibatch CKA libraries", True),
     ("## Linear CKA: richness.Similarity against ckatorch", "Exact CKA against ckatorch", True),
     ("## Representation diagnostics on the Monitor, CPU", "Training monitor overhead", True),
+    ("## Minibatch CKA over a loader", "The minibatch map over a loader: against the CKA libraries", True),
 ]
 
 # The plots shown first, when benchmarks/results/ has them: (file, caption).
