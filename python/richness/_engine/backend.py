@@ -109,7 +109,7 @@ class CoreBackend:
         self._num_classes = num_classes
         self.core: Any  # _core.CpuMoments or _cuda.CudaMoments
         if device == "cpu":
-            refusal = cuda.cpu_refusal()
+            refusal = cuda._cpu_refusal()
             if refusal is not None:
                 raise ValueError(refusal)
             self.core = _core.CpuMoments(nc)

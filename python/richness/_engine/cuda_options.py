@@ -67,7 +67,7 @@ class CudaOptions:
             raise ValueError(f"product must be None or an algorithm's name, optionally with ':block' "
                              f"(an integer), as in 'tiles:16'; got {self.product!r}")
 
-    def cpu_refusal(self) -> Optional[str]:
+    def _cpu_refusal(self) -> Optional[str]:
         """Why a CPU backend cannot take these options, or None for the defaults."""
         if self.stack_rows:
             return ("CudaOptions(stack_rows=...) is an option of the CUDA backend (it stages rows before one "

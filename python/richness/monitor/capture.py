@@ -20,9 +20,9 @@ class TrainingCapture:
     """What the Monitor's ``HeadHook`` (``torch/hooks.py``) calls with each
     forward of its head: a forward run with gradients enabled (training;
     validation under ``no_grad`` is skipped) tells the Monitor that the head
-    ran (``Monitor.head_ran``), and during window steps
+    ran (``Monitor._head_ran``), and during window steps
     (``Monitor.capturing``) its head input and output, detached, go to
-    ``Monitor.record_head_output``, which ties them to the model forward that
+    ``Monitor._record_head_output``, which ties them to the model forward that
     made them until ``Monitor.step`` consumes them. ``rows``: what is
     recorded of a layer's output instead (its pooled rows; no outputs)."""
 
@@ -33,13 +33,13 @@ class TrainingCapture:
         if not grad_enabled():
             return
         mon = self.mon
-        mon.head_ran()
+        mon._head_ran()
         if not mon.capturing:
             return
         if self.rows is not None:
-            mon.record_head_output(self.rows(y), None)
+            mon._record_head_output(self.rows(y), None)
         elif x is not None:
-            mon.record_head_output(x.detach(), y.detach() if hasattr(y, "detach") else y)
+            mon._record_head_output(x.detach(), y.detach() if hasattr(y, "detach") else y)
 
 
 class ModelForwards:

@@ -171,7 +171,7 @@ class Monitor:
         self._forwards: Optional[ModelForwards] = None
         self._refused = False  # the last step() refused its labels; its captures wait for a retry
         self._closed = False
-        self._head_has_run = False  # told by the head's hook (head_ran)
+        self._head_has_run = False  # told by the head's hook (_head_ran)
         self._warned: set = set()  # the warnings given once per Monitor: "idle", "undefined", "small"
         self._t0 = time.time()
         if self._run.reads_training:
@@ -201,13 +201,13 @@ class Monitor:
         reads a step's labels only then)."""
         return self._capturing
 
-    def head_ran(self) -> None:
+    def _head_ran(self) -> None:
         """The head's (or layer's) hook: it ran in a training forward (with
         gradients enabled), kept or not. A head that never does is warned
         about once, after ``every`` steps."""
         self._head_has_run = True
 
-    def record_head_output(self, features: Any, outputs: Any) -> None:
+    def _record_head_output(self, features: Any, outputs: Any) -> None:
         """The head's hook: keep one training forward's head input (a
         layer's pooled rows) and head output (None for a layer), detached,
         for the next ``step()``. They are kept once the model forward that
