@@ -40,8 +40,7 @@ import numpy as np
 from .. import _state
 from . import adapt as _adapt
 from . import statefile as _statefile
-from .._checks import is_torch
-from .._checks import is_int
+from .._checks import is_int, is_torch
 from .moments import Moments
 from .._warnings import RichnessWarning
 from ..finish.cka import MINIBATCH_MIN_ROWS, cka_minibatch_matrix, column_factors, hsic1_batch, scaled_shift
@@ -152,8 +151,7 @@ def _table(rows: List[str], cols: List[str], mats: List[Tuple[str, np.ndarray]])
 def _caption(name: str, batches: Optional[int]) -> str:
     """A measure's title in tables (the minibatch estimator's with its batches)."""
     title = MEASURES[name].title
-    return f"{title[:title.index(' (')]} (unbiased HSIC summed over {batches} batches)" \
-        if name == "cka_minibatch" else title
+    return title.replace("over batches", f"over {batches} batches") if name == "cka_minibatch" else title
 
 
 def _matrices(values: Dict[str, np.ndarray], batches: Optional[int] = None) -> List[Tuple[str, np.ndarray]]:
@@ -322,6 +320,16 @@ def _as_batch(x: Any, name: str) -> Any:
     return x
 
 
+def _nonfinite_refusal(names: List[str], xs: List[Any]) -> str:
+    """The refusal naming the first representation that holds NaN or Inf
+    values, with their count; "" when none does."""
+    for nm, x in zip(names, xs):
+        bad = _nonfinite(x)
+        if bad:
+            return f"update: representation {nm!r} contains {bad} NaN or Inf values"
+    return ""
+
+
 def _nonfinite(x: Any) -> int:
     """The number of NaN or Inf values (for a CUDA tensor this waits for the device)."""
     if is_torch(x):
@@ -474,17 +482,11 @@ class Similarity:
             raise TypeError("update: mix of torch tensors and other arrays; give one kind per batch")
         if next(iter(rows.values())) == 0:
             return
-        # Kept here, not left to the core: the core sees one joint batch ("features") and would refuse the
-        # same values, but cannot say which representation holds them or how many there are.
-        # the minibatch estimator reads each representation's largest magnitude (one pass; inf where a value
-        # is NaN or Inf): only then are the values counted
+        # NaN or Inf show in one check per batch (the exact state's norm columns, the minibatch estimator's
+        # largest magnitudes); only a refused batch is scanned, to name the representation that holds them
         mags = None if self.estimator == "exact" else _magnitudes(xs)
-        for r, (nm, x) in enumerate(zip(names, xs)):
-            if mags is not None and math.isfinite(mags[r]):
-                continue
-            bad_values = _nonfinite(x)
-            if bad_values:
-                raise ValueError(f"update: representation {nm!r} contains {bad_values} NaN or Inf values")
+        if mags is not None and not all(math.isfinite(m) for m in mags):
+            raise ValueError(_nonfinite_refusal(names, xs))
         hsic = None
         rows_given = int(xs[0].shape[0])
         if mags is not None and rows_given >= MINIBATCH_MIN_ROWS:
@@ -513,15 +515,15 @@ class Similarity:
         if shift is None:
             shift = np.concatenate([_mean64(x) for x in xs])
         joint, scale = _joint(xs, shift, self._scale, wide=self.precision == "fp64")
-        too_large = _too_large(names, xs, joint)
+        too_large = _too_large(names, xs, joint)  # "" for the usual batch: its norm columns are finite
         if too_large:
-            raise ValueError(too_large)
+            raise ValueError(_nonfinite_refusal(names, xs) or too_large)
         try:
             self._moments.update(joint)  # validated by the core; on error nothing changed
-        except ValueError as e:  # the core names the joint batch "features": say which representation
-            if "too large" in str(e) or "overflow" in str(e) or "non-finite" in str(e):
+        except _adapt.InputError as e:  # the core names the joint batch "features": say which representation
+            if e.limit in ("finite", "overflow"):
                 raise ValueError(_too_large(names, xs, joint, force=True)) from None
-            if "vary by at most" in str(e):
+            if e.limit == "underflow":
                 spread = max(_range(x) for x in xs)
                 raise ValueError(f"update: the representations {names} vary by at most {spread:.3g} (as given), "
                                  "too little at the scale this state holds them (fixed by its first batch): their "
