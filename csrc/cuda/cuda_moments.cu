@@ -418,14 +418,23 @@ void CudaMoments::sync_and_check() {
   os << hh.skipped << (hh.skipped == 1 ? " batch was" : " batches were") << " not added (checked on the device): ";
   const char* names[3] = {"features", "outputs", "targets"};
   bool first = true;
+  // The first refusal named gives the error's structured fields (InputError.stream, .limit), as the CPU
+  // backend's one refusal does.
+  const char* stream = "";
+  const char* limit = "";
+  auto first_is = [&](const char* s, const char* l) {
+    if (first) stream = s, limit = l;
+  };
   for (int q = 0; q < 3; ++q)
     if (hh.total_bad[q]) {
+      first_is(names[q], "finite");
       os << (first ? "" : "; ") << names[q] << " contain " << hh.total_bad[q] << " non-finite value"
          << (hh.total_bad[q] == 1 ? "" : "s") << " (NaN or Inf)";
       first = false;
     }
   for (int q = 0; q < 3; ++q)
     if (hh.total_bad[kBadOverflow + q]) {
+      first_is(names[q], "overflow");
       // as the CPU backend words it (csrc/cpu/cpu_moments.cpp)
       const bool fp64 = traits(precision_).product == DType::f64;
       os << (first ? "" : "; ") << names[q] << " are too large: their co-moments overflow "
@@ -436,6 +445,7 @@ void CudaMoments::sync_and_check() {
     }
   for (int q = 0; q < 3; ++q)
     if (hh.total_bad[kBadUnderflow + q]) {
+      first_is(names[q], "underflow");
       const bool fp64 = traits(precision_).product == DType::f64;
       os << (first ? "" : "; ") << names[q] << " vary by at most " << Sci{hh.total_range[q]} << ", too little for "
          << precision_name(precision_) << " products: their squares underflow " << (fp64 ? "float64" : "float32")
@@ -443,6 +453,7 @@ void CudaMoments::sync_and_check() {
       first = false;
     }
   if (hh.total_bad[3]) {
+    first_is("labels", num_classes_ >= 0 ? "num_classes" : "class growth");
     os << (first ? "" : "; ") << "labels out of range: " << hh.total_bad[3] << " label"
        << (hh.total_bad[3] == 1 ? "" : "s");
     first = false;
@@ -452,11 +463,12 @@ void CudaMoments::sync_and_check() {
          << " (labels must be >= 0; without num_classes the class sums stop at 1 GiB)";
   }
   if (hh.total_bad[4]) {
+    first_is("labels", "class growth");
     os << (first ? "" : "; ") << hh.total_bad[4] << " row" << (hh.total_bad[4] == 1 ? "" : "s")
        << " labelled past the class capacity did not fit the deferral buffer (" << defer_cap_
        << " rows between synchronising calls); pass num_classes to Moments";
   }
-  throw std::invalid_argument(os.str());
+  throw input_error(os.str(), stream, -1, limit);
 }
 
 int64_t CudaMoments::n() {

@@ -728,6 +728,10 @@ BAD_MSG = {
 }
 
 
+BAD_LIMIT = {"nan": "finite", "inf": "finite", "label": "num_classes", "overflow": "overflow",
+             "outputs overflow": "overflow", "underflow": "underflow"}
+
+
 def spoil(kind, x, f, y):
     x, f, y = x.copy(), f.copy(), y.copy()
     if kind == "nan":
@@ -766,8 +770,9 @@ def test_bad_batch_adds_nothing_and_raises_at_next_sync(emu, kind, stack, where)
             without.update(x, f, yy, T[s])
     if stack == (1000, True) or stack == (1000, False):
         assert with_bad.gpu.staged_batches == 3  # the bad batch is in the middle of (or opens) the stage
-    with pytest.raises(ValueError, match=BAD_MSG[kind]):
+    with pytest.raises(ValueError, match=BAD_MSG[kind]) as refused:
         with_bad.gpu.n
+    assert refused.value.limit == BAD_LIMIT[kind]  # the structured field, as the CPU's refusal carries it
     assert with_bad.gpu.n == (200 if bad_at == 0 else 240)  # the error was cleared; the state is usable
     want = without.gpu.get_state()
     if stack == (120, True):

@@ -412,14 +412,14 @@ class Probe(Route):
         return _ProbeRun(self, mon)
 
 
-# What the Moments say when they refuse a batch for its values (csrc/cpu/cpu_moments.cpp,
-# csrc/cuda/cuda_moments.cu): NaN or Inf, co-moments that overflow, a spread whose squares
-# underflow the products. A probe set refused for these is a diverged model, not a mistake.
-_VALUE_REFUSALS = ("non-finite", "not finite", "overflow", "too little for")
+# The core's refusals of a batch for its values (InputError.limit; both backends): NaN or Inf,
+# co-moments that overflow, a spread whose squares underflow the products. A probe set refused for
+# these is a diverged model, not a mistake.
+_VALUE_REFUSALS = ("finite", "overflow", "underflow")
 
 
 def _refused_values(e: Exception) -> bool:
-    return any(s in str(e) for s in _VALUE_REFUSALS)
+    return getattr(e, "limit", None) in _VALUE_REFUSALS
 
 
 class _WindowRun:
