@@ -23,6 +23,8 @@ import numpy as np
 from .._checks import is_int
 from ._xp import eigh_desc, f64, kept, norm, ns
 from .lidar import LIDAR_DELTA, check_delta, lidar_with_reason
+from .nc1 import class_means
+from .spectrum import RANKME_EPS, entropy_rank
 
 __all__ = ["DEFAULT_MEASURES", "MEASURES", "SPECTRAL", "spectral_values"]
 
@@ -35,8 +37,6 @@ MEASURES = SPECTRAL + CLASS_MEANS + OPT_IN
 # What compute() finishes with the spectrum when measures= is not given.
 DEFAULT_MEASURES = tuple(m for m in MEASURES if m not in OPT_IN)
 
-# RankMe's epsilon, added to each p_k inside and outside the log (Garrido et al. 2023, eq. 1).
-RANKME_EPS = 1e-7
 # alpha-ReQ's fit as the authors' code runs it (reptrix.alpha.get_powerlaw): k = 11..100, weights 1/k.
 ALPHA_REQ_RANGE = (11, 100)
 ALPHA_REQ_WEIGHTS = ("1/k", "uniform")
@@ -103,18 +103,6 @@ def check_measures(measures: Any) -> Optional[tuple]:
     return out
 
 
-def entropy_rank(w):
-    """exp(-sum_k q_k log q_k), q_k = w_k / sum w over the last axis (w >= 0;
-    terms with q_k = 0 contribute 0). NaN where sum w = 0."""
-    xp = ns(w)
-    total = w.sum(axis=-1)
-    safe = xp.where(total > 0.0, total, 1.0)
-    q = w / safe[..., None]
-    logq = xp.log(xp.where(q > 0.0, q, 1.0))
-    value = xp.exp(-(q * logq).sum(axis=-1))
-    return xp.where(total > 0.0, value, math.nan)
-
-
 def rankme_values(lam_u):
     """RankMe as published (Garrido et al. 2023, eq. 1): exp(-sum_k p_k log
     p_k), p_k = s_k / sum_j s_j + eps (eps = 1e-7, inside the log as well), s
@@ -125,11 +113,7 @@ def rankme_values(lam_u):
     xp = ns(lam_u)
     lam = xp.clip(f64(lam_u), 0.0, None)
     top = lam[..., :1]
-    s = xp.sqrt(lam / xp.where(top > 0.0, top, 1.0))
-    total = s.sum(axis=-1)
-    q = s / xp.where(total > 0.0, total, 1.0)[..., None] + RANKME_EPS
-    value = xp.exp(-(q * xp.log(q)).sum(axis=-1))
-    return xp.where(total > 0.0, value, math.nan)
+    return entropy_rank(xp.sqrt(lam / xp.where(top > 0.0, top, 1.0)), RANKME_EPS)
 
 
 def alpha_req_fit(lam, rtol: float, first: int = ALPHA_REQ_RANGE[0], last: Optional[int] = ALPHA_REQ_RANGE[1],
@@ -229,15 +213,6 @@ def nc2_from_grams(DDt, counts) -> tuple:
     pairs = xp.where(C >= 2.0, C * (C - 1.0), 1.0)
     equiangle = xp.where(ok, (off.sum(axis=(-2, -1)) - diag.sum(axis=-1)) / pairs, math.nan)
     return equinorm, equiangle
-
-
-def class_means(st: dict) -> tuple:
-    """(D, index of the classes present, counts): the globally centered class
-    means of the classes with samples (C x p), as NC1 takes them."""
-    counts = f64(st["class_counts"])
-    present = counts > 0
-    D = st["class_sums"][present] / counts[present, None] - st["mean"][None, :]
-    return D, present, counts[present]
 
 
 def nc3_value(D, present, W) -> tuple:

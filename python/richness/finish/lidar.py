@@ -41,15 +41,15 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ._xp import f64, ns
-from .nc1 import nc1_reliable
+from .nc1 import class_means, nc1_reliable
+from .spectrum import RANKME_EPS, entropy_rank
 
 __all__ = ["LIDAR_DELTA", "LIDAR_EPS", "lidar", "lidar_with_reason"]
 
 # The ridge delta I added to Sigma_w: absolute, in the features' squared units, as in the paper.
 LIDAR_DELTA = 1e-4
-# RankMe's epsilon (Garrido et al. 2023, eq. 1; diagnostics.RANKME_EPS), added to each q_k inside
-# and outside the log.
-LIDAR_EPS = 1e-7
+# RankMe's epsilon (Garrido et al. 2023, eq. 1), added to each q_k inside and outside the log.
+LIDAR_EPS = RANKME_EPS
 
 NO_LABELS = "LiDAR not reported: it needs object ids as labels (update(..., labels=ids), one id per input " \
             "shared by its augmentations)"
@@ -77,9 +77,8 @@ def lidar_with_reason(st: dict, delta: float = LIDAR_DELTA, eps: float = LIDAR_E
     delta = check_delta(delta)
     if int(st["k"]) < 0:
         return None, NO_LABELS
-    counts = f64(st["class_counts"])
-    present = counts > 0
-    N = int(present.sum())
+    d, _, c = class_means(st)  # the objects present: their means less the sample mean, their counts
+    N = int(d.shape[0])
     n, p = int(st["n"]), int(st["p"])
     if N < 2:
         return None, (f"LiDAR undefined: {N} object(s) with samples (the between-object covariance needs two or "
@@ -91,9 +90,6 @@ def lidar_with_reason(st: dict, delta: float = LIDAR_DELTA, eps: float = LIDAR_E
         return None, (f"LiDAR not reported: {st['precision']} products cannot resolve the within-object spread; "
                       "precision='fp32' or 'fp64' measures it")
     xp = ns(st["M"])
-    c = counts[present]
-    means = st["class_sums"][present] / c[:, None]
-    d = means - st["mean"][None, :]
     W = st["M"] - (d.T * c[None, :]) @ d
     Sw = (W + W.T) / (2.0 * (n - N))
     w, U = xp.linalg.eigh(Sw)
@@ -101,19 +97,16 @@ def lidar_with_reason(st: dict, delta: float = LIDAR_DELTA, eps: float = LIDAR_E
     if not bool((w > 0.0).all()):
         return None, ("LiDAR undefined: the within-object covariance is singular and lidar_delta is 0 "
                       "(measure_options={'lidar_delta': ...} > 0 regularises it)")
-    D = means - means.mean(axis=0)[None, :]
+    D = d - d.mean(axis=0)[None, :]  # the object means less their mean
     Y = (D @ U) / xp.sqrt(w)[None, :]
     G = Y @ Y.T if N <= p else Y.T @ Y
     lam = xp.clip(f64(xp.linalg.eigvalsh((G + G.T) / 2.0)), 0.0, None) / (N - 1)
-    total = float(lam.sum())
-    if not total > 0.0:
+    if not float(lam.sum()) > 0.0:
         return None, "LiDAR undefined: the object means coincide (no between-object spread)"
-    q = lam / total + eps
-    entropy = -float((q * xp.log(xp.where(q > 0.0, q, 1.0))).sum())
-    zeros = p - int(lam.shape[0])  # the eigenvalues the Gram does not carry: exact zeros, q = eps
-    if zeros > 0 and eps > 0.0:
-        entropy -= zeros * eps * math.log(eps)
-    return math.exp(entropy), None
+    # the p - min(N, p) eigenvalues the Gram does not carry are exact zeros: each q_k = eps, a factor
+    # exp(-eps log eps) of the effective rank
+    zeros = p - int(lam.shape[0])
+    return float(entropy_rank(lam, eps)) * eps ** (-zeros * eps), None
 
 
 def lidar(st: dict, delta: float = LIDAR_DELTA, eps: float = LIDAR_EPS) -> Optional[float]:

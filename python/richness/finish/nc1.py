@@ -53,6 +53,15 @@ def nc1_from_grams(DDt, DMD, counts, n, rtol: float) -> tuple:
     return _nc1_of_grams(DDt, DMD, counts, n, rtol)[:2]
 
 
+def class_means(st: dict) -> tuple:
+    """(D, index of the classes present, counts): the globally centered class
+    means of the classes with samples (C x p), as NC1 takes them."""
+    counts = f64(st["class_counts"])
+    present = counts > 0
+    D = st["class_sums"][present] / counts[present, None] - st["mean"][None, :]
+    return D, present, counts[present]
+
+
 def nc1_from_class_means(D, counts, n: float, M, rtol: float) -> tuple:
     """(NC1 or None, its rounding scale, see ``nc1_with_scale``) of one state
     from the centered class means D (K x p, classes present), their counts, n
@@ -119,12 +128,10 @@ def nc1_with_scale(st: dict, rtol: float) -> tuple:
     (``NC1_ROUNDING``)."""
     if st["k"] <= 0:
         return None, 0.0
-    counts = f64(st["class_counts"])
-    present = counts > 0
-    if int(present.sum()) < 2:
+    D, _, counts = class_means(st)
+    if D.shape[0] < 2:
         return None, 0.0
-    D = st["class_sums"][present] / counts[present, None] - st["mean"][None, :]
-    return nc1_from_class_means(D, counts[present], float(st["n"]), st["M"], rtol)
+    return nc1_from_class_means(D, counts, float(st["n"]), st["M"], rtol)
 
 
 def nc1(st: dict, rtol: float) -> Optional[float]:

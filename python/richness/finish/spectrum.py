@@ -10,6 +10,21 @@ from .dlr import Functions, function_moments
 
 __all__ = ["LabelFunctions", "Spectrum", "curve", "spectrum"]
 
+# RankMe's epsilon, added to each p_k inside and outside the log (Garrido et al. 2023, eq. 1); LiDAR
+# takes RankMe's formula with it.
+RANKME_EPS = 1e-7
+
+
+def entropy_rank(w, eps: float = 0.0):
+    """exp(-sum_k q_k log q_k), q_k = w_k / sum w + ``eps`` over the last axis
+    (w >= 0; terms with q_k = 0 contribute 0): the effective rank, and with
+    ``eps = RANKME_EPS`` RankMe's formula. NaN where sum w = 0."""
+    xp = ns(w)
+    total = w.sum(axis=-1)
+    q = w / xp.where(total > 0.0, total, 1.0)[..., None] + eps
+    value = xp.exp(-(q * xp.log(xp.where(q > 0.0, q, 1.0))).sum(axis=-1))
+    return xp.where(total > 0.0, value, math.nan)
+
 
 class Spectrum(NamedTuple):
     """Eigenpairs of the feature operator (docs/MATH.md, spectrum and eigenfunctions)."""
