@@ -535,16 +535,16 @@ class _WindowRun:
         try:
             head = target.head if target.uses_weights() else None
             linear = target.head if isinstance(target.head, torch.nn.Linear) else None
+            # a layer's labels are LiDAR's object ids, not classes: no NC1 over them
             values = self.moments.finish(mon._threads, bool(self.route.distributed), mon.rtol, head,
-                                         target.measures, linear)
+                                         target.measures, linear, with_nc1=not target.features_only)
         finally:
             self.labels = None
             self.objects = 0
         if values is None:
             return None
         q = values.dlr
-        nc1 = None if target.features_only else q.nc1  # a layer's labels are LiDAR's object ids, not classes
-        rec = record(mon._step_label(), mon._elapsed(), q.n, q.dlr, q.rank, nc1, values.extra, None, "window",
+        rec = record(mon._step_label(), mon._elapsed(), q.n, q.dlr, q.rank, q.nc1, values.extra, None, "window",
                      q.dlr_range, head is not None, values.isotropic, values.normalized)
         if head is not None and q.dlr is None and not bool(torch.isfinite(head.weight).all()):
             warnings.warn(f"richness.Monitor: step {mon._step_label()}: the head's weights have NaN or Inf values "

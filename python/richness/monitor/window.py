@@ -130,7 +130,8 @@ class WindowRoute:
         return out
 
     def finish(self, threads: BlasThreads, distributed: bool, rtol: Optional[float],
-               head: Any = None, measures: tuple = (), nc3_head: Any = None) -> Optional[WindowValues]:
+               head: Any = None, measures: tuple = (), nc3_head: Any = None,
+               with_nc1: bool = True) -> Optional[WindowValues]:
         """The window's values (``WindowValues``), None below 2 samples
         (values all None there when steps of the window were refused); the
         Moments are empty after.
@@ -138,7 +139,8 @@ class WindowRoute:
         outputs (C > p; docs/MATH.md, many outputs). ``measures``: the
         representation diagnostics to add (a dict by name, with the effective
         dimension when a spectral one is asked; NC3 from ``nc3_head``'s
-        weights, a linear head)."""
+        weights, a linear head). ``with_nc1``: False for labels that are not
+        classes (a layer's object ids): NC1 is then not computed."""
         import torch
 
         m = self.moments
@@ -159,7 +161,7 @@ class WindowRoute:
             # uses, instead of waking numpy's BLAS threads every emission.
             st = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in st.items()}
             W = None if head is None else head.weight.detach().to("cpu", torch.float64)
-            q = dlr_only(st, W, rtol)  # None where undefined (constant features or outputs, no outputs)
+            q = dlr_only(st, W, rtol, with_nc1)  # None where undefined (constant features or outputs, no outputs)
             # the finite-sample reference, as the full report gives it (its warning is the Monitor's own)
             iso, norm = (None, None) if q.dlr is None else reference(st, rtol_for(st["precision"], rtol),
                                                                      q.dlr, q.rank)[1:3]
